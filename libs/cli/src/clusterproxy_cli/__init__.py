@@ -1,0 +1,1 @@
+"""The cluster-proxy command-line tool (local mode, health, connect)."""

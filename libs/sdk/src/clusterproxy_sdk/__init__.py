@@ -1,0 +1,1 @@
+"""Python client SDK for cluster-proxy: open TCP streams into managed clusters through the hub."""

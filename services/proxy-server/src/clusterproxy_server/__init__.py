@@ -1,0 +1,1 @@
+"""cluster-proxy proxy-server: the hub end of the reverse tunnels."""
