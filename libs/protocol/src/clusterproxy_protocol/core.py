@@ -1,0 +1,390 @@
+"""Sans-IO core of the reverse HTTP/2 tunnel.
+
+:class:`TunnelCore` wraps an ``h2`` connection and adds what the tunnel needs on top of it:
+per-stream receive buffers bounded by the stream window, CONNECT helpers, error replies, and
+socket-like close semantics. It never touches a socket: feed it bytes with :meth:`receive_bytes`,
+send what :meth:`data_to_send` returns, and react to the events.
+
+Flow control, the reason for most of this module:
+
+* The *stream* window is only reopened when the application reads from the stream's buffer, so a
+  stream whose reader stops holds at most one stream window of memory and stops only itself.
+* The *connection* window is reopened as soon as bytes land in a stream buffer. The stream windows
+  already bound the memory, and releasing the connection window at once means a stalled stream can
+  never starve the others (the upstream head-of-line problem).
+
+Draining: ``h2`` treats a received GOAWAY as the end of the connection, so a graceful drain is
+announced with ``SETTINGS_MAX_CONCURRENT_STREAMS = 0`` (no new streams, existing ones go on) and the
+GOAWAY is sent only when the tunnel is done.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+
+from clusterproxy_protocol import events as ev
+from clusterproxy_protocol.errors import REASON_HEADER, clean_reason
+
+CANCEL = h2.errors.ErrorCodes.CANCEL
+NO_ERROR = h2.errors.ErrorCodes.NO_ERROR
+H2_DEFAULT_WINDOW = 65535
+
+
+class Role(enum.Enum):
+    OPENER = "opener"  # HTTP/2 client: opens CONNECT streams (proxy-server toward agents, SDK toward server)
+    ACCEPTOR = "acceptor"  # HTTP/2 server: answers them (agent, proxy-server's client frontend)
+
+
+@dataclass(frozen=True, slots=True)
+class TunnelSettings:
+    stream_window: int = 1 << 20
+    connection_window: int = 32 << 20
+    max_frame_size: int = 64 << 10
+    max_concurrent_streams: int = 20_000
+    max_header_list_size: int = 16 << 10
+    outbound_high_water: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not H2_DEFAULT_WINDOW <= self.stream_window <= 2**31 - 1:
+            raise ValueError(f"stream window {self.stream_window} outside 65535..2^31-1")
+        if not H2_DEFAULT_WINDOW <= self.connection_window <= 2**31 - 1:
+            raise ValueError(f"connection window {self.connection_window} outside 65535..2^31-1")
+        if not 16384 <= self.max_frame_size <= 16777215:
+            raise ValueError(f"max frame size {self.max_frame_size} outside 16384..16777215")
+
+
+@dataclass(slots=True)
+class StreamState:
+    stream_id: int
+    chunks: deque[bytes] = field(default_factory=deque)
+    buffered: int = 0
+    remote_ended: bool = False
+    local_ended: bool = False
+    reset_code: int | None = None
+    app_closed: bool = False
+    unacked: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    @property
+    def finished(self) -> bool:
+        both_ended = self.remote_ended and self.local_ended
+        return self.app_closed and (self.reset_code is not None or both_ended)
+
+
+class TunnelCore:
+    def __init__(self, role: Role, settings: TunnelSettings | None = None) -> None:
+        self.role = role
+        self.settings = settings or TunnelSettings()
+        config = h2.config.H2Configuration(client_side=role is Role.OPENER, header_encoding="utf-8")
+        self._conn = h2.connection.H2Connection(config=config)
+        self._streams: dict[int, StreamState] = {}
+        self._conn_unacked = 0
+        self._pending_out = 0
+        self.closed = False
+        self.draining = False
+        self.peer_max_streams = 100  # RFC default until the peer's SETTINGS arrive
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    # -- connection -------------------------------------------------------------------------------
+
+    def initiate(self) -> None:
+        s = self.settings
+        self._conn.local_settings = h2.settings.Settings(
+            client=self.role is Role.OPENER,
+            initial_values={
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: s.stream_window,
+                h2.settings.SettingCodes.MAX_FRAME_SIZE: s.max_frame_size,
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: s.max_concurrent_streams,
+                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: s.max_header_list_size,
+            },
+        )
+        # h2 reads these two from the settings only when a change is acknowledged, and values given
+        # up front are never "changed", so apply them by hand.
+        self._conn.max_inbound_frame_size = s.max_frame_size
+        self._conn.decoder.max_header_list_size = s.max_header_list_size
+        self._conn.initiate_connection()
+        self._conn.increment_flow_control_window(s.connection_window - H2_DEFAULT_WINDOW)
+
+    def data_to_send(self) -> bytes:
+        self._pending_out = 0
+        return self._conn.data_to_send()
+
+    @property
+    def outbound_pending(self) -> int:
+        """Payload bytes queued since the last :meth:`data_to_send` (frame headers not counted)."""
+        return self._pending_out
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    def ping(self, payload: bytes) -> None:
+        self._conn.ping(payload)
+
+    def drain(self) -> None:
+        """Ask the peer to open no new streams; existing streams go on."""
+        if self.draining or self.closed:
+            return
+        self.draining = True
+        self._conn.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 0})
+
+    def close(self, error_code: int = NO_ERROR) -> None:
+        if not self.closed:
+            self.closed = True
+            self._conn.close_connection(error_code=error_code)
+
+    # -- opener -----------------------------------------------------------------------------------
+
+    def can_open_stream(self) -> bool:
+        if self.closed or self.peer_max_streams == 0:
+            return False
+        return self._conn.open_outbound_streams < self._conn.remote_settings.max_concurrent_streams
+
+    def open_connect(self, authority: str, headers: list[tuple[str, str]] = ()) -> int:  # type: ignore[assignment]
+        request = [(":method", "CONNECT"), (":authority", authority), *headers]
+        return self._open(request, end_stream=False)
+
+    def open_request(self, method: str, path: str, authority: str, headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
+                     body: bytes = b"") -> int:
+        request = [(":method", method), (":scheme", "https"), (":authority", authority), (":path", path),
+                   *headers]
+        stream_id = self._open(request, end_stream=not body)
+        if body:
+            self.send_data(stream_id, body)
+            self.end_stream(stream_id)
+        return stream_id
+
+    def _open(self, request: list[tuple[str, str]], *, end_stream: bool) -> int:
+        stream_id = self._conn.get_next_available_stream_id()
+        self._conn.send_headers(stream_id, request, end_stream=end_stream)
+        state = StreamState(stream_id, local_ended=end_stream)
+        self._streams[stream_id] = state
+        return stream_id
+
+    # -- acceptor ---------------------------------------------------------------------------------
+
+    def respond(self, stream_id: int, status: int, headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
+                *, end_stream: bool = False) -> None:
+        state = self._streams[stream_id]
+        self._conn.send_headers(stream_id, [(":status", str(status)), *headers], end_stream=end_stream)
+        if end_stream:
+            state.local_ended = True
+
+    def refuse(self, stream_id: int, status: int, reason: str) -> None:
+        """Answer with an error status; the reason goes in a header and, for humans, in the body."""
+        reason = clean_reason(reason)
+        body = (reason + "\n").encode()
+        self.respond(stream_id, status, [(REASON_HEADER, reason), ("content-type", "text/plain"),
+                                         ("content-length", str(len(body)))])
+        self.send_data(stream_id, body)
+        self.end_stream(stream_id)
+
+    # -- both -------------------------------------------------------------------------------------
+
+    def stream(self, stream_id: int) -> StreamState | None:
+        return self._streams.get(stream_id)
+
+    def send_window(self, stream_id: int) -> int:
+        if self.closed:
+            return 0
+        try:
+            return self._conn.local_flow_control_window(stream_id)
+        except h2.exceptions.StreamClosedError:
+            return 0
+
+    def send_data(self, stream_id: int, data: bytes | memoryview) -> int:
+        """Queue as much of ``data`` as the windows allow; returns how many bytes were taken."""
+        state = self._streams[stream_id]
+        count = min(len(data), self.send_window(stream_id))
+        frame = self._conn.max_outbound_frame_size
+        view = memoryview(data)[:count]
+        for offset in range(0, count, frame):
+            self._conn.send_data(stream_id, view[offset:offset + frame])
+        state.bytes_out += count
+        self.bytes_out += count
+        self._pending_out += count
+        return count
+
+    def end_stream(self, stream_id: int) -> None:
+        state = self._streams[stream_id]
+        if state.local_ended or state.reset_code is not None:
+            return
+        state.local_ended = True
+        self._conn.end_stream(stream_id)
+        self._forget_if_finished(state)
+
+    def reset(self, stream_id: int, error_code: int = CANCEL) -> None:
+        state = self._streams.get(stream_id)
+        if state is None or state.reset_code is not None:
+            return
+        self._reset(state, error_code)
+        self._forget_if_finished(state)
+
+    def _reset(self, state: StreamState, error_code: int) -> None:
+        state.reset_code = error_code
+        self._drop_buffer(state)
+        if not self.closed:
+            try:
+                self._conn.reset_stream(state.stream_id, error_code)
+            except h2.exceptions.StreamClosedError:
+                pass  # already closed on the wire (both sides ended); nothing to abort
+
+    def read(self, stream_id: int, max_bytes: int) -> bytes:
+        """Take up to ``max_bytes`` from the stream's buffer and reopen its window by that much."""
+        state = self._streams[stream_id]
+        if not state.chunks:
+            return b""
+        chunk = state.chunks.popleft()
+        if len(chunk) > max_bytes:
+            state.chunks.appendleft(chunk[max_bytes:])
+            chunk = chunk[:max_bytes]
+        state.buffered -= len(chunk)
+        self._ack_stream(state, len(chunk))
+        return chunk
+
+    def close_stream(self, stream_id: int) -> None:
+        """The application is done with the stream, like ``close()`` on a socket.
+
+        Unread data, or data still coming, aborts the stream (RST_STREAM, as TCP sends RST);
+        otherwise our direction is ended gracefully and later data from the peer resets it.
+        """
+        state = self._streams.get(stream_id)
+        if state is None or state.app_closed:
+            return
+        state.app_closed = True
+        if state.reset_code is None:
+            if state.buffered:
+                self._reset(state, CANCEL)
+            elif not state.local_ended:
+                state.local_ended = True
+                if not self.closed:
+                    self._conn.end_stream(stream_id)
+        self._forget_if_finished(state)
+
+    def _forget_if_finished(self, state: StreamState) -> None:
+        if state.finished or self.closed:
+            self._streams.pop(state.stream_id, None)
+
+    def _drop_buffer(self, state: StreamState) -> None:
+        if state.buffered:
+            state.chunks.clear()
+            state.buffered = 0
+
+    def _ack_stream(self, state: StreamState, count: int) -> None:
+        state.unacked += count
+        if state.unacked >= self.settings.stream_window // 4 and not state.remote_ended and not self.closed:
+            try:
+                self._conn.increment_flow_control_window(state.unacked, stream_id=state.stream_id)
+            except h2.exceptions.StreamClosedError:
+                pass
+            state.unacked = 0
+
+    def _ack_connection(self, count: int) -> None:
+        self._conn_unacked += count
+        if self._conn_unacked >= self.settings.connection_window // 4 and not self.closed:
+            self._conn.increment_flow_control_window(self._conn_unacked)
+            self._conn_unacked = 0
+
+    # -- input ------------------------------------------------------------------------------------
+
+    def receive_bytes(self, data: bytes) -> list[ev.Event]:
+        """Feed bytes from the peer; returns what happened. b"" means the transport hit EOF."""
+        if self.closed:
+            return []
+        if not data:
+            self.closed = True
+            self._close_all_streams()
+            return [ev.ConnectionEnded(NO_ERROR, "peer closed the connection")]
+        try:
+            h2_events = self._conn.receive_data(data)
+        except h2.exceptions.ProtocolError as exc:
+            # h2 has already queued a GOAWAY naming the violation.
+            self.closed = True
+            self._close_all_streams()
+            return [ev.ConnectionEnded(h2.errors.ErrorCodes.PROTOCOL_ERROR, f"protocol error: {exc}")]
+        out: list[ev.Event] = []
+        for event in h2_events:
+            self._translate(event, out)
+        return out
+
+    def _translate(self, event: h2.events.Event, out: list[ev.Event]) -> None:
+        match event:
+            case h2.events.DataReceived(stream_id=sid, data=data, flow_controlled_length=length):
+                self._on_data(sid, data, length or 0, out)
+            case h2.events.RequestReceived(stream_id=sid, headers=headers, stream_ended=ended):
+                fields = dict(headers or [])
+                self._streams[sid] = StreamState(sid, remote_ended=ended is not None)
+                out.append(ev.RequestReceived(
+                    sid, fields.pop(":method", ""), fields.pop(":authority", ""), fields.pop(":path", ""),
+                    {k: v for k, v in fields.items() if not k.startswith(":")}, ended is not None))
+            case h2.events.ResponseReceived(stream_id=sid, headers=headers):
+                fields = dict(headers or [])
+                status = int(fields.pop(":status", "0"))
+                out.append(ev.ResponseReceived(sid, status, fields))
+            case h2.events.StreamEnded(stream_id=sid):
+                state = self._streams.get(sid)
+                if state is not None:
+                    state.remote_ended = True
+                    self._forget_if_finished(state)
+                    out.append(ev.RemoteEnded(sid))
+            case h2.events.StreamReset(stream_id=sid, error_code=code):
+                state = self._streams.get(sid)
+                if state is not None and state.reset_code is None:
+                    state.reset_code = int(code or 0)
+                    self._drop_buffer(state)
+                    self._forget_if_finished(state)
+                    out.append(ev.StreamReset(sid, state.reset_code))
+            case h2.events.WindowUpdated(stream_id=sid):
+                out.append(ev.WindowOpened(sid or 0))
+            case h2.events.RemoteSettingsChanged(changed_settings=changed):
+                max_streams = changed.get(h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS)
+                if max_streams is not None:
+                    self.peer_max_streams = max_streams.new_value
+                    out.append(ev.PeerSettingsChanged(max_streams.new_value))
+                if h2.settings.SettingCodes.INITIAL_WINDOW_SIZE in changed:
+                    out.append(ev.WindowOpened(0))
+            case h2.events.PingAckReceived(ping_data=payload):
+                out.append(ev.PingAcked(payload or b""))
+            case h2.events.ConnectionTerminated(error_code=code, additional_data=extra):
+                self.closed = True
+                self._close_all_streams()
+                text = (extra or b"").decode("utf-8", "replace")
+                out.append(ev.ConnectionEnded(int(code or 0), f"peer sent GOAWAY {code}" + (f": {text}" if text else "")))
+            case h2.events.TrailersReceived(stream_id=sid):
+                pass  # a tunnel stream carries no trailers worth keeping; END_STREAM follows in its own event
+
+    def _on_data(self, sid: int, data: bytes, length: int, out: list[ev.Event]) -> None:
+        self._ack_connection(length)
+        state = self._streams.get(sid)
+        if state is None or state.reset_code is not None:
+            return  # late data for a stream we already forgot or aborted
+        if state.app_closed:
+            self._reset(state, CANCEL)  # nobody will read it: tell the sender, like TCP's RST
+            self._forget_if_finished(state)
+            return
+        if length > len(data):
+            self._ack_stream(state, length - len(data))  # padding is never read by anyone
+        if data:
+            state.chunks.append(data)
+            state.buffered += len(data)
+            state.bytes_in += len(data)
+            self.bytes_in += len(data)
+            out.append(ev.DataArrived(sid))
+
+    def _close_all_streams(self) -> None:
+        for state in self._streams.values():
+            if state.reset_code is None:
+                state.reset_code = CANCEL
+                self._drop_buffer(state)
+        self._streams.clear()

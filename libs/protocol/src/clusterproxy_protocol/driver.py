@@ -1,0 +1,487 @@
+"""Trio driver for :class:`~clusterproxy_protocol.core.TunnelCore`.
+
+One :class:`Mux` per HTTP/2 connection. It owns the transport: one reader task feeds the core, one
+writer task is the only one that ever writes (it sends whatever the core has queued, so many small
+operations coalesce into one ``send_all``). Every proxied connection is a :class:`TunnelStream`, a
+``trio.abc.HalfCloseableStream``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+
+from clusterproxy_protocol import events as ev
+from clusterproxy_protocol.core import CANCEL, NO_ERROR, Role, StreamState, TunnelCore, TunnelSettings
+from clusterproxy_protocol.errors import REASON_HEADER, TunnelClosed, TunnelError, refusal
+
+RECEIVE_SIZE = 256 << 10
+MAX_CONTROL_BODY = 1 << 20
+MAX_REASON_BODY = 4096
+
+RequestHandler = Callable[["IncomingRequest"], Awaitable[None]]
+
+
+class _Busy:
+    """Raises BusyResourceError when two tasks use the same direction of a stream at once."""
+
+    __slots__ = ("_held", "_what")
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._held = False
+
+    def __enter__(self) -> None:
+        if self._held:
+            raise trio.BusyResourceError(f"another task is already {self._what} this stream")
+        self._held = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._held = False
+
+
+class TunnelStream(trio.abc.HalfCloseableStream):
+    """One proxied TCP connection: bytes both ways over one HTTP/2 stream."""
+
+    def __init__(self, mux: Mux, state: StreamState) -> None:
+        self._mux = mux
+        self._state = state
+        self.stream_id = state.stream_id
+        self._closed = False
+        self._send_busy = _Busy("sending on")
+        self._receive_busy = _Busy("receiving from")
+        self._send_lot = trio.lowlevel.ParkingLot()
+        self._receive_lot = trio.lowlevel.ParkingLot()
+        self._response = trio.Event()
+        self.status = 0
+        self.response_headers: dict[str, str] = {}
+
+    @property
+    def bytes_in(self) -> int:
+        return self._state.bytes_in
+
+    @property
+    def bytes_out(self) -> int:
+        return self._state.bytes_out
+
+    def _check_send(self) -> None:
+        if self._closed or self._state.local_ended:
+            raise trio.ClosedResourceError("stream was closed for sending")
+        if self._state.reset_code is not None or self._mux.dead:
+            raise trio.BrokenResourceError(self._broken_reason())
+
+    def _broken_reason(self) -> str:
+        if self._mux.dead:
+            return f"tunnel connection lost: {self._mux.dead_reason}"
+        return f"stream reset by peer (code {self._state.reset_code})"
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        with self._send_busy:
+            await trio.lowlevel.checkpoint()
+            self._check_send()
+            view = memoryview(data).cast("B")
+            mux = self._mux
+            while view:
+                await mux.wait_outbound_room()
+                self._check_send()
+                sent = mux.core.send_data(self.stream_id, view)
+                if sent:
+                    view = view[sent:]
+                    mux.kick()
+                else:
+                    await self._send_lot.park()
+                    self._check_send()
+
+    async def wait_send_all_might_not_block(self) -> None:
+        with self._send_busy:
+            await trio.lowlevel.checkpoint()
+            self._check_send()
+            while self._mux.core.send_window(self.stream_id) <= 0:
+                await self._send_lot.park()
+                self._check_send()
+
+    async def send_eof(self) -> None:
+        with self._send_busy:
+            await trio.lowlevel.checkpoint()
+            if self._closed:
+                raise trio.ClosedResourceError("stream was closed")
+            if self._state.local_ended:
+                return
+            if self._state.reset_code is not None or self._mux.dead:
+                raise trio.BrokenResourceError(self._broken_reason())
+            self._mux.core.end_stream(self.stream_id)
+            self._mux.kick()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if max_bytes is not None:
+            if not isinstance(max_bytes, int):
+                raise TypeError("max_bytes must be an int or None")
+            if max_bytes < 1:
+                raise ValueError("max_bytes must be >= 1")
+        with self._receive_busy:
+            await trio.lowlevel.checkpoint()
+            while True:
+                if self._closed:
+                    raise trio.ClosedResourceError("stream was closed")
+                state = self._state
+                if state.buffered:
+                    data = self._mux.core.read(self.stream_id, max_bytes or RECEIVE_SIZE)
+                    self._mux.kick()
+                    return data
+                if state.reset_code is not None or self._mux.dead:
+                    raise trio.BrokenResourceError(self._broken_reason())
+                if state.remote_ended:
+                    return b""
+                await self._receive_lot.park()
+
+    async def aclose(self) -> None:
+        self._close()
+        await trio.lowlevel.checkpoint()
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._mux.forget(self)
+        self._wake()
+
+    def _wake(self) -> None:
+        self._send_lot.unpark_all()
+        self._receive_lot.unpark_all()
+
+    async def read_body(self, limit: int) -> bytes:
+        """Read until EOF; more than ``limit`` bytes is an error."""
+        body = bytearray()
+        while chunk := await self.receive_some():
+            body += chunk
+            if len(body) > limit:
+                raise TunnelError(f"body larger than {limit} bytes")
+        return bytes(body)
+
+
+@dataclass
+class IncomingRequest:
+    """A stream the peer opened toward us (acceptor role)."""
+
+    method: str
+    authority: str
+    path: str
+    headers: dict[str, str]
+    stream: TunnelStream
+    mux: Mux
+
+    async def accept(self, headers: list[tuple[str, str]] = ()) -> TunnelStream:  # type: ignore[assignment]
+        self.mux.core.respond(self.stream.stream_id, 200, list(headers))
+        self.mux.kick()
+        await trio.lowlevel.checkpoint()
+        return self.stream
+
+    async def refuse(self, status: int, reason: str) -> None:
+        if not self.stream._closed and self.stream._state.reset_code is None and not self.mux.dead:
+            self.mux.core.refuse(self.stream.stream_id, status, reason)
+            self.mux.kick()
+        await self.stream.aclose()
+
+    async def respond(self, status: int, body: bytes, headers: list[tuple[str, str]] = ()) -> None:  # type: ignore[assignment]
+        head = [("content-length", str(len(body))), *headers]
+        self.mux.core.respond(self.stream.stream_id, status, head)
+        await self.stream.send_all(body)
+        await self.stream.send_eof()
+        await self.stream.aclose()
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+class Mux:
+    """An HTTP/2 connection carrying tunnel streams."""
+
+    def __init__(self, transport: trio.abc.Stream, role: Role, settings: TunnelSettings | None,
+                 handler: RequestHandler | None) -> None:
+        self.transport = transport
+        self.core = TunnelCore(role, settings)
+        self._handler = handler
+        self._streams: dict[int, TunnelStream] = {}
+        self._write_wanted = trio.Event()
+        self._drained_lot = trio.lowlevel.ParkingLot()
+        self._idle_lot = trio.lowlevel.ParkingLot()
+        self._pings: dict[bytes, trio.Event] = {}
+        self.closed = trio.Event()
+        self.dead = False
+        self.dead_reason = ""
+        self.last_rtt: float | None = None
+        self.peer_draining = False
+        self._nursery: trio.Nursery | None = None
+
+    # -- public -----------------------------------------------------------------------------------
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    @property
+    def bytes_in(self) -> int:
+        return self.core.bytes_in
+
+    @property
+    def bytes_out(self) -> int:
+        return self.core.bytes_out
+
+    @property
+    def accepts_streams(self) -> bool:
+        return not self.dead and self.core.can_open_stream()
+
+    async def open_connect(self, authority: str, headers: list[tuple[str, str]] = ()) -> TunnelStream:  # type: ignore[assignment]
+        """Open a CONNECT stream; returns it once the peer answered 200, else raises ConnectRefused."""
+        stream = self._open(lambda: self.core.open_connect(authority, list(headers)))
+        try:
+            await self._wait_response(stream)
+            if stream.status == 200:
+                return stream
+            reason = stream.response_headers.get(REASON_HEADER) or (
+                await stream.read_body(MAX_REASON_BODY)).decode("utf-8", "replace").strip()
+        except BaseException:
+            stream._close()
+            raise
+        stream._close()
+        raise refusal(stream.status, reason or f"status {stream.status}")
+
+    async def request(self, method: str, path: str, headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
+                      body: bytes = b"", *, authority: str = "tunnel") -> Response:
+        """A control request on its own stream (for example ``GET /v1/info``)."""
+        stream = self._open(lambda: self.core.open_request(method, path, authority, list(headers), body))
+        try:
+            await self._wait_response(stream)
+            data = await stream.read_body(MAX_CONTROL_BODY)
+            return Response(stream.status, stream.response_headers, data)
+        finally:
+            stream._close()
+
+    async def ping(self) -> float:
+        """Round-trip time of one HTTP/2 PING, in seconds."""
+        self._check_alive()
+        payload = os.urandom(8)
+        acked = self._pings[payload] = trio.Event()
+        start = trio.current_time()
+        self.core.ping(payload)
+        self.kick()
+        try:
+            await acked.wait()
+        finally:
+            self._pings.pop(payload, None)
+        self._check_alive()
+        self.last_rtt = trio.current_time() - start
+        return self.last_rtt
+
+    def drain(self) -> None:
+        """No new streams from the peer; the ones open go on."""
+        if not self.dead:
+            self.core.drain()
+            self.kick()
+
+    async def wait_idle(self) -> None:
+        """Wait until no stream is open (or the connection is gone)."""
+        while self._streams and not self.dead:
+            await self._idle_lot.park()
+
+    def close(self, reason: str, *, error_code: int = NO_ERROR) -> None:
+        """End the connection now (GOAWAY): every stream still open fails at once."""
+        if not self.dead:
+            self.core.close(error_code)
+            self._die(reason)
+
+    # -- internals used by streams ----------------------------------------------------------------
+
+    def kick(self) -> None:
+        self._write_wanted.set()
+
+    async def wait_outbound_room(self) -> None:
+        while self.core.outbound_pending >= self.core.settings.outbound_high_water and not self.dead:
+            await self._drained_lot.park()
+
+    def forget(self, stream: TunnelStream) -> None:
+        if self._streams.get(stream.stream_id) is stream:
+            del self._streams[stream.stream_id]
+            if not self._streams:
+                self._idle_lot.unpark_all()
+            if not self.dead:
+                self.core.close_stream(stream.stream_id)
+                self.kick()
+
+    def _check_alive(self) -> None:
+        if self.dead:
+            raise TunnelClosed(self.dead_reason)
+
+    def _open(self, start: Callable[[], int]) -> TunnelStream:
+        self._check_alive()
+        if not self.core.can_open_stream():
+            raise TunnelClosed("the peer accepts no more streams on this connection (draining or at its limit)")
+        stream_id = start()
+        stream = TunnelStream(self, self.core.stream(stream_id))  # type: ignore[arg-type]
+        self._streams[stream_id] = stream
+        self.kick()
+        return stream
+
+    async def _wait_response(self, stream: TunnelStream) -> None:
+        await stream._response.wait()
+        if stream.status == 0:
+            raise TunnelClosed(stream._broken_reason())
+
+    def _die(self, reason: str) -> None:
+        self.dead = True
+        self.dead_reason = reason
+        for stream in list(self._streams.values()):
+            stream._response.set()
+            stream._wake()
+        for event in self._pings.values():
+            event.set()
+        self._drained_lot.unpark_all()
+        self._idle_lot.unpark_all()
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    # -- tasks ------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self.core.initiate()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._writer)
+                task_status.started()
+                await self._reader()
+        finally:
+            self._die(self.dead_reason or "connection closed")
+            self.closed.set()
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await self._flush()
+                await trio.aclose_forcefully(self.transport)
+
+    async def _flush(self) -> None:
+        data = self.core.data_to_send()
+        if data:
+            try:
+                await self.transport.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+
+    async def _writer(self) -> None:
+        while True:
+            await self._write_wanted.wait()
+            self._write_wanted = trio.Event()
+            data = self.core.data_to_send()
+            self._drained_lot.unpark_all()
+            if data:
+                try:
+                    await self.transport.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    self._die(f"write failed: {exc or type(exc).__name__}")
+                    return
+
+    async def _reader(self) -> None:
+        while not self.dead:
+            try:
+                data = await self.transport.receive_some(RECEIVE_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                self._die(f"read failed: {exc or type(exc).__name__}")
+                return
+            self._dispatch(self.core.receive_bytes(data))
+            self.kick()
+
+    def _dispatch(self, events: list[ev.Event]) -> None:
+        for event in events:
+            match event:
+                case ev.DataArrived(stream_id=sid) | ev.RemoteEnded(stream_id=sid):
+                    stream = self._streams.get(sid)
+                    if stream is not None:
+                        stream._receive_lot.unpark_all()
+                case ev.WindowOpened(stream_id=0) | ev.PeerSettingsChanged():
+                    if isinstance(event, ev.PeerSettingsChanged):
+                        self.peer_draining = event.max_concurrent_streams == 0
+                    for stream in self._streams.values():
+                        stream._send_lot.unpark_all()
+                case ev.WindowOpened(stream_id=sid):
+                    stream = self._streams.get(sid)
+                    if stream is not None:
+                        stream._send_lot.unpark_all()
+                case ev.ResponseReceived(stream_id=sid, status=status, headers=headers):
+                    stream = self._streams.get(sid)
+                    if stream is not None:
+                        stream.status = status
+                        stream.response_headers = headers
+                        stream._response.set()
+                case ev.StreamReset(stream_id=sid):
+                    stream = self._streams.get(sid)
+                    if stream is not None:
+                        stream._response.set()
+                        stream._wake()
+                case ev.RequestReceived():
+                    self._start_handler(event)
+                case ev.PingAcked(payload=payload):
+                    waiter = self._pings.get(payload)
+                    if waiter is not None:
+                        waiter.set()
+                case ev.ConnectionEnded(reason=reason):
+                    self._die(reason)
+
+    def _start_handler(self, event: ev.RequestReceived) -> None:
+        state = self.core.stream(event.stream_id)
+        assert state is not None
+        stream = TunnelStream(self, state)
+        self._streams[event.stream_id] = stream
+        if self._handler is None or self._nursery is None:
+            self.core.refuse(event.stream_id, 405, "this side of the tunnel accepts no streams")
+            stream._close()
+            return
+        request = IncomingRequest(event.method, event.authority, event.path, event.headers, stream, self)
+        self._nursery.start_soon(self._run_handler, request)
+
+    async def _run_handler(self, request: IncomingRequest) -> None:
+        try:
+            await self._handler(request)  # type: ignore[misc]
+        finally:
+            request.stream._close()
+
+
+@asynccontextmanager
+async def open_mux(transport: trio.abc.Stream, role: Role, *, settings: TunnelSettings | None = None,
+                   handler: RequestHandler | None = None,
+                   keepalive: tuple[float, float] | None = None) -> AsyncIterator[Mux]:
+    """Run an HTTP/2 tunnel connection over ``transport`` for the duration of the block.
+
+    ``keepalive`` is ``(interval, timeout)``: a PING every interval; a PING not answered within the
+    timeout declares the connection dead, which fails all its streams at once.
+    """
+    mux = Mux(transport, role, settings, handler)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(mux.run)
+        if keepalive is not None:
+            nursery.start_soon(_keepalive, mux, *keepalive)
+        try:
+            yield mux
+        finally:
+            mux.close("closed locally")
+            nursery.cancel_scope.cancel()
+
+
+async def _keepalive(mux: Mux, interval: float, timeout: float) -> None:
+    while not mux.dead:
+        rtt = math.inf
+        with trio.move_on_after(timeout):
+            try:
+                rtt = await mux.ping()
+            except TunnelClosed:
+                return
+        if math.isinf(rtt):
+            mux.close(f"no PING answer within {timeout:g}s", error_code=CANCEL)
+            return
+        await trio.sleep(interval)

@@ -1,0 +1,91 @@
+"""The CONNECT error statuses of the wire protocol and the exceptions that carry them.
+
+Every refusal travels as an HTTP status plus a one-line reason (header ``cluster-proxy-reason`` on
+HTTP/2, the body on HTTP/1.1), and the client side turns it back into one of these typed exceptions.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+REASON_HEADER = "cluster-proxy-reason"
+CLUSTER_HEADER = "cluster-proxy-cluster"
+
+
+class TunnelError(Exception):
+    """Base class of every error the tunnel raises to its users."""
+
+
+class TunnelClosed(TunnelError):
+    """The HTTP/2 connection carrying the tunnel is gone."""
+
+
+class ConnectRefused(TunnelError):
+    """A CONNECT was answered with an error status."""
+
+    status: ClassVar[int] = 0
+
+    def __init__(self, reason: str, *, status: int | None = None) -> None:
+        if status is not None:
+            self.status = status  # type: ignore[misc]
+        self.reason = reason
+        super().__init__(f"{self.status} {reason}")
+
+
+class MalformedTarget(ConnectRefused):
+    status = 400
+
+
+class Forbidden(ConnectRefused):
+    status = 403
+
+
+class UnknownCluster(ConnectRefused):
+    status = 404
+
+
+class TargetUnreachable(ConnectRefused):
+    status = 502
+
+
+class NoAgentConnected(ConnectRefused):
+    status = 503
+
+
+class DialTimeout(ConnectRefused):
+    status = 504
+
+
+_BY_STATUS: dict[int, type[ConnectRefused]] = {
+    cls.status: cls
+    for cls in (MalformedTarget, Forbidden, UnknownCluster, TargetUnreachable, NoAgentConnected, DialTimeout)
+}
+
+STATUS_PHRASES = {
+    200: "Connection Established",
+    400: "Bad Request",
+    403: "Forbidden",
+    404: "Not Found",
+    407: "Proxy Authentication Required",
+    408: "Request Timeout",
+    413: "Content Too Large",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
+
+
+def refusal(status: int, reason: str) -> ConnectRefused:
+    """The typed exception for an error status (a plain :class:`ConnectRefused` for unlisted ones)."""
+    cls = _BY_STATUS.get(status)
+    if cls is None:
+        return ConnectRefused(reason, status=status)
+    return cls(reason)
+
+
+def clean_reason(reason: str) -> str:
+    """A reason safe to put in a header: one line, printable ASCII, bounded."""
+    text = " ".join(reason.split())
+    return text.encode("ascii", "replace").decode("ascii")[:300]
