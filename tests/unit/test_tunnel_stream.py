@@ -13,8 +13,13 @@ from clusterproxy_protocol.driver import IncomingRequest, Mux, TunnelStream, ope
 SMALL = TunnelSettings(stream_window=65535, connection_window=1 << 20, max_frame_size=16384)
 
 
-async def _serve(transport: trio.abc.Stream, role: Role, settings: TunnelSettings, handler,
-                 task_status: trio.TaskStatus[Mux] = trio.TASK_STATUS_IGNORED) -> None:
+async def _serve(
+    transport: trio.abc.Stream,
+    role: Role,
+    settings: TunnelSettings,
+    handler,
+    task_status: trio.TaskStatus[Mux] = trio.TASK_STATUS_IGNORED,
+) -> None:
     async with open_mux(transport, role, settings=settings, handler=handler) as mux:
         task_status.started(mux)
         await trio.sleep_forever()

@@ -155,10 +155,21 @@ class TunnelCore:
         request = [(":method", "CONNECT"), (":authority", authority), *headers]
         return self._open(request, end_stream=False)
 
-    def open_request(self, method: str, path: str, authority: str, headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
-                     body: bytes = b"") -> int:
-        request = [(":method", method), (":scheme", "https"), (":authority", authority), (":path", path),
-                   *headers]
+    def open_request(
+        self,
+        method: str,
+        path: str,
+        authority: str,
+        headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        body: bytes = b"",
+    ) -> int:
+        request = [
+            (":method", method),
+            (":scheme", "https"),
+            (":authority", authority),
+            (":path", path),
+            *headers,
+        ]
         stream_id = self._open(request, end_stream=not body)
         if body:
             self.send_data(stream_id, body)
@@ -174,8 +185,14 @@ class TunnelCore:
 
     # -- acceptor ---------------------------------------------------------------------------------
 
-    def respond(self, stream_id: int, status: int, headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
-                *, end_stream: bool = False) -> None:
+    def respond(
+        self,
+        stream_id: int,
+        status: int,
+        headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        *,
+        end_stream: bool = False,
+    ) -> None:
         state = self._streams[stream_id]
         self._conn.send_headers(stream_id, [(":status", str(status)), *headers], end_stream=end_stream)
         if end_stream:
@@ -185,8 +202,11 @@ class TunnelCore:
         """Answer with an error status; the reason goes in a header and, for humans, in the body."""
         reason = clean_reason(reason)
         body = (reason + "\n").encode()
-        self.respond(stream_id, status, [(REASON_HEADER, reason), ("content-type", "text/plain"),
-                                         ("content-length", str(len(body)))])
+        self.respond(
+            stream_id,
+            status,
+            [(REASON_HEADER, reason), ("content-type", "text/plain"), ("content-length", str(len(body)))],
+        )
         self.send_data(stream_id, body)
         self.end_stream(stream_id)
 
@@ -210,7 +230,7 @@ class TunnelCore:
         frame = self._conn.max_outbound_frame_size
         view = memoryview(data)[:count]
         for offset in range(0, count, frame):
-            self._conn.send_data(stream_id, view[offset:offset + frame])
+            self._conn.send_data(stream_id, view[offset : offset + frame])
         state.bytes_out += count
         self.bytes_out += count
         self._pending_out += count
@@ -325,9 +345,16 @@ class TunnelCore:
             case h2.events.RequestReceived(stream_id=sid, headers=headers, stream_ended=ended):
                 fields = dict(headers or [])
                 self._streams[sid] = StreamState(sid, remote_ended=ended is not None)
-                out.append(ev.RequestReceived(
-                    sid, fields.pop(":method", ""), fields.pop(":authority", ""), fields.pop(":path", ""),
-                    {k: v for k, v in fields.items() if not k.startswith(":")}, ended is not None))
+                out.append(
+                    ev.RequestReceived(
+                        sid,
+                        fields.pop(":method", ""),
+                        fields.pop(":authority", ""),
+                        fields.pop(":path", ""),
+                        {k: v for k, v in fields.items() if not k.startswith(":")},
+                        ended is not None,
+                    )
+                )
             case h2.events.ResponseReceived(stream_id=sid, headers=headers):
                 fields = dict(headers or [])
                 status = int(fields.pop(":status", "0"))
@@ -360,7 +387,11 @@ class TunnelCore:
                 self.closed = True
                 self._close_all_streams()
                 text = (extra or b"").decode("utf-8", "replace")
-                out.append(ev.ConnectionEnded(int(code or 0), f"peer sent GOAWAY {code}" + (f": {text}" if text else "")))
+                out.append(
+                    ev.ConnectionEnded(
+                        int(code or 0), f"peer sent GOAWAY {code}" + (f": {text}" if text else "")
+                    )
+                )
             case h2.events.TrailersReceived(stream_id=sid):
                 pass  # a tunnel stream carries no trailers worth keeping; END_STREAM follows in its own event
 

@@ -205,8 +205,13 @@ class Response:
 class Mux:
     """An HTTP/2 connection carrying tunnel streams."""
 
-    def __init__(self, transport: trio.abc.Stream, role: Role, settings: TunnelSettings | None,
-                 handler: RequestHandler | None) -> None:
+    def __init__(
+        self,
+        transport: trio.abc.Stream,
+        role: Role,
+        settings: TunnelSettings | None,
+        handler: RequestHandler | None,
+    ) -> None:
         self.transport = transport
         self.core = TunnelCore(role, settings)
         self._handler = handler
@@ -247,16 +252,25 @@ class Mux:
             await self._wait_response(stream)
             if stream.status == 200:
                 return stream
-            reason = stream.response_headers.get(REASON_HEADER) or (
-                await stream.read_body(MAX_REASON_BODY)).decode("utf-8", "replace").strip()
+            reason = (
+                stream.response_headers.get(REASON_HEADER)
+                or (await stream.read_body(MAX_REASON_BODY)).decode("utf-8", "replace").strip()
+            )
         except BaseException:
             stream._close()
             raise
         stream._close()
         raise refusal(stream.status, reason or f"status {stream.status}")
 
-    async def request(self, method: str, path: str, headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
-                      body: bytes = b"", *, authority: str = "tunnel") -> Response:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        body: bytes = b"",
+        *,
+        authority: str = "tunnel",
+    ) -> Response:
         """A control request on its own stream (for example ``GET /v1/info``)."""
         stream = self._open(lambda: self.core.open_request(method, path, authority, list(headers), body))
         try:
@@ -324,7 +338,9 @@ class Mux:
     def _open(self, start: Callable[[], int]) -> TunnelStream:
         self._check_alive()
         if not self.core.can_open_stream():
-            raise TunnelClosed("the peer accepts no more streams on this connection (draining or at its limit)")
+            raise TunnelClosed(
+                "the peer accepts no more streams on this connection (draining or at its limit)"
+            )
         stream_id = start()
         stream = TunnelStream(self, self.core.stream(stream_id))  # type: ignore[arg-type]
         self._streams[stream_id] = stream
@@ -453,9 +469,14 @@ class Mux:
 
 
 @asynccontextmanager
-async def open_mux(transport: trio.abc.Stream, role: Role, *, settings: TunnelSettings | None = None,
-                   handler: RequestHandler | None = None,
-                   keepalive: tuple[float, float] | None = None) -> AsyncIterator[Mux]:
+async def open_mux(
+    transport: trio.abc.Stream,
+    role: Role,
+    *,
+    settings: TunnelSettings | None = None,
+    handler: RequestHandler | None = None,
+    keepalive: tuple[float, float] | None = None,
+) -> AsyncIterator[Mux]:
     """Run an HTTP/2 tunnel connection over ``transport`` for the duration of the block.
 
     ``keepalive`` is ``(interval, timeout)``: a PING every interval; a PING not answered within the

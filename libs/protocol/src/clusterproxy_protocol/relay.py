@@ -1,0 +1,60 @@
+"""Copy bytes both ways between two streams, keeping half-close where both ends support it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import trio
+
+CHUNK = 256 << 10
+CLOSE_GRACE = 2.0  # seconds a graceful close (TLS close_notify) may take before we cut
+_TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+@dataclass
+class RelayResult:
+    bytes_a_to_b: int = 0
+    bytes_b_to_a: int = 0
+    error: str | None = None
+
+
+async def relay(a: trio.abc.Stream, b: trio.abc.Stream) -> RelayResult:
+    """Relay until both directions ended, then close both streams.
+
+    EOF in one direction becomes ``send_eof`` on the other stream when it is half-closeable. When
+    it is not (TLS to a hub client), EOF toward it ends the whole relay, as an HTTP/1.1 CONNECT
+    proxy does. A failure in either direction aborts both.
+    """
+    result = RelayResult()
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def pump(src: trio.abc.Stream, dst: trio.abc.Stream, forward: bool) -> None:
+                try:
+                    while data := await src.receive_some(CHUNK):
+                        await dst.send_all(data)
+                        if forward:
+                            result.bytes_a_to_b += len(data)
+                        else:
+                            result.bytes_b_to_a += len(data)
+                    if isinstance(dst, trio.abc.HalfCloseableStream):
+                        await dst.send_eof()
+                    else:
+                        nursery.cancel_scope.cancel()
+                except _TRANSPORT_ERRORS as exc:
+                    result.error = result.error or f"{type(exc).__name__}: {exc}"
+                    nursery.cancel_scope.cancel()
+
+            nursery.start_soon(pump, a, b, True)
+            nursery.start_soon(pump, b, a, False)
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
+            for stream in (a, b):
+                if result.error:
+                    await trio.aclose_forcefully(stream)
+                else:
+                    try:
+                        await stream.aclose()
+                    except _TRANSPORT_ERRORS:
+                        pass
+    return result
