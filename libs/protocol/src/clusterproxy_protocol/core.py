@@ -139,10 +139,11 @@ class TunnelCore:
         self.draining = True
         self._conn.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 0})
 
-    def close(self, error_code: int = NO_ERROR) -> None:
+    def close(self, error_code: int = NO_ERROR, reason: str = "") -> None:
+        """Send GOAWAY; ``reason`` travels as its debug data so the peer can log why."""
         if not self.closed:
             self.closed = True
-            self._conn.close_connection(error_code=error_code)
+            self._conn.close_connection(error_code=error_code, additional_data=reason.encode()[:512] or None)
 
     # -- opener -----------------------------------------------------------------------------------
 

@@ -310,7 +310,7 @@ class Mux:
     def close(self, reason: str, *, error_code: int = NO_ERROR) -> None:
         """End the connection now (GOAWAY): every stream still open fails at once."""
         if not self.dead:
-            self.core.close(error_code)
+            self.core.close(error_code, reason)
             self._die(reason)
 
     # -- internals used by streams ----------------------------------------------------------------

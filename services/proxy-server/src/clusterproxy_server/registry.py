@@ -1,0 +1,70 @@
+"""Live agent tunnels by cluster, and the choice of a tunnel for a new stream."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from clusterproxy_protocol.driver import Mux
+from clusterproxy_protocol.errors import NoAgentConnected, UnknownCluster
+
+
+@dataclass(eq=False)
+class AgentTunnel:
+    cluster: str
+    agent_id: str
+    mux: Mux
+    peer: str
+    connected_since: float = field(default_factory=time.time)
+
+    @property
+    def usable(self) -> bool:
+        return self.mux.accepts_streams and not self.mux.peer_draining
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "cluster": self.cluster,
+            "agent_id": self.agent_id,
+            "peer": self.peer,
+            "connected_since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.connected_since)),
+            "open_streams": self.mux.open_streams,
+            "bytes_in": self.mux.bytes_in,
+            "bytes_out": self.mux.bytes_out,
+            "last_rtt": self.mux.last_rtt,
+            "draining": self.mux.peer_draining,
+        }
+
+
+class Registry:
+    def __init__(self, known_clusters: set[str] | None = None) -> None:
+        self.known_clusters: set[str] = set(known_clusters or ())
+        self._tunnels: dict[str, list[AgentTunnel]] = {}
+
+    def add(self, tunnel: AgentTunnel) -> None:
+        self.known_clusters.add(tunnel.cluster)
+        self._tunnels.setdefault(tunnel.cluster, []).append(tunnel)
+
+    def remove(self, tunnel: AgentTunnel) -> None:
+        tunnels = self._tunnels.get(tunnel.cluster, [])
+        if tunnel in tunnels:
+            tunnels.remove(tunnel)
+        if not tunnels:
+            self._tunnels.pop(tunnel.cluster, None)
+
+    def tunnels(self, cluster: str | None = None) -> list[AgentTunnel]:
+        if cluster is not None:
+            return list(self._tunnels.get(cluster, ()))
+        return [t for group in self._tunnels.values() for t in group]
+
+    def pick(self, cluster: str, exclude: set[AgentTunnel] = frozenset()) -> AgentTunnel:  # type: ignore[assignment]
+        """The usable tunnel of ``cluster`` with the fewest open streams."""
+        if cluster not in self.known_clusters:
+            raise UnknownCluster(f"unknown cluster {cluster!r}")
+        candidates = [t for t in self._tunnels.get(cluster, ()) if t.usable and t not in exclude]
+        if not candidates:
+            if self._tunnels.get(cluster):
+                raise NoAgentConnected(
+                    f"every agent of cluster {cluster!r} is draining or at its stream limit"
+                )
+            raise NoAgentConnected(f"no agent of cluster {cluster!r} is connected to this server")
+        return min(candidates, key=lambda t: t.mux.open_streams)

@@ -1,0 +1,80 @@
+"""Which cluster and which target a hub client asked for (pure functions, no I/O).
+
+A client names the cluster in one of three ways, tried in this order:
+
+1. the header ``cluster-proxy-cluster: NAME`` (HTTP/2 SDK, ``curl --proxy-header``);
+2. the proxy URL's user name, ``https://NAME@hub:8090``, which clients send as
+   ``Proxy-Authorization: Basic base64("NAME:")`` (curl ``-x``, kubectl ``proxy-url``);
+3. the upstream cluster-proxy convention: ``CONNECT NAME:PORT`` where NAME is a known cluster
+   reaches that cluster's kube-apiserver (the agent maps its own cluster name to the apiserver).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+
+from clusterproxy_protocol.errors import CLUSTER_HEADER, MalformedTarget
+
+CLUSTER_NAME = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class Route:
+    cluster: str
+    authority: str  # host:port as the agent should see it
+    named_by: str  # "header", "proxy-user" or "bare-cluster-name"
+
+
+def split_authority(authority: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` -> (host, port); raises MalformedTarget with a reason."""
+    if authority.startswith("["):
+        host, sep, rest = authority[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise MalformedTarget(f"malformed target {authority!r}: expected [IPv6]:PORT")
+        port_text = rest[1:]
+    else:
+        host, sep, port_text = authority.rpartition(":")
+        if not sep or ":" in host:
+            raise MalformedTarget(f"malformed target {authority!r}: expected HOST:PORT")
+    if not host:
+        raise MalformedTarget(f"malformed target {authority!r}: empty host")
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise MalformedTarget(f"malformed target {authority!r}: port must be 1-65535")
+    return host, int(port_text)
+
+
+def cluster_from_proxy_authorization(value: str | None) -> str | None:
+    """The user name of ``Proxy-Authorization: Basic ...`` (the proxy URL's ``NAME@``), if any."""
+    if not value:
+        return None
+    scheme, _, token = value.strip().partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(token.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        raise MalformedTarget("Proxy-Authorization is not valid base64 of 'cluster:'") from None
+    return decoded.partition(":")[0] or None
+
+
+def resolve(authority: str, headers: dict[str, str], known_clusters: set[str]) -> Route:
+    """Decide the route of a CONNECT; raises MalformedTarget (400) when no cluster is named."""
+    host, _ = split_authority(authority)
+    cluster = headers.get(CLUSTER_HEADER, "").strip()
+    named_by = "header"
+    if not cluster:
+        cluster = cluster_from_proxy_authorization(headers.get("proxy-authorization")) or ""
+        named_by = "proxy-user"
+    if not cluster and host.lower() in known_clusters:
+        return Route(host.lower(), authority, "bare-cluster-name")
+    if not cluster:
+        raise MalformedTarget(
+            f"no cluster named for {authority!r}: send header '{CLUSTER_HEADER}: NAME', use the proxy URL "
+            "https://NAME@HUB:PORT, or CONNECT NAME:PORT to reach the cluster's kube-apiserver"
+        )
+    if not CLUSTER_NAME.match(cluster):
+        raise MalformedTarget(f"invalid cluster name {cluster!r}: expected a DNS name")
+    return Route(cluster, authority, named_by)
