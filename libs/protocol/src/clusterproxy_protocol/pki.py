@@ -1,0 +1,385 @@
+"""A small development certificate authority (ECDSA P-256, SHA-256).
+
+Used by local mode and the tests until the cert-signer service owns the CA; everything sits behind
+the few functions below so that swap stays local. Files are PEM, written atomically (temporary file,
+then ``os.replace``), private keys with mode 0600.
+
+Identity conventions (shared with the proxy-server's authorization):
+
+- server certificates: SAN DNS names / IP addresses, EKU serverAuth;
+- client certificates (hub users): subject CN (and optionally O), EKU clientAuth;
+- agent certificates: subject ``CN=<agent_id>, O=cluster-proxy-agents``, EKU clientAuth, and the URI
+  SAN ``cluster-proxy://cluster/<cluster>/agent/<agent_id>``, which binds the agent to its cluster
+  (see :func:`agent_identity_from_cert`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import ipaddress
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from .config import ConfigError
+
+__all__ = [
+    "AGENT_ORGANIZATION",
+    "AGENT_URI_SCHEME",
+    "DevCA",
+    "PemPair",
+    "agent_identity_from_cert",
+    "agent_uri",
+    "peer_identity",
+]
+
+AGENT_ORGANIZATION = "cluster-proxy-agents"
+AGENT_URI_SCHEME = "cluster-proxy"
+_AGENT_URI = re.compile(r"^cluster-proxy://cluster/([^/]+)/agent/([^/]+)$")
+# Cluster names are Kubernetes object names; agent ids are pod names, host names or UUIDs.
+_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
+_CLOCK_SKEW = dt.timedelta(minutes=5)
+
+
+@dataclass(frozen=True)
+class PemPair:
+    """Paths of a PEM certificate and its PEM private key."""
+
+    cert: Path
+    key: Path
+
+
+def agent_uri(cluster: str, agent_id: str) -> str:
+    """The URI SAN that binds an agent certificate to its cluster."""
+    for what, value in (("cluster name", cluster), ("agent id", agent_id)):
+        if not _NAME.match(value):
+            raise ValueError(
+                f"invalid {what} {value!r}: use letters, digits, '.', '_' and '-' "
+                "(starting and ending with a letter or digit, at most 253 characters)"
+            )
+    return f"{AGENT_URI_SCHEME}://cluster/{cluster}/agent/{agent_id}"
+
+
+def agent_identity_from_cert(cert: x509.Certificate) -> tuple[str, str] | None:
+    """``(cluster, agent_id)`` from an agent certificate's URI SAN, or None when it has none.
+
+    A certificate with several agent URIs is ambiguous and yields None too.
+    """
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    found = []
+    for uri in san.get_values_for_type(x509.UniformResourceIdentifier):
+        match = _AGENT_URI.match(uri)
+        if match and _NAME.match(match.group(1)) and _NAME.match(match.group(2)):
+            found.append((match.group(1), match.group(2)))
+    return found[0] if len(found) == 1 else None
+
+
+def _san_strings(cert: x509.Certificate) -> list[str]:
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    out: list[str] = []
+    for name in san:
+        if isinstance(name, x509.DNSName):
+            out.append(f"DNS:{name.value}")
+        elif isinstance(name, x509.IPAddress):
+            out.append(f"IP:{name.value}")
+        elif isinstance(name, x509.UniformResourceIdentifier):
+            out.append(f"URI:{name.value}")
+        elif isinstance(name, x509.RFC822Name):
+            out.append(f"email:{name.value}")
+        else:
+            out.append(f"{type(name).__name__}:{name.value!r}")
+    return out
+
+
+def peer_identity(der_cert: bytes) -> dict[str, object]:
+    """A summary of a peer certificate (e.g. ``SSLObject.getpeercert(binary_form=True)``).
+
+    Keys: ``subject`` (RFC 4514 string), ``common_name`` (str or None), ``organizations`` (list),
+    ``sans`` (``["DNS:host", "IP:1.2.3.4", "URI:..."]``) and ``agent`` (``{"cluster", "agent_id"}`` for an
+    agent certificate, else None).
+    """
+    cert = x509.load_der_x509_certificate(der_cert)
+    cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    orgs = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)
+    agent = agent_identity_from_cert(cert)
+    return {
+        "subject": cert.subject.rfc4514_string(),
+        "common_name": str(cns[0].value) if cns else None,
+        "organizations": [str(o.value) for o in orgs],
+        "sans": _san_strings(cert),
+        "agent": {"cluster": agent[0], "agent_id": agent[1]} if agent else None,
+    }
+
+
+# --- files ---------------------------------------------------------------------------------------------
+
+
+def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _stem(text: str) -> str:
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "cert"
+    return stem[:200]
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """An exclusive lock on ``directory`` so that concurrent processes create one CA, not two."""
+    import fcntl
+
+    with open(directory / ".ca.lock", "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+# --- the CA --------------------------------------------------------------------------------------------
+
+
+class DevCA:
+    """A file-backed development CA: ``ca.crt`` and ``ca.key`` in one directory."""
+
+    def __init__(self, directory: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
+        self.directory = directory
+        self.cert = cert
+        self._key = key
+
+    @classmethod
+    def create_or_load(
+        cls, directory: Path, name: str = "cluster-proxy-dev-ca", *, days: int = 3650
+    ) -> DevCA:
+        """Load the CA in ``directory``, or create it there (``ca.crt``, ``ca.key`` mode 0600)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        with _locked(directory):
+            cert_path, key_path = directory / "ca.crt", directory / "ca.key"
+            if cert_path.exists() or key_path.exists():
+                return cls._load(directory, cert_path, key_path)
+            key = ec.generate_private_key(ec.SECP256R1())
+            subject = x509.Name(
+                [
+                    x509.NameAttribute(NameOID.COMMON_NAME, name[:64]),
+                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "cluster-proxy"),
+                ]
+            )
+            now = _now()
+            cert = (
+                x509.CertificateBuilder()
+                .subject_name(subject)
+                .issuer_name(subject)
+                .public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - _CLOCK_SKEW)
+                .not_valid_after(now + dt.timedelta(days=days))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                .add_extension(
+                    x509.KeyUsage(
+                        digital_signature=True,
+                        content_commitment=False,
+                        key_encipherment=False,
+                        data_encipherment=False,
+                        key_agreement=False,
+                        key_cert_sign=True,
+                        crl_sign=True,
+                        encipher_only=False,
+                        decipher_only=False,
+                    ),
+                    critical=True,
+                )
+                .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+                .sign(key, hashes.SHA256())
+            )
+            # Key first: a present ca.crt always has its key next to it.
+            _write_atomic(key_path, _key_pem(key), 0o600)
+            _write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+            return cls(directory, cert, key)
+
+    @classmethod
+    def _load(cls, directory: Path, cert_path: Path, key_path: Path) -> DevCA:
+        for path in (cert_path, key_path):
+            if not path.exists():
+                raise ConfigError(
+                    f"incomplete CA in {directory}: {path} is missing (remove the directory to start over)"
+                )
+        try:
+            cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot load CA certificate {cert_path}: {exc}") from exc
+        try:
+            key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ConfigError(f"cannot load CA key {key_path}: {exc}") from exc
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise ConfigError(f"CA key {key_path} is not an EC key")
+        if key.public_key() != cert.public_key():
+            raise ConfigError(f"CA key {key_path} does not match CA certificate {cert_path}")
+        return cls(directory, cert, key)
+
+    @property
+    def ca_path(self) -> Path:
+        """The CA certificate (the trust bundle to give servers, agents and clients)."""
+        return self.directory / "ca.crt"
+
+    # -- leaves ------------------------------------------------------------------------------------------
+
+    def _issue(
+        self,
+        subject: x509.Name,
+        sans: list[x509.GeneralName],
+        eku: list[x509.ObjectIdentifier],
+        directory: Path,
+        stem: str,
+        days: int,
+    ) -> PemPair:
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = _now()
+        not_after = min(now + dt.timedelta(days=days), self.cert.not_valid_after_utc)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - _CLOCK_SKEW)
+            .not_valid_after(not_after)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=False,
+                    crl_sign=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(x509.ExtendedKeyUsage(eku), critical=False)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), critical=False
+            )
+        )
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        cert = builder.sign(self._key, hashes.SHA256())
+        directory = Path(directory)
+        pair = PemPair(cert=directory / f"{stem}.crt", key=directory / f"{stem}.key")
+        _write_atomic(pair.key, _key_pem(key), 0o600)
+        _write_atomic(pair.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+        return pair
+
+    def issue_server(
+        self, name: str, hosts: list[str], directory: Path, *, days: int = 365, stem: str | None = None
+    ) -> PemPair:
+        """A server certificate for ``hosts`` (DNS names and IP addresses; ``[::1]`` brackets allowed).
+
+        Written to ``<directory>/<stem>.crt`` / ``.key``; ``stem`` defaults to ``name``.
+        """
+        if not hosts:
+            raise ValueError(f"server certificate {name!r} needs at least one host name or IP address")
+        sans: list[x509.GeneralName] = []
+        for host in hosts:
+            h = host.strip()
+            if h.startswith("[") and h.endswith("]"):
+                h = h[1:-1]
+            try:
+                sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+            except ValueError:
+                if not h or not h.isascii() or any(c.isspace() or c in "/:@[]" for c in h):
+                    raise ValueError(f"invalid host {host!r} for server certificate {name!r}") from None
+                sans.append(x509.DNSName(h.lower()))
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name[:64])])
+        return self._issue(
+            subject, sans, [ExtendedKeyUsageOID.SERVER_AUTH], directory, stem or _stem(name), days
+        )
+
+    def issue_client(
+        self,
+        common_name: str,
+        directory: Path,
+        *,
+        organization: str | None = None,
+        days: int = 365,
+        stem: str | None = None,
+    ) -> PemPair:
+        """A client certificate for a hub user: ``CN=common_name`` (``O=organization``), EKU clientAuth."""
+        if not common_name or len(common_name) > 64:
+            raise ValueError(f"invalid client common name {common_name!r}: 1-64 characters")
+        attrs = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+        if organization:
+            attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
+        return self._issue(
+            x509.Name(attrs),
+            [],
+            [ExtendedKeyUsageOID.CLIENT_AUTH],
+            directory,
+            stem or _stem(common_name),
+            days,
+        )
+
+    def issue_agent(
+        self, cluster: str, agent_id: str, directory: Path, *, days: int = 365, stem: str | None = None
+    ) -> PemPair:
+        """An agent certificate bound to ``cluster`` (URI SAN, see :func:`agent_identity_from_cert`).
+
+        ``stem`` defaults to ``agent-<cluster>-<agent_id>``.
+        """
+        uri = agent_uri(cluster, agent_id)
+        subject = x509.Name(
+            [
+                x509.NameAttribute(NameOID.COMMON_NAME, agent_id[:64]),
+                x509.NameAttribute(NameOID.ORGANIZATION_NAME, AGENT_ORGANIZATION),
+            ]
+        )
+        return self._issue(
+            subject,
+            [x509.UniformResourceIdentifier(uri)],
+            [ExtendedKeyUsageOID.CLIENT_AUTH],
+            directory,
+            stem or _stem(f"agent-{cluster}-{agent_id}"),
+            days,
+        )
