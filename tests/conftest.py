@@ -1,0 +1,12 @@
+"""Shared fixtures: a throwaway PKI and the CI rule for missing prerequisites."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.pki import TestPKI, make_pki
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> TestPKI:
+    return make_pki(tmp_path_factory.mktemp("pki"))

@@ -1,0 +1,183 @@
+"""Target services that run inside the test process (trio TCP servers on 127.0.0.1).
+
+The ``digest`` target is the data-integrity workhorse: the client sends one line
+``<token> <bytes-wanted>\\n`` then anything it likes; the target sends back ``bytes-wanted``
+deterministic pseudo-random bytes (see :func:`pattern`), reads the client's bytes until EOF and
+records their sha256 under the token. Both directions run at once, and the reply starts before the
+client's EOF, so a transfer checks both directions and half-close in one go.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import trio
+
+CHUNK = 256 << 10
+
+
+def pattern(token: str, size: int) -> Iterator[bytes]:
+    """Deterministic pseudo-random bytes for ``token``, in chunks."""
+    rng = random.Random(token)
+    left = size
+    while left:
+        n = min(CHUNK, left)
+        yield rng.randbytes(n)
+        left -= n
+
+
+def pattern_digest(token: str, size: int) -> str:
+    digest = hashlib.sha256()
+    for chunk in pattern(token, size):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass
+class Target:
+    host: str
+    port: int
+    received: dict[str, str] = field(default_factory=dict)  # token -> sha256 of what the client sent
+    sent: dict[str, int] = field(default_factory=dict)  # token -> bytes the target managed to send
+    connections: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+async def _read_line(stream: trio.SocketStream, limit: int = 256) -> tuple[str, bytes]:
+    buffer = b""
+    while b"\n" not in buffer:
+        data = await stream.receive_some(limit)
+        if not data or len(buffer) > limit:
+            raise ValueError("no request line")
+        buffer += data
+    line, _, rest = buffer.partition(b"\n")
+    return line.decode(), rest
+
+
+async def serve_digest(nursery: trio.Nursery) -> Target:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    target = Target("127.0.0.1", listeners[0].socket.getsockname()[1])
+
+    async def handle(stream: trio.SocketStream) -> None:
+        target.connections += 1
+        try:
+            line, rest = await _read_line(stream)
+            token, wanted = line.split()
+            digest = hashlib.sha256(rest)
+
+            async def send() -> None:
+                for chunk in pattern(token, int(wanted)):
+                    await stream.send_all(chunk)
+                await stream.send_eof()
+
+            async def receive() -> None:
+                while data := await stream.receive_some(CHUNK):
+                    digest.update(data)
+                target.received[token] = digest.hexdigest()
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(send)
+                inner.start_soon(receive)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ValueError):
+            pass
+        finally:
+            await stream.aclose()
+
+    await nursery.start(trio.serve_listeners, handle, listeners)
+    return target
+
+
+async def serve_source(nursery: trio.Nursery) -> Target:
+    """Sends pattern bytes forever (until the peer goes away); counts what it sent per connection."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    target = Target("127.0.0.1", listeners[0].socket.getsockname()[1])
+
+    async def handle(stream: trio.SocketStream) -> None:
+        target.connections += 1
+        token = f"source-{target.connections}"
+        target.sent[token] = 0
+        block = random.Random(token).randbytes(CHUNK)
+        try:
+            while True:
+                await stream.send_all(block)
+                target.sent[token] += len(block)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await stream.aclose()
+
+    await nursery.start(trio.serve_listeners, handle, listeners)
+    return target
+
+
+async def serve_http(nursery: trio.Nursery, body: bytes) -> Target:
+    """A one-shot HTTP/1.1 server answering every request with ``body`` and closing."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    target = Target("127.0.0.1", listeners[0].socket.getsockname()[1])
+
+    async def handle(stream: trio.SocketStream) -> None:
+        target.connections += 1
+        try:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                data = await stream.receive_some(4096)
+                if not data:
+                    return
+                head += data
+            await stream.send_all(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+                % len(body)
+                + body
+            )
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await stream.aclose()
+
+    await nursery.start(trio.serve_listeners, handle, listeners)
+    return target
+
+
+def closed_port() -> int:
+    """A loopback port with nothing listening (bound then released; nobody else binds it here)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Blackhole:
+    """A loopback address where a TCP connect hangs: a listener whose accept queue is full.
+
+    Linux drops SYNs to a listener with a full accept queue (SYN cookies do not apply there), so a
+    connect neither succeeds nor is refused until the caller's timeout: the "blackholed target".
+    """
+
+    def __init__(self) -> None:
+        import socket
+
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(0)
+        self.port = self._listener.getsockname()[1]
+        self._fillers = []
+        for _ in range(2):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", self.port))
+            self._fillers.append(filler)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        for sock in [*self._fillers, self._listener]:
+            sock.close()
