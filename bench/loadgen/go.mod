@@ -1,0 +1,3 @@
+module clusterproxy.bench/loadgen
+
+go 1.22
