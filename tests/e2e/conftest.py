@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from tests.support.pki import TestPKI
+from tests.support.pki import PkiFiles
 from tests.support.procs import Hub
 
 AGENTS = [("cluster1", "agent-a"), ("cluster2", "agent-a")]
 
 
 @pytest.fixture(scope="module")
-def hub(pki: TestPKI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+def hub(pki: PkiFiles, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
     """Server + one agent for cluster1 and cluster2; cluster3 is known but has no agent."""
     hub = Hub(pki, Path(tmp_path_factory.mktemp("logs")))
 

@@ -11,7 +11,7 @@ from clusterproxy_protocol.errors import ConnectRefused
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from tests.support import require
 from tests.support.clients import client_context, h1_connect
-from tests.support.pki import TestPKI
+from tests.support.pki import PkiFiles
 from tests.support.procs import Hub
 from tests.support.targets import Blackhole, closed_port, serve_http
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def curl_argv(
-    hub: Hub, pki: TestPKI, url: str, *, proxy_user: str | None, header: str | None = None
+    hub: Hub, pki: PkiFiles, url: str, *, proxy_user: str | None, header: str | None = None
 ) -> list[str]:
     user = f"{proxy_user}@" if proxy_user else ""
     argv = [
@@ -44,7 +44,7 @@ def curl_argv(
 
 @pytest.mark.parametrize("naming", ["proxy-user", "header"])
 async def test_curl_reaches_http_target_in_cluster(
-    hub: Hub, pki: TestPKI, nursery: trio.Nursery, naming: str
+    hub: Hub, pki: PkiFiles, nursery: trio.Nursery, naming: str
 ) -> None:
     require(shutil.which("curl") is not None, "the curl binary")
     target = await serve_http(nursery, b"hello from inside cluster1\n")
@@ -61,7 +61,7 @@ async def test_curl_reaches_http_target_in_cluster(
     assert target.connections == 1
 
 
-async def test_curl_shows_the_reason_of_a_refusal(hub: Hub, pki: TestPKI) -> None:
+async def test_curl_shows_the_reason_of_a_refusal(hub: Hub, pki: PkiFiles) -> None:
     require(shutil.which("curl") is not None, "the curl binary")
     argv = curl_argv(hub, pki, "http://127.0.0.1:80/", proxy_user="no-such-cluster")
     result = await trio.run_process(
@@ -72,7 +72,7 @@ async def test_curl_shows_the_reason_of_a_refusal(hub: Hub, pki: TestPKI) -> Non
     assert b"unknown cluster 'no-such-cluster'" in result.stderr
 
 
-async def test_sdk_reaches_http_target(hub: Hub, pki: TestPKI, nursery: trio.Nursery) -> None:
+async def test_sdk_reaches_http_target(hub: Hub, pki: PkiFiles, nursery: trio.Nursery) -> None:
     target = await serve_http(nursery, b"sdk body")
     async with open_tunnel(
         f"127.0.0.1:{hub.client_port}",
@@ -106,7 +106,7 @@ def error_targets() -> dict[str, object]:
 
 
 @pytest.mark.parametrize("case", list(ERROR_CASES))
-async def test_errors_on_http1_frontend(hub: Hub, pki: TestPKI, error_targets: dict, case: str) -> None:
+async def test_errors_on_http1_frontend(hub: Hub, pki: PkiFiles, error_targets: dict, case: str) -> None:
     cluster, authority, status, fragment = ERROR_CASES[case]
     start = trio.current_time()
     reply = await h1_connect(
@@ -123,7 +123,7 @@ async def test_errors_on_http1_frontend(hub: Hub, pki: TestPKI, error_targets: d
 
 
 @pytest.mark.parametrize("case", list(ERROR_CASES))
-async def test_errors_on_http2_frontend(hub: Hub, pki: TestPKI, error_targets: dict, case: str) -> None:
+async def test_errors_on_http2_frontend(hub: Hub, pki: PkiFiles, error_targets: dict, case: str) -> None:
     cluster, authority, status, fragment = ERROR_CASES[case]
     host, port = authority(error_targets).rsplit(":", 1)
     start = trio.current_time()

@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from clusterproxy_sdk import TLSFiles, open_tunnel
-from tests.support.pki import TestPKI
+from tests.support.pki import PkiFiles
 from tests.support.procs import Hub
 from tests.support.targets import CHUNK, Target, pattern, pattern_digest, serve_digest, serve_source
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 MiB = 1 << 20
 
 
-def tls_files(pki: TestPKI) -> TLSFiles:
+def tls_files(pki: PkiFiles) -> TLSFiles:
     return TLSFiles(pki.ca, pki.client.cert, pki.client.key)
 
 
@@ -47,7 +47,7 @@ async def transfer(tunnel, target: Target, token: str, up: int, down: int, clust
     assert target.received[token] == pattern_digest(token + "-up", up), f"{token}: corrupted upload"
 
 
-async def test_100_mib_each_way_through_one_stream(hub: Hub, pki: TestPKI, nursery: trio.Nursery) -> None:
+async def test_100_mib_each_way_through_one_stream(hub: Hub, pki: PkiFiles, nursery: trio.Nursery) -> None:
     target = await serve_digest(nursery)
     async with open_tunnel(
         f"127.0.0.1:{hub.client_port}", tls_files(pki), server_hostname="localhost"
@@ -57,7 +57,7 @@ async def test_100_mib_each_way_through_one_stream(hub: Hub, pki: TestPKI, nurse
 
 
 async def test_100_mib_each_way_over_16_parallel_streams(
-    hub: Hub, pki: TestPKI, nursery: trio.Nursery
+    hub: Hub, pki: PkiFiles, nursery: trio.Nursery
 ) -> None:
     target = await serve_digest(nursery)
     share = 100 * MiB // 16
@@ -72,7 +72,7 @@ async def test_100_mib_each_way_over_16_parallel_streams(
 
 
 async def test_half_close_client_sends_eof_then_reads_whole_reply(
-    hub: Hub, pki: TestPKI, nursery: trio.Nursery
+    hub: Hub, pki: PkiFiles, nursery: trio.Nursery
 ) -> None:
     """The target only answers after our EOF: the reply must still arrive in full."""
     got_eof = trio.Event()
@@ -105,7 +105,9 @@ async def test_half_close_client_sends_eof_then_reads_whole_reply(
     assert rest == b"z" * (3 * MiB)
 
 
-async def test_1000_concurrent_streams_over_one_tunnel(hub: Hub, pki: TestPKI, nursery: trio.Nursery) -> None:
+async def test_1000_concurrent_streams_over_one_tunnel(
+    hub: Hub, pki: PkiFiles, nursery: trio.Nursery
+) -> None:
     target = await serve_digest(nursery)
     started = 0
     all_open = trio.Event()
@@ -142,7 +144,7 @@ async def test_1000_concurrent_streams_over_one_tunnel(hub: Hub, pki: TestPKI, n
 
 
 async def test_stalled_reader_stops_only_itself_and_memory_stays_bounded(
-    hub: Hub, pki: TestPKI, nursery: trio.Nursery
+    hub: Hub, pki: PkiFiles, nursery: trio.Nursery
 ) -> None:
     assert hub.server is not None
     target = await serve_digest(nursery)

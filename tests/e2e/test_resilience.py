@@ -14,7 +14,7 @@ import trio
 from clusterproxy_protocol import tls
 from clusterproxy_protocol.errors import ConnectRefused
 from clusterproxy_sdk import TLSFiles, open_tunnel
-from tests.support.pki import TestPKI
+from tests.support.pki import PkiFiles
 from tests.support.procs import Hub, http_get
 from tests.support.targets import Blackhole, pattern_digest, serve_digest, serve_source
 
@@ -23,7 +23,7 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-async def own_hub(pki: TestPKI, tmp_path: Path):
+async def own_hub(pki: PkiFiles, tmp_path: Path):
     """A hub of its own, because these tests kill its agent."""
     hub = Hub(pki, tmp_path)
     try:
@@ -37,7 +37,7 @@ AGENT_ARGS = ("--allow", "127.0.0.0/8", "--dial-timeout", "60s")
 
 
 async def test_sigkill_of_agent_fails_its_streams_fast_and_it_comes_back(
-    own_hub: Hub, pki: TestPKI, nursery: trio.Nursery
+    own_hub: Hub, pki: PkiFiles, nursery: trio.Nursery
 ) -> None:
     hub = own_hub
     agent = hub.start_agent("cluster1", "agent-a", *AGENT_ARGS)
@@ -116,7 +116,7 @@ def _agent_is_dialing(agent, port: int) -> bool:
     return False
 
 
-async def _attack(port: int, kind: str, pki: TestPKI) -> str:
+async def _attack(port: int, kind: str, pki: PkiFiles) -> str:
     """One hostile connection; returns how the server ended it."""
     tcp = await trio.open_tcp_stream("127.0.0.1", port)
     if kind == "garbage":
@@ -154,7 +154,7 @@ async def _outcome(stream: trio.abc.Stream) -> str:
 
 
 async def test_hostile_connections_are_refused_and_live_streams_go_on(
-    own_hub: Hub, pki: TestPKI, nursery: trio.Nursery
+    own_hub: Hub, pki: PkiFiles, nursery: trio.Nursery
 ) -> None:
     hub = own_hub
     hub.start_agent("cluster1", "agent-a", *AGENT_ARGS)

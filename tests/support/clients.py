@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import trio
 
 from clusterproxy_protocol import tls
-from tests.support.pki import TestPKI
+from tests.support.pki import PkiFiles
 
 
-def client_context(pki: TestPKI, *, alpn: list[str]) -> ssl.SSLContext:
+def client_context(pki: PkiFiles, *, alpn: list[str]) -> ssl.SSLContext:
     return tls.client_context(pki.client.cert, pki.client.key, pki.ca, alpn=alpn)
 
 

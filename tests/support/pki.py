@@ -9,7 +9,7 @@ from clusterproxy_protocol.pki import DevCA, PemPair
 
 
 @dataclass(frozen=True)
-class TestPKI:
+class PkiFiles:
     ca: Path
     server: PemPair
     client: PemPair
@@ -20,7 +20,7 @@ class TestPKI:
         return self.agents[f"{cluster}/{agent_id}"]
 
 
-def make_pki(directory: Path) -> TestPKI:
+def make_pki(directory: Path) -> PkiFiles:
     ca = DevCA.create_or_load(directory / "ca")
     other = DevCA.create_or_load(directory / "other-ca", name="some-other-ca")
     leaves = directory / "leaves"
@@ -33,7 +33,7 @@ def make_pki(directory: Path) -> TestPKI:
             ("cluster3", "agent-a"),
         ]
     }
-    return TestPKI(
+    return PkiFiles(
         ca=ca.ca_path,
         server=ca.issue_server("proxy-server", ["localhost", "127.0.0.1", "::1"], leaves),
         client=ca.issue_client("test-admin", leaves),

@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from tests.support.pki import TestPKI
+from tests.support.pki import PkiFiles
 
 BIN = Path(sys.executable).parent
 POLL = 0.02
@@ -108,7 +108,7 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 class Hub:
     """A running proxy-server process and the agents attached to it."""
 
-    pki: TestPKI
+    pki: PkiFiles
     log_dir: Path
     server: Process | None = None
     agent_port: int = 0

@@ -91,6 +91,7 @@ class TunnelCore:
         self._conn_unacked = 0
         self._pending_out = 0
         self.closed = False
+        self.closed_by_us = False
         self.draining = False
         self.peer_max_streams = 100  # RFC default until the peer's SETTINGS arrive
         self.bytes_in = 0
@@ -143,6 +144,7 @@ class TunnelCore:
         """Send GOAWAY; ``reason`` travels as its debug data so the peer can log why."""
         if not self.closed:
             self.closed = True
+            self.closed_by_us = True
             self._conn.close_connection(error_code=error_code, additional_data=reason.encode()[:512] or None)
 
     # -- opener -----------------------------------------------------------------------------------
@@ -338,6 +340,14 @@ class TunnelCore:
         for event in h2_events:
             self._translate(event, out)
         return out
+
+    def goodbye_received(self, data: bytes) -> bool:
+        """After our own close: does ``data`` hold the peer's GOAWAY (so it is closing too)?"""
+        try:
+            h2_events = self._conn.receive_data(data)
+        except h2.exceptions.ProtocolError:
+            return True  # it is not talking HTTP/2 to us any more either
+        return any(isinstance(e, h2.events.ConnectionTerminated) for e in h2_events)
 
     def _translate(self, event: h2.events.Event, out: list[ev.Event]) -> None:
         match event:

@@ -23,6 +23,7 @@ from clusterproxy_protocol.errors import REASON_HEADER, TunnelClosed, TunnelErro
 RECEIVE_SIZE = 256 << 10
 MAX_CONTROL_BODY = 1 << 20
 MAX_REASON_BODY = 4096
+CLOSE_GRACE = 1.0  # seconds the peer gets to read our GOAWAY and close first
 
 RequestHandler = Callable[["IncomingRequest"], Awaitable[None]]
 
@@ -220,12 +221,16 @@ class Mux:
         self._drained_lot = trio.lowlevel.ParkingLot()
         self._idle_lot = trio.lowlevel.ParkingLot()
         self._pings: dict[bytes, trio.Event] = {}
-        self.closed = trio.Event()
+        self.closed = trio.Event()  # the connection is dead (streams fail from now on)
+        self.finished = trio.Event()  # ... and run() has flushed and closed the transport
         self.dead = False
         self.dead_reason = ""
         self.last_rtt: float | None = None
         self.peer_draining = False
         self._nursery: trio.Nursery | None = None
+        self._reader_scope = trio.CancelScope()
+        self._peer_closed = False
+        self._writer_done = trio.Event()
 
     # -- public -----------------------------------------------------------------------------------
 
@@ -353,6 +358,8 @@ class Mux:
             raise TunnelClosed(stream._broken_reason())
 
     def _die(self, reason: str) -> None:
+        if self.dead:
+            return
         self.dead = True
         self.dead_reason = reason
         for stream in list(self._streams.values()):
@@ -362,8 +369,8 @@ class Mux:
             event.set()
         self._drained_lot.unpark_all()
         self._idle_lot.unpark_all()
-        if self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
+        self._reader_scope.cancel()
+        self.kick()  # the writer sends what is queued (a GOAWAY, resets) and stops
 
     # -- tasks ------------------------------------------------------------------------------------
 
@@ -374,13 +381,32 @@ class Mux:
                 self._nursery = nursery
                 nursery.start_soon(self._writer)
                 task_status.started()
-                await self._reader()
+                with self._reader_scope:
+                    await self._reader()
+                self._die("connection closed")
+                with trio.move_on_after(CLOSE_GRACE):
+                    await self._writer_done.wait()
+                nursery.cancel_scope.cancel()  # handlers still running have broken streams by now
         finally:
-            self._die(self.dead_reason or "connection closed")
+            self._die("connection closed")
             self.closed.set()
-            with trio.CancelScope(shield=True), trio.move_on_after(1):
-                await self._flush()
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(CLOSE_GRACE):
+                    await self._flush()
+                    if not self._peer_closed:
+                        await self._wait_peer_close()
                 await trio.aclose_forcefully(self.transport)
+            self.finished.set()
+
+    async def _wait_peer_close(self) -> None:
+        # Closing a socket with unread input makes the kernel send RST, which can destroy our GOAWAY
+        # (and its reason) before the peer reads it; so let the peer close first, briefly.
+        try:
+            while data := await self.transport.receive_some(RECEIVE_SIZE):
+                if self.core.goodbye_received(data):
+                    return
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError, OSError):
+            pass
 
     async def _flush(self) -> None:
         data = self.core.data_to_send()
@@ -391,24 +417,30 @@ class Mux:
                 pass
 
     async def _writer(self) -> None:
-        while True:
-            await self._write_wanted.wait()
-            self._write_wanted = trio.Event()
-            data = self.core.data_to_send()
-            self._drained_lot.unpark_all()
-            if data:
-                try:
-                    await self.transport.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    self._die(f"write failed: {exc or type(exc).__name__}")
+        try:
+            while True:
+                await self._write_wanted.wait()
+                self._write_wanted = trio.Event()
+                data = self.core.data_to_send()
+                self._drained_lot.unpark_all()
+                if data:
+                    try:
+                        await self.transport.send_all(data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                        self._die(f"write failed: {_describe(exc)}")
+                        return
+                if self.dead:
                     return
+        finally:
+            self._writer_done.set()
 
     async def _reader(self) -> None:
         while not self.dead:
             try:
                 data = await self.transport.receive_some(RECEIVE_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                self._die(f"read failed: {exc or type(exc).__name__}")
+                self._peer_closed = True
+                self._die(f"read failed: {_describe(exc)}")
                 return
             self._dispatch(self.core.receive_bytes(data))
             self.kick()
@@ -447,6 +479,7 @@ class Mux:
                     if waiter is not None:
                         waiter.set()
                 case ev.ConnectionEnded(reason=reason):
+                    self._peer_closed = not self.core.closed_by_us
                     self._die(reason)
 
     def _start_handler(self, event: ev.RequestReceived) -> None:
@@ -466,6 +499,12 @@ class Mux:
             await self._handler(request)  # type: ignore[misc]
         finally:
             request.stream._close()
+
+
+def _describe(exc: BaseException) -> str:
+    cause = exc.__cause__ or exc.__context__
+    text = str(exc) or (repr(cause) if cause else "") or type(exc).__name__
+    return text
 
 
 @asynccontextmanager
@@ -491,6 +530,9 @@ async def open_mux(
             yield mux
         finally:
             mux.close("closed locally")
+            # Let run() send what is queued (our GOAWAY and its reason) before tearing it down.
+            with trio.CancelScope(shield=True), trio.move_on_after(3 * CLOSE_GRACE):
+                await mux.finished.wait()
             nursery.cancel_scope.cancel()
 
 

@@ -1,0 +1,158 @@
+"""The proxy-server in-process, with a minimal agent written against the wire protocol only.
+
+The fast layer for the server: real TLS on loopback, real HTTP/2 and HTTP/1.1, no subprocesses.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+
+import trio
+
+from clusterproxy_protocol import tls
+from clusterproxy_protocol.core import Role
+from clusterproxy_protocol.driver import IncomingRequest, open_mux
+from clusterproxy_protocol.errors import NoAgentConnected, UnknownCluster
+from clusterproxy_protocol.relay import relay
+from clusterproxy_sdk import TLSFiles, open_tunnel
+from clusterproxy_server.app import ProxyServer, ServerConfig
+from tests.support.clients import client_context, h1_connect
+from tests.support.pki import PkiFiles
+
+
+async def start_server(nursery: trio.Nursery, pki: PkiFiles, **overrides) -> tuple[ProxyServer, object]:
+    config = ServerConfig(
+        ca=pki.ca,
+        cert=pki.server.cert,
+        key=pki.server.key,
+        agent_listen=("127.0.0.1", 0),
+        client_listen=("127.0.0.1", 0),
+        admin_listen=("127.0.0.1", 0),
+        **overrides,
+    )
+    server = ProxyServer(config)
+    bound = await nursery.start(server.run)
+    return server, bound
+
+
+async def run_wire_agent(
+    port: int,
+    pki: PkiFiles,
+    cluster: str,
+    agent_id: str,
+    *,
+    claim: str | None = None,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Dial the agent port and serve CONNECTs by dialing loopback targets; ``claim`` overrides the cluster."""
+    pair = pki.agent(cluster, agent_id)
+    context = tls.client_context(pair.cert, pair.key, pki.ca, alpn=["h2"])
+    stream = trio.SSLStream(
+        await trio.open_tcp_stream("127.0.0.1", port), context, server_hostname="localhost"
+    )
+
+    async def handle(request: IncomingRequest) -> None:
+        if request.path == "/v1/info":
+            body = json.dumps({"cluster": claim or cluster, "agent_id": agent_id, "version": "test"}).encode()
+            await request.respond(200, body)
+            return
+        host, _, target_port = request.authority.rpartition(":")
+        target = await trio.open_tcp_stream(host, int(target_port))
+        await relay(await request.accept(), target)
+
+    async with open_mux(stream, Role.ACCEPTOR, handler=handle) as mux:
+        task_status.started(mux)
+        await mux.closed.wait()
+
+
+async def echo_target(nursery: trio.Nursery) -> int:
+    async def echo(stream: trio.SocketStream) -> None:
+        async with stream:
+            while data := await stream.receive_some():
+                await stream.send_all(data)
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    await nursery.start(trio.serve_listeners, echo, listeners)
+    return listeners[0].socket.getsockname()[1]
+
+
+async def wait_for(condition, timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.01)
+
+
+async def test_both_frontends_reach_a_target_through_an_agent(nursery: trio.Nursery, pki: PkiFiles) -> None:
+    server, bound = await start_server(nursery, pki)
+    echo_port = await echo_target(nursery)
+    nursery.start_soon(run_wire_agent, bound.agent[1], pki, "cluster1", "agent-a")
+    await wait_for(lambda: server.registry.tunnels("cluster1"))
+
+    payload = bytes(range(256)) * 1000
+    async with open_tunnel(
+        f"127.0.0.1:{bound.client[1]}",
+        TLSFiles(pki.ca, pki.client.cert, pki.client.key),
+        server_hostname="localhost",
+    ) as tunnel:
+        stream = await tunnel.connect("cluster1", "127.0.0.1", echo_port)
+        await stream.send_all(payload)
+        await stream.send_eof()
+        echoed = b""
+        while data := await stream.receive_some():
+            echoed += data
+    assert hashlib.sha256(echoed).digest() == hashlib.sha256(payload).digest()
+
+    reply = await h1_connect(
+        bound.client[1],
+        client_context(pki, alpn=["http/1.1"]),
+        f"127.0.0.1:{echo_port}",
+        {"cluster-proxy-cluster": "cluster1"},
+    )
+    assert reply.status == 200 and reply.stream is not None
+    await reply.stream.send_all(b"over http/1.1")
+    assert await reply.stream.receive_some(100) == b"over http/1.1"
+    await reply.stream.aclose()
+
+
+async def test_agent_whose_certificate_names_another_cluster_is_refused(
+    nursery: trio.Nursery, pki: PkiFiles
+) -> None:
+    server, bound = await start_server(nursery, pki, known_clusters={"cluster2"})
+    wire_agent = functools.partial(run_wire_agent, claim="cluster2")
+    mux = await nursery.start(wire_agent, bound.agent[1], pki, "cluster1", "agent-a")
+    with trio.fail_after(10):
+        await mux.closed.wait()
+    assert "certificate is for cluster 'cluster1'" in mux.dead_reason
+    assert server.registry.tunnels() == []
+    async with open_tunnel(
+        f"127.0.0.1:{bound.client[1]}",
+        TLSFiles(pki.ca, pki.client.cert, pki.client.key),
+        server_hostname="localhost",
+    ) as tunnel:
+        for cluster, error in (("cluster2", NoAgentConnected), ("cluster1", UnknownCluster)):
+            try:
+                await tunnel.connect(cluster, "127.0.0.1", 80)
+            except error as exc:
+                assert cluster in exc.reason
+            else:
+                raise AssertionError(f"{cluster}: expected {error.__name__}")
+
+
+async def test_streams_go_to_the_least_loaded_tunnel(nursery: trio.Nursery, pki: PkiFiles) -> None:
+    server, bound = await start_server(nursery, pki)
+    echo_port = await echo_target(nursery)
+    nursery.start_soon(run_wire_agent, bound.agent[1], pki, "cluster1", "agent-a")
+    nursery.start_soon(run_wire_agent, bound.agent[1], pki, "cluster1", "agent-b")
+    await wait_for(lambda: len(server.registry.tunnels("cluster1")) == 2)
+    async with open_tunnel(
+        f"127.0.0.1:{bound.client[1]}",
+        TLSFiles(pki.ca, pki.client.cert, pki.client.key),
+        server_hostname="localhost",
+    ) as tunnel:
+        streams = [await tunnel.connect("cluster1", "127.0.0.1", echo_port) for _ in range(6)]
+        loads = sorted(t.mux.open_streams for t in server.registry.tunnels("cluster1"))
+        assert loads == [3, 3]
+        for stream in streams:
+            await stream.aclose()
