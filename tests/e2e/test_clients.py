@@ -65,10 +65,13 @@ async def test_curl_shows_the_reason_of_a_refusal(hub: Hub, pki: PkiFiles) -> No
     require(shutil.which("curl") is not None, "the curl binary")
     argv = curl_argv(hub, pki, "http://127.0.0.1:80/", proxy_user="no-such-cluster")
     result = await trio.run_process(
-        [argv[0], "--verbose", *argv[1:]], capture_stdout=True, capture_stderr=True, check=False
+        [argv[0], "--verbose", "--proxytunnel", *argv[1:]],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
     )
     assert result.returncode != 0
-    assert b"404" in result.stderr
+    assert b"CONNECT tunnel failed, response 404" in result.stderr
     assert b"unknown cluster 'no-such-cluster'" in result.stderr
 
 

@@ -140,6 +140,22 @@ class ProxyServer:
             return None
 
     async def handle_agent(self, tcp: trio.SocketStream) -> None:
+        await self._guarded("agent", tcp, self._serve_agent)
+
+    async def handle_client(self, tcp: trio.SocketStream) -> None:
+        await self._guarded("client", tcp, self._serve_client)
+
+    async def _guarded(
+        self, port: str, tcp: trio.SocketStream, serve: Callable[[trio.SocketStream], Awaitable[None]]
+    ) -> None:
+        """A bug in one connection's handling must cost that connection only, never the server."""
+        try:
+            await serve(tcp)
+        except Exception:
+            self.log.exception("connection_handler_failed", port=port)
+            await trio.aclose_forcefully(tcp)
+
+    async def _serve_agent(self, tcp: trio.SocketStream) -> None:
         peer = _address(tcp.socket.getpeername())
         stream = await self._handshake(tcp, self._agent_tls, "agent")
         if stream is None:
@@ -217,7 +233,7 @@ class ProxyServer:
 
     # -- client port ------------------------------------------------------------------------------
 
-    async def handle_client(self, tcp: trio.SocketStream) -> None:
+    async def _serve_client(self, tcp: trio.SocketStream) -> None:
         stream = await self._handshake(tcp, self._client_tls, "client")
         if stream is None:
             return
@@ -255,24 +271,24 @@ class ProxyServer:
         if request is None:
             await trio.aclose_forcefully(stream)
             return
-        if request.method != "CONNECT":
-            reason = (
-                f"method {request.method} not served: this is an HTTP CONNECT proxy "
-                "(curl --proxy https://CLUSTER@HOST:PORT, kubectl proxy-url)"
-            )
-            await self._send_and_close(stream, h1.error_response(405, reason))
-            return
+        authority, early_data = request.target, request.early_data
+        if request.method != "CONNECT":  # plain HTTP proxying: GET http://host/path (curl -x without -p)
+            try:
+                authority, head = h1.forward_form(request)
+            except h1.BadRequest as exc:
+                await self._send_and_close(stream, h1.error_response(exc.status, exc.reason))
+                return
+            early_data = head + early_data
 
         async def accept() -> trio.abc.Stream:
-            await stream.send_all(h1.established())
+            if request.method == "CONNECT":
+                await stream.send_all(h1.established())
             return stream
 
         async def refuse(status: int, reason: str) -> None:
             await self._send_and_close(stream, h1.error_response(status, reason))
 
-        await self._proxy(
-            "http1", client, request.target, request.headers, accept, refuse, request.early_data
-        )
+        await self._proxy("http1", client, authority, request.headers, accept, refuse, early_data)
 
     async def _send_and_close(self, stream: trio.SSLStream, data: bytes) -> None:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import h11
 import trio
@@ -19,12 +20,33 @@ class BadRequest(Exception):
         self.reason = reason
 
 
+HOP_BY_HOP = {"connection", "proxy-connection", "proxy-authorization", "keep-alive", "te", "upgrade"}
+
+
 @dataclass(frozen=True)
 class ConnectRequest:
     method: str
     target: str
     headers: dict[str, str]
     early_data: bytes  # bytes the client sent after the request head (its first tunnel bytes)
+    header_list: list[tuple[str, str]]
+
+
+def forward_form(request: ConnectRequest) -> tuple[str, bytes]:
+    """For a plain-HTTP proxy request (``GET http://host/path``): the target authority and the request
+    head rewritten to origin form, one request per connection (``connection: close``)."""
+    url = urlsplit(request.target)
+    if url.scheme != "http" or not url.hostname:
+        raise BadRequest(400, f"cannot proxy {request.target!r}: use CONNECT, or an absolute http:// URL")
+    host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
+    authority = f"{host}:{url.port or 80}"
+    path = url.path or "/"
+    if url.query:
+        path += "?" + url.query
+    lines = [f"{request.method} {path} HTTP/1.1"]
+    lines += [f"{name}: {value}" for name, value in request.header_list if name.lower() not in HOP_BY_HOP]
+    lines.append("connection: close")
+    return authority, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 async def read_request(stream: trio.abc.ReceiveStream) -> ConnectRequest | None:
@@ -42,14 +64,13 @@ async def read_request(stream: trio.abc.ReceiveStream) -> ConnectRequest | None:
             conn.receive_data(data)
             continue
         if isinstance(event, h11.Request):
-            headers: dict[str, str] = {}
-            for name, value in event.headers:
-                headers[name.decode("ascii").lower()] = value.decode("latin-1")
+            header_list = [(n.decode("ascii"), v.decode("latin-1")) for n, v in event.headers.raw_items()]
             return ConnectRequest(
                 event.method.decode("ascii"),
                 event.target.decode("ascii", "replace"),
-                headers,
+                {name.lower(): value for name, value in header_list},
                 bytes(conn.trailing_data[0]),
+                header_list,
             )
         raise BadRequest(400, "expected an HTTP request")
 
