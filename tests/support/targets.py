@@ -71,15 +71,19 @@ async def serve_digest(nursery: trio.Nursery) -> Target:
             token, wanted = line.split()
             digest = hashlib.sha256(rest)
 
+            upload_done = trio.Event()
+
             async def send() -> None:
                 for chunk in pattern(token, int(wanted)):
                     await stream.send_all(chunk)
+                await upload_done.wait()  # our EOF tells the client its upload digest is recorded
                 await stream.send_eof()
 
             async def receive() -> None:
                 while data := await stream.receive_some(CHUNK):
                     digest.update(data)
                 target.received[token] = digest.hexdigest()
+                upload_done.set()
 
             async with trio.open_nursery() as inner:
                 inner.start_soon(send)
