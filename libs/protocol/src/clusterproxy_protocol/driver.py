@@ -144,6 +144,13 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         self._close()
         await trio.lowlevel.checkpoint()
 
+    def abort(self) -> None:
+        """Close with RST_STREAM: the peer sees an error, never a clean end of data."""
+        if not self._closed and not self._mux.dead:
+            self._mux.core.reset(self.stream_id)
+            self._mux.kick()
+        self._close()
+
     def _close(self) -> None:
         if self._closed:
             return

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import struct
 from dataclasses import dataclass
 
 import trio
@@ -51,10 +54,24 @@ async def relay(a: trio.abc.Stream, b: trio.abc.Stream) -> RelayResult:
         with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
             for stream in (a, b):
                 if result.error:
-                    await trio.aclose_forcefully(stream)
+                    await abort(stream)
                 else:
                     try:
                         await stream.aclose()
                     except _TRANSPORT_ERRORS:
                         pass
     return result
+
+
+async def abort(stream: trio.abc.Stream) -> None:
+    """Close so that the peer sees an abort (RST), not a clean EOF: a failure must never look like the
+    end of the data."""
+    abort_method = getattr(stream, "abort", None)
+    if abort_method is not None:  # TunnelStream: RST_STREAM
+        abort_method()
+        return
+    inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+    if isinstance(inner, trio.SocketStream):  # TCP: SO_LINGER 0 makes close() send RST
+        with contextlib.suppress(OSError):
+            inner.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    await trio.aclose_forcefully(stream)
