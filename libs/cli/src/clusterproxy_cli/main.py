@@ -1,2 +1,226 @@
-def main() -> None:
-    raise SystemExit("not implemented yet")
+"""The ``cluster-proxy`` command.
+
+::
+
+    cluster-proxy local up [--state-dir DIR] [--base-port N]
+    cluster-proxy port-forward CLUSTER HOST:PORT [--listen ADDR] (--state-dir DIR | --proxy HOST:PORT
+                  --ca FILE --cert FILE --key FILE) [--server-name NAME]
+
+Every flag has an environment twin ``CLUSTER_PROXY_<FLAG>`` (``--state-dir`` ->
+``CLUSTER_PROXY_STATE_DIR``); a bad value exits with status 2 and a message naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+import trio
+
+from clusterproxy_protocol.config import (
+    ConfigError,
+    InvalidValue,
+    add_flag,
+    existing_file,
+    parse_args_or_exit,
+    parse_duration,
+    parse_hostport,
+    parse_port,
+)
+from clusterproxy_protocol.errors import TunnelError
+from clusterproxy_protocol.logs import configure_logging
+from clusterproxy_sdk import TLSFiles, check_cluster
+
+from .state import DEFAULT_STATE_DIR, LOCAL_JSON, proxy_settings, read_local_json
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+# --- converters --------------------------------------------------------------------------------------
+
+
+def parse_cluster(text: str) -> str:
+    try:
+        return check_cluster(text)
+    except ValueError as exc:
+        raise InvalidValue(str(exc)) from None
+
+
+def parse_target(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` to dial inside the cluster (port 1-65535)."""
+    host, port = parse_hostport(text)
+    if port == 0:
+        raise InvalidValue(f"invalid target {text!r}: port 0 cannot be dialed")
+    return host, port
+
+
+def parse_proxy(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``https://HOST:PORT`` of the proxy-server's client port."""
+    raw = text
+    if text.startswith("https://"):
+        text = text[len("https://") :].rstrip("/").rpartition("@")[2]
+    elif "://" in text:
+        raise InvalidValue(
+            f"invalid proxy {raw!r}: the client port speaks TLS; use HOST:PORT or https://HOST:PORT"
+        )
+    host, port = parse_hostport(text)
+    if port == 0:
+        raise InvalidValue(f"invalid proxy {raw!r}: port 0 cannot be dialed")
+    return host, port
+
+
+def parse_base_port(text: str) -> int:
+    port = parse_port(text)
+    if port != 0 and port + 11 > 65535:
+        raise InvalidValue(f"invalid base port {text!r}: ports base..base+11 must fit below 65536")
+    return port
+
+
+# --- parser ------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cluster-proxy",
+        description="Reach services inside managed clusters through the cluster-proxy hub.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    local = commands.add_parser("local", help="run every service on loopback (local mode)")
+    local_commands = local.add_subparsers(dest="local_command", metavar="COMMAND", required=True)
+    up = local_commands.add_parser(
+        "up",
+        help="start a proxy-server and two simulated clusters; stays in the foreground",
+        description="Start a proxy-server and two simulated managed clusters (cluster1, cluster2), each "
+        "with a proxy-agent and an echo service, as processes on loopback. Writes DIR/local.json once "
+        "ready; Ctrl-C stops everything.",
+    )
+    add_flag(up, "--state-dir", env="CLUSTER_PROXY_STATE_DIR", type=Path, default=str(DEFAULT_STATE_DIR),
+             help="certificates, logs and local.json")  # fmt: skip
+    add_flag(up, "--base-port", env="CLUSTER_PROXY_BASE_PORT", type=parse_base_port, default="0",
+             help="client port = base, agent port base+1, admin base+2, agents' admin base+3.., echo "
+             "services base+10..; 0: free ephemeral ports")  # fmt: skip
+    add_flag(up, "--ready-timeout", env="CLUSTER_PROXY_READY_TIMEOUT", type=parse_duration, default="30s",
+             help="how long to wait for every agent to connect")  # fmt: skip
+
+    pf = commands.add_parser(
+        "port-forward",
+        help="forward a local port to HOST:PORT inside a cluster",
+        description="Listen locally; every accepted connection becomes a stream to HOST:PORT inside "
+        "CLUSTER over one shared HTTP/2 connection to the proxy-server. Proxy settings come from the "
+        "flags, else from --state-dir/local.json (default: the local mode's, if it is running).",
+    )
+    pf.add_argument("cluster", metavar="CLUSTER", type=parse_cluster, help="managed cluster name")
+    pf.add_argument("target", metavar="HOST:PORT", type=parse_target, help="target inside the cluster")
+    add_flag(pf, "--listen", env="CLUSTER_PROXY_LISTEN", type=parse_hostport, default="127.0.0.1:0",
+             help="local address (port 0: a free port, shown in the Forwarding line)")  # fmt: skip
+    add_flag(pf, "--proxy", env="CLUSTER_PROXY_PROXY", type=parse_proxy,
+             help="proxy-server client port, HOST:PORT")  # fmt: skip
+    add_flag(pf, "--ca", env="CLUSTER_PROXY_CA", type=existing_file, help="CA bundle for the server")
+    add_flag(pf, "--cert", env="CLUSTER_PROXY_CERT", type=existing_file, help="client certificate (PEM)")
+    add_flag(pf, "--key", env="CLUSTER_PROXY_KEY", type=existing_file, help="client private key (PEM)")
+    add_flag(pf, "--server-name", env="CLUSTER_PROXY_SERVER_NAME",
+             help="name checked against the server certificate (default: the proxy host)")  # fmt: skip
+    add_flag(pf, "--state-dir", env="CLUSTER_PROXY_STATE_DIR", type=Path,
+             help=f"take the proxy settings from DIR/{LOCAL_JSON} (written by `local up`)")  # fmt: skip
+    add_flag(pf, "--connect-timeout", env="CLUSTER_PROXY_CONNECT_TIMEOUT", type=parse_duration, default="10s",
+             help="TCP+TLS connect timeout to the proxy-server")  # fmt: skip
+
+    up.set_defaults(run=_local_up, subparser=up)
+    pf.set_defaults(run=_port_forward, subparser=pf)
+    for sub in (up, pf):
+        add_flag(sub, "--log-level", env="CLUSTER_PROXY_LOG_LEVEL", default="info", choices=LOG_LEVELS,
+                 help="log level (logs go to stderr)")  # fmt: skip
+    return parser
+
+
+# --- port-forward ------------------------------------------------------------------------------------
+
+
+def resolve_port_forward(args: argparse.Namespace, parser: argparse.ArgumentParser):  # type: ignore[no-untyped-def]
+    """Turn parsed flags into a PortForward: explicit flags win over ``local.json``."""
+    from .portforward import PortForward
+
+    proxy, ca, cert, key = args.proxy, args.ca, args.cert, args.key
+    server_name = args.server_name
+    state_dir = args.state_dir
+    if state_dir is None and proxy is None and (DEFAULT_STATE_DIR / LOCAL_JSON).exists():
+        state_dir = DEFAULT_STATE_DIR
+    if state_dir is not None:
+        try:
+            settings = proxy_settings(read_local_json(state_dir), str(Path(state_dir) / LOCAL_JSON))
+        except ConfigError as exc:
+            parser.error(f"--state-dir {str(state_dir)!r}: {exc}")
+        proxy = proxy or (settings.host, settings.port)
+        ca, cert, key = ca or settings.ca, cert or settings.cert, key or settings.key
+    missing = [
+        flag
+        for flag, value in (("--proxy", proxy), ("--ca", ca), ("--cert", cert), ("--key", key))
+        if not value
+    ]
+    if missing:
+        parser.error(
+            f"port-forward needs {', '.join(missing)} (or --state-dir DIR with a {LOCAL_JSON} from "
+            "`cluster-proxy local up`)"
+        )
+    return PortForward(
+        cluster=args.cluster,
+        target_host=args.target[0],
+        target_port=args.target[1],
+        listen_host=args.listen[0],
+        listen_port=args.listen[1],
+        proxy=proxy,
+        tls=TLSFiles(ca, cert, key),
+        server_name=server_name,
+        connect_timeout=args.connect_timeout,
+    )
+
+
+def _port_forward(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .portforward import run_port_forward
+
+    pf = resolve_port_forward(args, parser)
+    try:
+        tls = pf.tls.context()  # type: ignore[union-attr]
+    except ConfigError as exc:
+        parser.error(str(exc))
+    configure_logging(args.log_level)
+    try:
+        trio.run(run_port_forward, replace(pf, tls=tls))
+    except KeyboardInterrupt:
+        return 0
+    except TunnelError as exc:
+        print(f"cluster-proxy port-forward: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        host, port = pf.listen_host, pf.listen_port
+        print(
+            f"cluster-proxy port-forward: cannot listen on {host}:{port}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _local_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .local import local_up
+
+    configure_logging(args.log_level)
+    try:
+        return trio.run(partial(local_up, args.state_dir, args.base_port, ready_timeout=args.ready_timeout))
+    except ConfigError as exc:
+        print(f"cluster-proxy local up: {exc}", file=sys.stderr)
+        return 1
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args_or_exit(build_parser(), argv)
+    raise SystemExit(args.run(args, args.subparser))
+
+
+if __name__ == "__main__":
+    main()

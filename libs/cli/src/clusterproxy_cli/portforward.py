@@ -1,0 +1,109 @@
+"""``cluster-proxy port-forward``: a local TCP port that leads to ``host:port`` inside a cluster.
+
+Every accepted local connection becomes one CONNECT stream over a single shared HTTP/2 connection
+to the proxy-server (re-dialed when it dies). A refused CONNECT is logged with its status and reason
+and the local connection is closed.
+"""
+
+from __future__ import annotations
+
+import ssl
+import sys
+from dataclasses import dataclass
+from typing import TextIO
+
+import trio
+
+from clusterproxy_protocol.errors import ConnectRefused, TunnelError
+from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol.relay import relay
+from clusterproxy_sdk import SharedTunnel, TLSFiles, format_authority, open_shared_tunnel
+
+
+@dataclass(frozen=True)
+class PortForward:
+    cluster: str
+    target_host: str
+    target_port: int
+    listen_host: str
+    listen_port: int
+    proxy: tuple[str, int]
+    tls: TLSFiles | ssl.SSLContext
+    server_name: str | None = None
+    connect_timeout: float = 10.0
+
+    @property
+    def target(self) -> str:
+        return format_authority(self.target_host, self.target_port)
+
+
+def _format_sockaddr(sockaddr: tuple) -> str:  # type: ignore[type-arg]
+    host, port = sockaddr[0], sockaddr[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _handle(
+    pf: PortForward, shared: SharedTunnel, local: trio.SocketStream, log, counter: list[int]
+) -> None:  # type: ignore[no-untyped-def]
+    counter[0] += 1
+    conn_id = counter[0]
+    try:
+        peer = _format_sockaddr(local.socket.getpeername())
+    except OSError:
+        peer = "?"
+    log = log.bind(conn=conn_id, peer=peer, cluster=pf.cluster, target=pf.target)
+    try:
+        remote = await shared.connect(pf.cluster, pf.target_host, pf.target_port)
+    except ConnectRefused as exc:
+        log.error("connect_refused", status=exc.status, reason=exc.reason)
+        await trio.aclose_forcefully(local)
+        return
+    except TunnelError as exc:  # ProxyConnectionError, TunnelClosed
+        log.error("tunnel_unavailable", error=str(exc))
+        await trio.aclose_forcefully(local)
+        return
+    except BaseException:
+        await trio.aclose_forcefully(local)
+        raise
+    log.debug("stream_opened", stream_id=remote.stream_id)
+    result = await relay(local, remote)
+    log.info(
+        "connection_closed",
+        stream_id=remote.stream_id,
+        bytes_out=result.bytes_a_to_b,
+        bytes_in=result.bytes_b_to_a,
+        error=result.error,
+    )
+
+
+async def run_port_forward(
+    pf: PortForward,
+    *,
+    out: TextIO | None = None,
+    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Listen and forward until cancelled. Dials the proxy once at start so that a wrong address or
+    certificate fails at once (raises ProxyConnectionError); later failures are per connection.
+    ``task_status.started`` gets the bound addresses."""
+    out = out or sys.stdout
+    log = get_logger("port-forward")
+    async with open_shared_tunnel(
+        pf.proxy, pf.tls, server_hostname=pf.server_name, connect_timeout=pf.connect_timeout
+    ) as shared:
+        await shared.tunnel()
+        listeners = await trio.open_tcp_listeners(pf.listen_port, host=pf.listen_host)
+        bound = [listener.socket.getsockname()[:2] for listener in listeners]
+        for address in bound:
+            print(
+                f"Forwarding from {_format_sockaddr(address)} -> {pf.cluster}/{pf.target}",
+                file=out,
+                flush=True,
+            )
+        counter = [0]
+
+        async def handle(local: trio.SocketStream) -> None:
+            await _handle(pf, shared, local, log, counter)
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trio.serve_listeners, handle, listeners)
+            task_status.started([(h, p) for h, p in bound])

@@ -1,0 +1,138 @@
+"""A tunnel connection shared by many users that is re-established when it dies."""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+from clusterproxy_protocol.core import TunnelSettings
+from clusterproxy_protocol.driver import TunnelStream
+from clusterproxy_protocol.errors import TunnelClosed
+
+from ._tunnel import DEFAULT_KEEPALIVE, TLSFiles, Tunnel, open_tunnel, parse_address, single_exceptions
+
+
+class SharedTunnel:
+    """Like :class:`Tunnel`, but a dead or draining connection is replaced by a new one on demand.
+
+    All streams share the current connection. When it dies, the next :meth:`connect` dials again
+    (one dial at a time, however many callers wait); a draining connection is closed once its last
+    stream ends. A CONNECT that fails because the connection died under it is retried once on a
+    fresh connection.
+    """
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        address: str | tuple[str, int],
+        tls: ssl.SSLContext | TLSFiles,
+        *,
+        server_hostname: str | None,
+        connect_timeout: float,
+        keepalive: tuple[float, float] | None,
+        settings: TunnelSettings | None,
+    ) -> None:
+        self._nursery = nursery
+        self.address = parse_address(address)
+        self._context = tls.context() if isinstance(tls, TLSFiles) else tls
+        self._server_hostname = server_hostname
+        self._connect_timeout = connect_timeout
+        self._keepalive = keepalive
+        self._settings = settings
+        self._current: Tunnel | None = None
+        self._lock = trio.Lock()
+        self.connections_made = 0
+
+    @property
+    def current(self) -> Tunnel | None:
+        """The connection in use, if any (it may have died since)."""
+        return self._current
+
+    async def tunnel(self) -> Tunnel:
+        """The live connection, dialing a new one if there is none (raises ProxyConnectionError)."""
+        current = self._current
+        if current is not None and current.accepts_streams:
+            return current
+        async with self._lock:
+            current = self._current
+            if current is not None and current.accepts_streams:
+                return current
+            tunnel: Tunnel = await self._nursery.start(self._hold)
+            self._current = tunnel
+            self.connections_made += 1
+            if current is not None and current.is_alive:
+                self._nursery.start_soon(self._retire, current)
+            return tunnel
+
+    async def _hold(self, *, task_status: trio.TaskStatus[Tunnel]) -> None:
+        async with open_tunnel(
+            self.address,
+            self._context,
+            server_hostname=self._server_hostname,
+            connect_timeout=self._connect_timeout,
+            keepalive=self._keepalive,
+            settings=self._settings,
+        ) as tunnel:
+            task_status.started(tunnel)
+            await tunnel.wait_closed()
+
+    @staticmethod
+    async def _retire(tunnel: Tunnel) -> None:
+        await tunnel.mux.wait_idle()
+        tunnel.close()
+
+    async def _with_retry(self, open_stream) -> TunnelStream:  # type: ignore[no-untyped-def]
+        tunnel = await self.tunnel()
+        try:
+            return await open_stream(tunnel)
+        except TunnelClosed:
+            if tunnel.accepts_streams:
+                raise
+        return await open_stream(await self.tunnel())
+
+    async def connect(self, cluster: str, host: str, port: int) -> TunnelStream:
+        """See :meth:`Tunnel.connect`; also raises ProxyConnectionError when no connection can be made."""
+        return await self._with_retry(lambda t: t.connect(cluster, host, port))
+
+    async def connect_kube_apiserver(self, cluster: str) -> TunnelStream:
+        """See :meth:`Tunnel.connect_kube_apiserver`."""
+        return await self._with_retry(lambda t: t.connect_kube_apiserver(cluster))
+
+    def close(self) -> None:
+        """Close the current connection (the next connect dials again)."""
+        if self._current is not None:
+            self._current.close()
+
+
+@asynccontextmanager
+async def open_shared_tunnel(
+    address: str | tuple[str, int],
+    tls: ssl.SSLContext | TLSFiles,
+    *,
+    server_hostname: str | None = None,
+    connect_timeout: float = 10.0,
+    keepalive: tuple[float, float] | None = DEFAULT_KEEPALIVE,
+    settings: TunnelSettings | None = None,
+) -> AsyncIterator[SharedTunnel]:
+    """A :class:`SharedTunnel` for the duration of the block; it dials lazily, on the first connect.
+
+    Arguments as for :func:`open_tunnel`. Bad TLS files fail here, at once.
+    """
+    with single_exceptions():
+        async with trio.open_nursery() as nursery:
+            shared = SharedTunnel(
+                nursery,
+                address,
+                tls,
+                server_hostname=server_hostname,
+                connect_timeout=connect_timeout,
+                keepalive=keepalive,
+                settings=settings,
+            )
+            try:
+                yield shared
+            finally:
+                nursery.cancel_scope.cancel()
