@@ -26,11 +26,12 @@ from clusterproxy_server.routing import CLUSTER_NAME
 ENV = "CLUSTER_PROXY_SERVER_"
 
 
-def _cluster_name(text: str) -> str:
-    name = text.strip().lower()
-    if not CLUSTER_NAME.match(name):
-        raise ConfigError(f"invalid cluster name {text!r}: expected a DNS name like cluster1")
-    return name
+def _cluster_names(text: str) -> list[str]:
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    for name in names:
+        if not CLUSTER_NAME.match(name):
+            raise ConfigError(f"invalid cluster name {name!r}: expected a DNS name like cluster1")
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--server-count", type=parse_positive_int, default="1", help="number of server replicas")
     flag(
         "--known-clusters",
-        multiple=True,
-        type=_cluster_name,
-        help="clusters known before any agent connects (a request for one without agent gets 503, not 404)",
+        type=_cluster_names,
+        default="",
+        help="comma-separated clusters known before any agent connects (a request for one of them "
+        "without an agent gets 503, not 404)",
     )
     flag(
         "--dial-timeout",
