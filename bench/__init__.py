@@ -1,0 +1,4 @@
+"""Benchmarks: the same workloads directly, through cluster-proxy and through upstream ANP.
+
+See docs/benchmarks.md.
+"""

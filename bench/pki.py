@@ -60,7 +60,9 @@ class BenchPKI:
                 ),
                 critical=True,
             )
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(self._ca_key.public_key()), critical=False)
+            .add_extension(
+                x509.SubjectKeyIdentifier.from_public_key(self._ca_key.public_key()), critical=False
+            )
             .sign(self._ca_key, hashes.SHA256())
         )
         self.ca = folder / "ca.crt"

@@ -1,0 +1,204 @@
+"""results.json -> results.md (tables) and PNG plots."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+SYSTEM_ORDER = ("direct", "ours", "upstream")
+
+# (workload, metric) -> (label, unit, higher_is_better); only these appear in the main table.
+METRICS: dict[tuple[str, str], tuple[str, str, bool]] = {
+    ("bulk", "mbit_s"): ("throughput", "Mbit/s", True),
+    ("connect", "first_byte_p50_ms"): ("new stream to first byte p50", "ms", False),
+    ("connect", "first_byte_p99_ms"): ("new stream to first byte p99", "ms", False),
+    ("connect", "connect_200_p50_ms"): ("CONNECT answered (200) p50", "ms", False),
+    ("rr", "p50_ms"): ("1 KiB req/resp latency p50", "ms", False),
+    ("rr", "p99_ms"): ("1 KiB req/resp latency p99", "ms", False),
+    ("rr", "achieved_rps"): ("achieved rate", "req/s", True),
+    ("idle", "alive"): ("streams alive after hold", "streams", True),
+    ("idle", "server_kib_per_stream"): ("server RSS per stream", "KiB", False),
+    ("idle", "agent_kib_per_stream"): ("agent RSS per stream", "KiB", False),
+    ("idle", "open_per_s"): ("streams opened per second", "1/s", True),
+    ("fanin", "connect_all_s"): ("all agents routable after start", "s", False),
+    ("fanin", "reconnect_all_s"): ("all agents routable after server SIGKILL+restart", "s", False),
+    ("fanin", "server_kib_per_tunnel"): ("server RSS per tunnel", "KiB", False),
+    ("fanin", "agent_kib_per_agent"): ("agent RSS per agent", "KiB", False),
+    ("hol", "ratio"): ("4 streams' throughput with a stalled stream / without", "ratio", True),
+    ("hol", "alone_mbit_s"): ("4 streams alone", "Mbit/s", True),
+    ("hol", "new_stream_ok"): ("new stream opens during the stall", "1=yes", True),
+}
+
+WORKLOAD_TITLES = {
+    "bulk": "Bulk throughput (variant: direction-streams)",
+    "connect": "New-stream latency (sequential)",
+    "rr": "Request/response 1 KiB at a fixed rate",
+    "idle": "Idle concurrent streams (variant: streams held)",
+    "fanin": "Fan-in: many agents on one server (variant: agents)",
+    "hol": "Head-of-line blocking (variant: direction of the stalled stream)",
+}
+
+
+def summarize(records: list[dict]) -> dict:
+    """Median over repeats: {workload: {variant: {metric: {system: value}}}}."""
+    acc: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(list))))
+    for r in records:
+        for k, v in r.get("metrics", {}).items():
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                acc[r["workload"]][r["variant"]][k][r["system"]].append(v)
+    out: dict = {}
+    for w, variants in acc.items():
+        out[w] = {}
+        for var, metrics in variants.items():
+            out[w][var] = {
+                m: {s: round(statistics.median(vals), 3) for s, vals in systems.items()}
+                for m, systems in metrics.items()
+            }
+    return out
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    if abs(v) >= 10:
+        return f"{v:.1f}"
+    return f"{v:.3g}"
+
+
+def _variant_key(v: str) -> tuple:
+    digits = "".join(ch for ch in v if ch.isdigit())
+    return (int(digits) if digits else 0, v)
+
+
+def markdown(results: dict) -> str:
+    summary = results["summary"]
+    meta = results["meta"]
+    lines = [
+        "# Benchmark results",
+        "",
+        f"- run: {meta['started']} ({'quick' if meta['quick'] else 'full'} mode), {meta['elapsed_s']} s",
+        f"- command: `{meta['command']}`",
+        f"- machine: {meta['machine']}",
+        f"- upstream: apiserver-network-proxy {meta.get('anp_version', '?')} (http-connect, destHost, mTLS)",
+        f"- systems run: {', '.join(meta['systems'])}",
+        "",
+        "Values are medians over repeats. ours/upstream > 1 means ours is larger: better for",
+        "throughput, rates and ratios; worse for latencies, times and memory (the arrow says which is better).",
+        "",
+    ]
+    if results.get("skipped"):
+        lines += ["Skipped or failed to start:", ""]
+        lines += [f"- {k}: {v.splitlines()[0][:300]}" for k, v in results["skipped"].items()]
+        lines.append("")
+    errors = [r for r in results["records"] if r.get("error")]
+    if errors:
+        lines += ["Failed runs:", ""]
+        for r in errors:
+            first = r["error"].strip().splitlines()[0][:300] if r["error"].strip() else ""
+            lines.append(f"- {r['workload']}/{r['variant']}/{r['system']} rep {r['rep']}: {first}")
+        lines.append("")
+    for w in ("bulk", "connect", "rr", "idle", "fanin", "hol"):
+        if w not in summary:
+            continue
+        lines += [f"## {WORKLOAD_TITLES[w]}", ""]
+        lines += [
+            "| variant | metric | direct | ours | upstream | ours/upstream |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for var in sorted(summary[w], key=_variant_key):
+            for (wk, m), (label, unit, higher) in METRICS.items():
+                if wk != w or m not in summary[w][var]:
+                    continue
+                vals = summary[w][var][m]
+                d, o, u = vals.get("direct"), vals.get("ours"), vals.get("upstream")
+                ratio = "-"
+                if o is not None and u:
+                    ratio = f"{o / u:.2f} {'↑' if higher else '↓'} better"
+                lines.append(f"| {var} | {label} ({unit}) | {_fmt(d)} | {_fmt(o)} | {_fmt(u)} | {ratio} |")
+        lines.append("")
+    cpu_rows = _cpu_rows(results["records"])
+    if cpu_rows:
+        lines += [
+            "## CPU use during the runs (% of one core, median over repeats)",
+            "",
+            "Shows which process limits a run: a process near 100 % is saturated (the machine has 2 cores).",
+            "",
+            "| workload | variant | system | loadgen | target | server | agent |",
+            "|---|---|---|---:|---:|---:|---:|",
+        ]
+        lines += cpu_rows
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _cpu_rows(records: list[dict]) -> list[str]:
+    acc: dict = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        if "cpu" in r and r["workload"] in ("bulk", "rr"):
+            for k, v in r["cpu"].items():
+                acc[(r["workload"], r["variant"], r["system"])][k].append(v)
+    rows = []
+    order = {s: i for i, s in enumerate(SYSTEM_ORDER)}
+    for (w, var, s), cols in sorted(
+        acc.items(), key=lambda kv: (kv[0][0], _variant_key(kv[0][1]), order.get(kv[0][2], 9))
+    ):
+
+        def med(k: str, cols=cols) -> str:
+            return f"{statistics.median(cols[k]):.0f}" if cols.get(k) else "-"
+
+        rows.append(
+            f"| {w} | {var} | {s} | {med('loadgen')} | {med('target')} | {med('server')} | {med('agent')} |"
+        )
+    return rows
+
+
+def plots(results: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = results["summary"]
+    colors = {"direct": "#7f7f7f", "ours": "#1f77b4", "upstream": "#ff7f0e"}
+    made: list[Path] = []
+
+    def bars(workload: str, metric: str, title: str, ylabel: str, fname: str, log: bool = False) -> None:
+        if workload not in summary:
+            return
+        variants = sorted((v for v in summary[workload] if metric in summary[workload][v]), key=_variant_key)
+        if not variants:
+            return
+        systems = [s for s in SYSTEM_ORDER if any(s in summary[workload][v][metric] for v in variants)]
+        fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(variants) + 2), 3.6))
+        width = 0.8 / max(len(systems), 1)
+        for i, s in enumerate(systems):
+            xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(variants))]
+            ys = [summary[workload][v][metric].get(s, 0) or 0 for v in variants]
+            ax.bar(xs, ys, width, label=s, color=colors.get(s))
+        ax.set_xticks(range(len(variants)), variants)
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        if log:
+            ax.set_yscale("log")
+        ax.legend()
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / fname
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+
+    bars("bulk", "mbit_s", "Bulk throughput", "Mbit/s (log)", "bulk.png", log=True)
+    bars("connect", "first_byte_p50_ms", "New stream to first byte, p50", "ms", "connect_p50.png")
+    bars("connect", "first_byte_p99_ms", "New stream to first byte, p99", "ms", "connect_p99.png")
+    bars("rr", "p50_ms", "1 KiB request/response latency p50", "ms (log)", "rr_p50.png", log=True)
+    bars("rr", "p99_ms", "1 KiB request/response latency p99", "ms (log)", "rr_p99.png", log=True)
+    bars("idle", "server_kib_per_stream", "Server RSS per idle stream", "KiB", "idle_server_rss.png")
+    bars("idle", "agent_kib_per_stream", "Agent RSS per idle stream", "KiB", "idle_agent_rss.png")
+    bars("fanin", "server_kib_per_tunnel", "Server RSS per agent tunnel", "KiB", "fanin_server_rss.png")
+    bars("fanin", "reconnect_all_s", "All agents back after server restart", "s", "fanin_reconnect.png")
+    bars("hol", "ratio", "Head-of-line: throughput with a stalled stream / alone", "ratio", "hol.png")
+    return made

@@ -1,0 +1,467 @@
+"""The three paths a workload is measured through: direct, ours, upstream.
+
+Every system gives the loadgen the flags that reach the target through it (`dial_args`), the
+processes to watch (`procs`), and for the fan-in workload a way to run many agents
+(`start_fanin`). The target and the client are the same for all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.pki import BenchPKI, CertFiles
+from bench.procs import Proc, free_port, wait_port
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER = "cluster1"
+CLUSTER_HEADER = "cluster-proxy-cluster"
+FANIN_BASE = "127.1.0.0"
+
+
+def fanin_ip(i: int, base: str = FANIN_BASE) -> str:
+    """i-th fan-in loopback address; same formula as loadgen's and anp-multiagent's FaninIP."""
+    b = ipaddress.IPv4Address(base).packed
+    return str(ipaddress.IPv4Address(bytes([b[0], b[1] + i // 62500, b[2] + (i // 250) % 250, i % 250 + 1])))
+
+
+class Unavailable(Exception):
+    """A system cannot run here; the message says why (the run goes on without it)."""
+
+
+@dataclass
+class Env:
+    """What every system needs: where things are and the run's certificates."""
+
+    loadgen: Path
+    run_dir: Path
+    pki: BenchPKI
+    server_cert: CertFiles
+    client_cert: CertFiles
+    target_port: int
+    anp_bin: Path | None = None
+    anp_version: str = ""
+    venv_bin: Path = REPO / ".venv" / "bin"
+    log_dir: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log_dir = self.run_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    def proxy_args(self, proxy_port: int) -> list[str]:
+        return [
+            "--proxy",
+            f"127.0.0.1:{proxy_port}",
+            "--ca",
+            str(self.pki.ca),
+            "--cert",
+            str(self.client_cert.cert),
+            "--key",
+            str(self.client_cert.key),
+        ]
+
+    def probe(self, args: list[str], lines: list[str], timeout: float, parallel: int = 32) -> dict:
+        """Dial every line's CONNECT target until each answers once (loadgen probe)."""
+        f = self.run_dir / f"probe-{time.monotonic_ns()}.txt"
+        f.write_text("\n".join(lines) + "\n")
+        try:
+            out = subprocess.run(
+                [
+                    str(self.loadgen),
+                    "probe",
+                    "--targets",
+                    str(f),
+                    "--timeout",
+                    f"{timeout}s",
+                    "--parallel",
+                    str(parallel),
+                    "--dial-timeout",
+                    "5s",
+                    *args,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=timeout + 30,
+                check=True,
+            )
+        finally:
+            f.unlink(missing_ok=True)
+        return json.loads(out.stdout)["result"]
+
+
+class FaninHandle:
+    """A proxy-server with many agents (fan-in workload). start_agents() spawns the agents."""
+
+    def __init__(self, server: Proc, spawn_agents, n: int, probe_lines: list[str], restart) -> None:
+        self.server = server
+        self.agents: list[Proc] = []
+        self.n = n
+        self.probe_lines = probe_lines
+        self._spawn = spawn_agents
+        self._restart = restart
+
+    def start_agents(self) -> None:
+        self.agents = self._spawn()
+
+    def restart_server(self) -> None:
+        """SIGKILL the server (a crash), start it again on the same ports; returns once it listens."""
+        self.server.kill()
+        self.server = self._restart()
+
+    def agents_rss_kib(self) -> int:
+        return sum(p.rss_kib() for p in self.agents)
+
+    def stop(self) -> None:
+        for p in self.agents:
+            with contextlib.suppress(Exception):
+                p.popen.terminate()
+        for p in self.agents:
+            p.stop(grace=1.0)
+        self.server.stop()
+
+
+class System:
+    name = "?"
+    proxied = True
+
+    def __init__(self, env: Env) -> None:
+        self.env = env
+        self.server: Proc | None = None
+        self.agent: Proc | None = None
+
+    def check(self) -> None:
+        """Raise Unavailable when the system cannot run here."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def dial_args(self) -> list[str]:
+        raise NotImplementedError
+
+    def procs(self) -> dict[str, Proc]:
+        return {k: v for k, v in (("server", self.server), ("agent", self.agent)) if v is not None}
+
+    def stop(self) -> None:
+        for p in (self.agent, self.server):
+            if p is not None:
+                p.stop()
+        self.server = self.agent = None
+
+    def start_fanin(self, n: int, tag: str) -> FaninHandle:
+        raise Unavailable(f"{self.name}: no fan-in")
+
+    def wait_routable(self, timeout: float = 30.0) -> None:
+        res = self.env.probe(self.probe_args(), [self.probe_line()], timeout)
+        if res["ok"] != 1:
+            raise RuntimeError(f"{self.name}: target not reachable through the proxy: {res['failed_dial']}")
+
+    def target_authority(self) -> str:
+        return f"127.0.0.1:{self.env.target_port}"
+
+    def probe_args(self) -> list[str]:
+        """loadgen flags for probe mode (the proxy; targets and headers come from the probe lines)."""
+        return []
+
+    def probe_line(self) -> str:
+        """One probe line for the main target: authority, then TAB-separated CONNECT headers."""
+        return self.target_authority()
+
+
+class Direct(System):
+    name = "direct"
+    proxied = False
+
+    def start(self) -> None:
+        pass
+
+    def dial_args(self) -> list[str]:
+        return ["--target", self.target_authority()]
+
+
+class Upstream(System):
+    """apiserver-network-proxy in http-connect mode, mTLS on both ports, destHost strategy.
+
+    The agent's identifier is host=127.0.0.1 and clients CONNECT 127.0.0.1:<target port>: with
+    destHost the server routes by the CONNECT host and the agent dials that same host:port, so the
+    identifier must be an address (or name) the agent can reach the target at.
+    """
+
+    name = "upstream"
+
+    def check(self) -> None:
+        if self.env.anp_bin is None:
+            raise Unavailable(
+                "upstream: apiserver-network-proxy binaries not built (bash bench/upstream/build.sh)"
+            )
+        for b in ("proxy-server", "proxy-agent", "anp-multiagent"):
+            if not (self.env.anp_bin / b).exists():
+                raise Unavailable(f"upstream: {self.env.anp_bin / b} missing (bash bench/upstream/build.sh)")
+
+    def _server_argv(self) -> list[str]:
+        e = self.env
+        s = e.server_cert
+        return [
+            str(e.anp_bin / "proxy-server"),
+            "--mode=http-connect",
+            "--proxy-strategies=destHost",
+            f"--server-ca-cert={e.pki.ca}",
+            f"--server-cert={s.cert}",
+            f"--server-key={s.key}",
+            f"--cluster-ca-cert={e.pki.ca}",
+            f"--cluster-cert={s.cert}",
+            f"--cluster-key={s.key}",
+            f"--server-port={self.client_port}",
+            f"--agent-port={self.agent_port}",
+            f"--admin-port={self.admin_port}",
+            f"--health-port={self.health_port}",
+            "--server-bind-address=127.0.0.1",
+            "--agent-bind-address=127.0.0.1",
+            "--health-bind-address=127.0.0.1",
+            "--admin-bind-address=127.0.0.1",
+            "--server-id=bench-server",
+            "--server-count=1",
+            "-v=0",
+        ]
+
+    def _start_server(self, tag: str) -> Proc:
+        self.client_port, self.agent_port = free_port(), free_port()
+        self.admin_port, self.health_port = free_port(), free_port()
+        return self._launch_server(tag)
+
+    def _launch_server(self, tag: str) -> Proc:
+        p = Proc("upstream-server", self._server_argv(), self.env.log_dir / f"upstream-server-{tag}.log")
+        wait_port("127.0.0.1", self.client_port, 20, p)
+        wait_port("127.0.0.1", self.agent_port, 20, p)
+        return p
+
+    def start(self) -> None:
+        e = self.env
+        self.server = self._start_server("main")
+        agent_cert = e.pki.agent(CLUSTER, "upstream-agent")
+        health = free_port()
+        argv = [
+            str(e.anp_bin / "proxy-agent"),
+            "--agent-id=bench-agent",
+            "--agent-identifiers=host=127.0.0.1",
+            f"--ca-cert={e.pki.ca}",
+            f"--agent-cert={agent_cert.cert}",
+            f"--agent-key={agent_cert.key}",
+            "--proxy-server-host=127.0.0.1",
+            f"--proxy-server-port={self.agent_port}",
+            f"--admin-server-port={free_port()}",
+            "--admin-bind-address=127.0.0.1",
+            f"--health-server-port={health}",
+            "--health-server-host=127.0.0.1",
+            "-v=0",
+        ]
+        self.agent = Proc("upstream-agent", argv, e.log_dir / "upstream-agent-main.log")
+        wait_port("127.0.0.1", health, 20, self.agent)
+        self.wait_routable()
+
+    def dial_args(self) -> list[str]:
+        return ["--target", self.target_authority(), *self.env.proxy_args(self.client_port)]
+
+    def start_fanin(self, n: int, tag: str) -> FaninHandle:
+        e = self.env
+        server = self._start_server(f"fanin-{tag}")
+        agent_cert = e.pki.agent("fanin", "upstream-multi")
+        argv = [
+            str(e.anp_bin / "anp-multiagent"),
+            f"--count={n}",
+            f"--ip-base={FANIN_BASE}",
+            f"--ca-cert={e.pki.ca}",
+            f"--agent-cert={agent_cert.cert}",
+            f"--agent-key={agent_cert.key}",
+            "--proxy-server-host=127.0.0.1",
+            f"--proxy-server-port={self.agent_port}",
+            "-v=0",
+        ]
+        lines = [f"{fanin_ip(i)}:{e.target_port}" for i in range(n)]
+        log = e.log_dir / f"upstream-multiagent-{tag}.log"
+        return FaninHandle(
+            server,
+            lambda: [Proc("upstream-multiagent", argv, log)],
+            n,
+            lines,
+            lambda: self._launch_server(f"fanin-{tag}"),
+        )
+
+    def probe_args(self) -> list[str]:
+        return self.env.proxy_args(self.client_port)
+
+
+class Ours(System):
+    """This project's Python proxy-server and proxy-agent, HTTP/1.1 CONNECT frontend with mTLS."""
+
+    name = "ours"
+
+    def __init__(self, env: Env) -> None:
+        super().__init__(env)
+        self.server_bin = env.venv_bin / "cluster-proxy-server"
+        self.agent_bin = env.venv_bin / "cluster-proxy-agent"
+
+    def check(self) -> None:
+        for b in (self.server_bin, self.agent_bin):
+            if not b.exists():
+                raise Unavailable(f"ours: {b} missing (run `bash scripts/bootstrap.sh` first)")
+        for b, flags in (
+            (self.server_bin, ("--agent-listen", "--client-listen", "--admin-listen")),
+            (self.agent_bin, ("--server", "--cluster", "--agent-id", "--allow", "--admin-listen")),
+        ):
+            try:
+                out = subprocess.run([str(b), "--help"], capture_output=True, text=True, timeout=30).stdout
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                raise Unavailable(f"ours: {b} --help failed: {exc}") from exc
+            missing = [f for f in flags if f not in out]
+            if missing:
+                raise Unavailable(f"ours: {b.name} lacks the flags {missing} this harness uses")
+
+    def _server_argv(self) -> list[str]:
+        e = self.env
+        return [
+            str(self.server_bin),
+            "--agent-listen",
+            f"127.0.0.1:{self.agent_port}",
+            "--client-listen",
+            f"127.0.0.1:{self.client_port}",
+            "--admin-listen",
+            f"127.0.0.1:{self.admin_port}",
+            "--ca",
+            str(e.pki.ca),
+            "--cert",
+            str(e.server_cert.cert),
+            "--key",
+            str(e.server_cert.key),
+            "--log-level",
+            "warning",
+            "--log-format",
+            "json",
+        ]
+
+    def _agent_argv(self, cluster: str, agent_id: str, cert: CertFiles) -> list[str]:
+        e = self.env
+        return [
+            str(self.agent_bin),
+            "--server",
+            f"127.0.0.1:{self.agent_port}",
+            "--cluster",
+            cluster,
+            "--agent-id",
+            agent_id,
+            "--ca",
+            str(e.pki.ca),
+            "--cert",
+            str(cert.cert),
+            "--key",
+            str(cert.key),
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--allow",
+            "127.0.0.0/8",
+            "--log-level",
+            "warning",
+            "--log-format",
+            "json",
+        ]
+
+    def _start_server(self, tag: str) -> Proc:
+        self.client_port, self.agent_port, self.admin_port = free_port(), free_port(), free_port()
+        return self._launch_server(tag)
+
+    def _launch_server(self, tag: str) -> Proc:
+        p = Proc("ours-server", self._server_argv(), self.env.log_dir / f"ours-server-{tag}.log")
+        wait_port("127.0.0.1", self.client_port, 30, p)
+        wait_port("127.0.0.1", self.agent_port, 30, p)
+        return p
+
+    def start(self) -> None:
+        e = self.env
+        self.server = self._start_server("main")
+        cert = e.pki.agent(CLUSTER, "agent1")
+        self.agent = Proc(
+            "ours-agent", self._agent_argv(CLUSTER, "agent1", cert), e.log_dir / "ours-agent-main.log"
+        )
+        try:
+            self.wait_routable()
+        except Exception as exc:
+            raise RuntimeError(
+                f"{exc}\n--- server log ---\n{self.server.tail()}\n--- agent log ---\n{self.agent.tail()}"
+            ) from exc
+
+    def dial_args(self) -> list[str]:
+        return [
+            "--target",
+            self.target_authority(),
+            *self.env.proxy_args(self.client_port),
+            "--header",
+            f"{CLUSTER_HEADER}: {CLUSTER}",
+        ]
+
+    def probe_line(self) -> str:
+        return f"{self.target_authority()}\t{CLUSTER_HEADER}: {CLUSTER}"
+
+    def start_fanin(self, n: int, tag: str) -> FaninHandle:
+        e = self.env
+        server = self._start_server(f"fanin-{tag}")
+        log = e.log_dir / f"ours-fanin-{tag}-agents.log"
+        argvs, lines = [], []
+        for i in range(n):
+            cluster = f"fanin-{i}"
+            cert = e.pki.agent(cluster, "a")
+            argvs.append(self._agent_argv(cluster, "a", cert))
+            lines.append(f"{self.target_authority()}\t{CLUSTER_HEADER}: {cluster}")
+        return FaninHandle(
+            server,
+            lambda: [Proc("ours-agent", argv, log) for argv in argvs],
+            n,
+            lines,
+            lambda: self._launch_server(f"fanin-{tag}"),
+        )
+
+    def probe_args(self) -> list[str]:
+        return self.env.proxy_args(self.client_port)
+
+
+def anp_bin_dir(version: str) -> Path:
+    """Where bench/upstream/build.sh puts the upstream binaries (same rule as the script)."""
+    cache = os.environ.get("CLUSTER_PROXY_BENCH_CACHE") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cluster-proxy"
+    )
+    return Path(cache) / f"anp-{version}" / "bin"
+
+
+def find_anp(version: str, build: bool) -> tuple[Path | None, str]:
+    """The upstream bin folder (built or refreshed by build.sh unless build=False), or (None, why)."""
+    if not build:
+        b = anp_bin_dir(version)
+        return (b, "") if (b / "proxy-server").exists() else (None, f"not built in {b} (and --no-build)")
+    if not shutil.which("go"):
+        return None, "go is not installed"
+    script = REPO / "bench" / "upstream" / "build.sh"
+    try:
+        out = subprocess.run(
+            ["bash", str(script)],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            check=True,
+            env={**os.environ, "ANP_VERSION": version},
+        )
+    except subprocess.CalledProcessError as exc:
+        return None, f"build failed: {exc.stderr[-2000:]}"
+    return Path(out.stdout.strip().splitlines()[-1]), ""
+
+
+def build_loadgen() -> Path:
+    script = REPO / "bench" / "loadgen" / "build.sh"
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"loadgen build failed:\n{out.stderr}")
+    return Path(out.stdout.strip().splitlines()[-1])

@@ -1,0 +1,414 @@
+"""The workloads. Each runs every selected system interleaved (direct, ours, upstream, repeat)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from bench.procs import Proc
+from bench.systems import Env, System, Unavailable
+
+WORKLOADS = ("bulk", "connect", "rr", "idle", "fanin", "hol")
+
+
+@dataclass
+class Settings:
+    quick: bool
+    repeats: int
+    bulk_duration: float
+    bulk_variants: list[tuple[str, int]]
+    connect_count: int
+    rr_rates: list[int]
+    rr_duration: float
+    rr_conns: int
+    idle_levels: list[int]
+    idle_hold: float
+    fanin_levels: list[int]
+    fanin_ours_max: int
+    fanin_timeout: float
+    hol_duration: float
+    hol_repeats: int
+
+    @classmethod
+    def make(cls, quick: bool) -> Settings:
+        if quick:
+            return cls(
+                quick=True,
+                repeats=1,
+                bulk_duration=2.0,
+                bulk_variants=[("up", 1), ("down", 1), ("up", 8), ("down", 8)],
+                connect_count=100,
+                rr_rates=[1000],
+                rr_duration=2.0,
+                rr_conns=16,
+                idle_levels=[1000],
+                idle_hold=1.0,
+                fanin_levels=[20, 100],
+                fanin_ours_max=20,
+                fanin_timeout=60.0,
+                hol_duration=2.0,
+                hol_repeats=1,
+            )
+        return cls(
+            quick=False,
+            repeats=3,
+            bulk_duration=4.0,
+            bulk_variants=[("up", 1), ("down", 1), ("up", 8), ("down", 8)],
+            connect_count=500,
+            rr_rates=[500, 2000, 5000],
+            rr_duration=4.0,
+            rr_conns=16,
+            idle_levels=[1000, 5000, 10000],
+            idle_hold=3.0,
+            fanin_levels=[100, 500, 1000],
+            fanin_ours_max=100,
+            fanin_timeout=120.0,
+            hol_duration=3.0,
+            hol_repeats=2,
+        )
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Runner:
+    env: Env
+    systems: list[System]
+    settings: Settings
+    target: Proc
+    records: list[dict] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def record(self, workload: str, variant: str, system: System, rep: int, metrics: dict, **extra) -> None:
+        rec = {
+            "workload": workload,
+            "variant": variant,
+            "system": system.name,
+            "rep": rep,
+            "metrics": metrics,
+        }
+        rec.update(extra)
+        self.records.append(rec)
+        shown = ", ".join(f"{k}={v}" for k, v in metrics.items())
+        log(f"{workload:8s} {variant:14s} {system.name:9s} rep {rep}: {shown}")
+
+    def failed(self, workload: str, variant: str, system: System, rep: int, error: str) -> None:
+        log(f"{workload:8s} {variant:14s} {system.name:9s} rep {rep}: FAILED: {error}")
+        self.records.append(
+            {
+                "workload": workload,
+                "variant": variant,
+                "system": system.name,
+                "rep": rep,
+                "metrics": {},
+                "error": error[-3000:],
+            }
+        )
+
+    @contextlib.contextmanager
+    def started(self, workload: str, systems: list[System] | None = None) -> Iterator[list[System]]:
+        """Start the systems for one workload; those that fail to start are left out (with a note)."""
+        up: list[System] = []
+        for s in systems if systems is not None else self.systems:
+            try:
+                s.start()
+                up.append(s)
+            except Exception as exc:
+                s.stop()
+                self.skipped[f"{workload}/{s.name}"] = f"failed to start: {exc}"
+                log(f"{workload}: {s.name} failed to start: {exc}")
+        try:
+            yield up
+        finally:
+            for s in up:
+                s.stop()
+
+    def _cpu_snapshot(self, system: System) -> dict[str, float]:
+        snap = {"target": self.target.cpu_seconds(), "wall": time.monotonic()}
+        for role, p in system.procs().items():
+            snap[role] = p.cpu_seconds()
+        return snap
+
+    @staticmethod
+    def _cpu_percent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        wall = max(after["wall"] - before["wall"], 1e-9)
+        return {
+            k: round(100 * (after[k] - before[k]) / wall, 1) for k in before if k != "wall" and k in after
+        }
+
+    def loadgen(self, system: System, mode: str, args: list[str], timeout: float) -> tuple[dict, dict]:
+        """Run one loadgen client through `system`; returns (loadgen JSON, CPU % of the processes)."""
+        before = self._cpu_snapshot(system)
+        argv = [str(self.env.loadgen), mode, *system.dial_args(), *args]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        after = self._cpu_snapshot(system)
+        if out.returncode != 0:
+            raise RuntimeError(f"loadgen {mode} exited {out.returncode}: {out.stderr[-2000:]}")
+        res = json.loads(out.stdout)
+        cpu = self._cpu_percent(before, after)
+        cpu["loadgen"] = res["loadgen_cpu"]["cpu_percent"]
+        return res, cpu
+
+    def _check_alive(self, system: System) -> str | None:
+        dead = [f"{role} (exit {p.popen.returncode})" for role, p in system.procs().items() if not p.alive()]
+        return f"{system.name}: process died: {', '.join(dead)}" if dead else None
+
+    def each(
+        self, workload: str, variant: str, rep: int, systems: list[System], fn: Callable[[System], None]
+    ) -> None:
+        for s in systems:
+            dead = self._check_alive(s)
+            if dead:
+                self.failed(workload, variant, s, rep, dead)
+                continue
+            try:
+                fn(s)
+            except Exception as exc:
+                self.failed(workload, variant, s, rep, f"{type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ workloads
+
+    def bulk(self) -> None:
+        st = self.settings
+        with self.started("bulk") as systems:
+            for rep in range(st.repeats):
+                for direction, streams in st.bulk_variants:
+                    variant = f"{direction}-{streams}streams"
+
+                    def one(
+                        s: System, direction=direction, streams=streams, variant=variant, rep=rep
+                    ) -> None:
+                        res, cpu = self.loadgen(
+                            s,
+                            "bulk",
+                            [
+                                "--streams",
+                                str(streams),
+                                "--direction",
+                                direction,
+                                "--duration",
+                                f"{st.bulk_duration}s",
+                            ],
+                            timeout=st.bulk_duration + 60,
+                        )
+                        r = res["result"]
+                        m = {"mbit_s": r["mbit_s"], "errors": r["errors"]["count"]}
+                        self.record("bulk", variant, s, rep, m, cpu=cpu, raw=r)
+
+                    self.each("bulk", variant, rep, systems, one)
+
+    def connect(self) -> None:
+        st = self.settings
+        with self.started("connect") as systems:
+            for rep in range(st.repeats):
+
+                def one(s: System, rep=rep) -> None:
+                    res, cpu = self.loadgen(
+                        s, "connect", ["--count", str(st.connect_count), "--max-time", "60s"], timeout=120
+                    )
+                    r = res["result"]
+                    fb, c200 = r["first_byte"], r["connect_200"]
+                    m = {
+                        "first_byte_p50_ms": fb.get("p50_ms"),
+                        "first_byte_p99_ms": fb.get("p99_ms"),
+                        "connect_200_p50_ms": c200.get("p50_ms"),
+                        "ok": r["ok"],
+                        "errors": r["errors"]["count"],
+                    }
+                    self.record("connect", f"seq-{st.connect_count}", s, rep, m, cpu=cpu, raw=r)
+
+                self.each("connect", f"seq-{st.connect_count}", rep, systems, one)
+
+    def rr(self) -> None:
+        st = self.settings
+        with self.started("rr") as systems:
+            for rep in range(st.repeats):
+                for rate in st.rr_rates:
+                    variant = f"{rate}rps"
+
+                    def one(s: System, rate=rate, variant=variant, rep=rep) -> None:
+                        res, cpu = self.loadgen(
+                            s,
+                            "rr",
+                            [
+                                "--rate",
+                                str(rate),
+                                "--conns",
+                                str(st.rr_conns),
+                                "--size",
+                                "1024",
+                                "--duration",
+                                f"{st.rr_duration}s",
+                            ],
+                            timeout=st.rr_duration + 60,
+                        )
+                        r = res["result"]
+                        lat = r["latency"]
+                        m = {
+                            "p50_ms": lat.get("p50_ms"),
+                            "p99_ms": lat.get("p99_ms"),
+                            "achieved_rps": r["achieved_rps"],
+                            "errors": r["errors"]["count"],
+                        }
+                        self.record("rr", variant, s, rep, m, cpu=cpu, raw=r)
+
+                    self.each("rr", variant, rep, systems, one)
+
+    def idle(self) -> None:
+        st = self.settings
+        for level in st.idle_levels:
+            variant = f"{level}"
+            for s in self.systems:
+                with self.started(f"idle-{level}", [s]) as up:
+                    if not up:
+                        continue
+                    self.each("idle", variant, 0, up, lambda s, level=level: self._idle_one(s, level))
+
+    def _idle_one(self, s: System, level: int) -> None:
+        st = self.settings
+        time.sleep(0.5)
+        procs = {"target": self.target, **s.procs()}
+        base = {role: p.rss_kib() for role, p in procs.items()}
+        argv = [
+            str(self.env.loadgen),
+            "idle",
+            *s.dial_args(),
+            "--count",
+            str(level),
+            "--parallel",
+            "64",
+            "--hold",
+            f"{st.idle_hold + 1.5}s",
+            "--max-time",
+            "180s",
+        ]
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        loaded: dict[str, int] = {}
+        stderr_tail: list[str] = []
+        assert p.stderr is not None and p.stdout is not None
+        try:
+            for line in p.stderr:
+                stderr_tail = [*stderr_tail[-20:], line]
+                if '"ready"' in line:
+                    time.sleep(1.0 + st.idle_hold / 2)
+                    loaded = {role: pr.rss_kib() for role, pr in procs.items()}
+            out = p.stdout.read()
+            p.wait(timeout=240)
+        except BaseException:
+            p.kill()
+            raise
+        if p.returncode != 0:
+            raise RuntimeError(f"loadgen idle exited {p.returncode}: {''.join(stderr_tail)}")
+        r = json.loads(out)["result"]
+        alive = r["alive"]
+        per = {
+            f"{role}_kib_per_stream": round((loaded.get(role, 0) - base[role]) / max(alive, 1), 2)
+            for role in procs
+            if role != "target"
+        }
+        m = {
+            "alive": alive,
+            "established": r["established"],
+            **per,
+            "target_kib_per_stream": round((loaded.get("target", 0) - base["target"]) / max(alive, 1), 2),
+            "open_per_s": r["open_per_s"],
+        }
+        self.record("idle", f"{level}", s, 0, m, rss_base_kib=base, rss_loaded_kib=loaded, raw=r)
+
+    def fanin(self) -> None:
+        st = self.settings
+        for n in st.fanin_levels:
+            variant = f"{n}"
+            for s in self.systems:
+                if not s.proxied:
+                    continue
+                if s.name == "ours" and n > st.fanin_ours_max:
+                    reason = (
+                        f"ours runs one Python process per agent (~{st.fanin_ours_max} fit this machine's run time "
+                        f"and memory); {n} agents skipped (--fanin-ours-max raises the cap)"
+                    )
+                    self.skipped[f"fanin-{n}/ours"] = reason
+                    log(f"fanin    {variant:14s} ours      skipped: {reason}")
+                    continue
+                try:
+                    s.check()
+                except Unavailable as exc:
+                    self.skipped[f"fanin-{n}/{s.name}"] = str(exc)
+                    continue
+                self.each("fanin", variant, 0, [s], lambda s, n=n: self._fanin_one(s, n))
+
+    def _fanin_one(self, s: System, n: int) -> None:
+        st = self.settings
+        h = s.start_fanin(n, f"{n}")
+        try:
+            time.sleep(0.5)
+            server_base = h.server.rss_kib()
+            t0 = time.monotonic()
+            h.start_agents()
+            first = self.env.probe(s.probe_args(), h.probe_lines, st.fanin_timeout)
+            connect_all = time.monotonic() - t0
+            time.sleep(1.0)
+            server_rss, agents_rss = h.server.rss_kib(), h.agents_rss_kib()
+            h.restart_server()
+            t_listen = time.monotonic()
+            again = self.env.probe(s.probe_args(), h.probe_lines, st.fanin_timeout)
+            reconnect_all = time.monotonic() - t_listen
+            m = {
+                "connected": first["ok"],
+                "connect_all_s": round(connect_all, 2) if first["ok"] == n else None,
+                "reconnected": again["ok"],
+                "reconnect_all_s": round(reconnect_all, 2) if again["ok"] == n else None,
+                "server_kib_per_tunnel": round((server_rss - server_base) / n, 1),
+                "agent_kib_per_agent": round(agents_rss / n, 1),
+            }
+            self.record(
+                "fanin",
+                f"{n}",
+                s,
+                0,
+                m,
+                server_rss_base_kib=server_base,
+                server_rss_kib=server_rss,
+                agents_rss_kib=agents_rss,
+                agent_processes=len(h.agents),
+                probe_first=first,
+                probe_after_restart=again,
+            )
+        finally:
+            h.stop()
+
+    def hol(self) -> None:
+        st = self.settings
+        for direction in ("down", "up"):
+            with self.started(f"hol-{direction}") as systems:
+                for rep in range(st.hol_repeats):
+
+                    def one(s: System, direction=direction, rep=rep) -> None:
+                        res, cpu = self.loadgen(
+                            s,
+                            "hol",
+                            ["--streams", "4", "--direction", direction, "--duration", f"{st.hol_duration}s"],
+                            timeout=2 * st.hol_duration + 90,
+                        )
+                        r = res["result"]
+                        if "error" in r:
+                            raise RuntimeError(r["error"])
+                        ns = r["new_stream_during_stall"]
+                        m = {
+                            "ratio": r["ratio"],
+                            "alone_mbit_s": r["alone"]["mbit_s"],
+                            "stalled_mbit_s": r["with_stalled"]["mbit_s"],
+                            "new_stream_ok": 1 if ns.get("ok") else 0,
+                        }
+                        self.record("hol", direction, s, rep, m, cpu=cpu, raw=r)
+
+                    self.each("hol", direction, rep, systems, one)
