@@ -1,1 +1,1 @@
-"""cluster-proxy proxy-agent: dials out from a managed cluster and serves the tunnel."""
+"""cluster-proxy proxy-agent: dials out to the hub's proxy-server and serves tunnel streams."""

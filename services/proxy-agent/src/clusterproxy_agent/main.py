@@ -1,2 +1,444 @@
-def main() -> None:
-    raise SystemExit("not implemented yet")
+"""``cluster-proxy-agent``: command line, startup, admin endpoints, graceful shutdown."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import signal
+import socket
+import ssl
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from clusterproxy_agent.agent import Agent, AgentConfig, agent_version
+from clusterproxy_agent.egress import EgressPolicy, Rule, parse_rule
+from clusterproxy_agent.tunnel import TunnelOptions, TunnelRunner, tls_opener
+from clusterproxy_protocol.admin import Reply, serve_admin
+from clusterproxy_protocol.config import (
+    ConfigError,
+    InvalidValue,
+    add_flag,
+    existing_file,
+    parse_args_or_exit,
+    parse_duration,
+    parse_hostport,
+)
+from clusterproxy_protocol.logs import configure_logging, get_logger
+from clusterproxy_protocol.pki import agent_uri
+from clusterproxy_protocol.tls import client_context
+
+__all__ = ["AgentSettings", "build_parser", "main", "parse_settings", "serve"]
+
+ENV_PREFIX = "CLUSTER_PROXY_AGENT_"
+PROG = "cluster-proxy-agent"
+_CLUSTER = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+# --- converters -----------------------------------------------------------------------------------------
+
+
+def cluster_name(text: str) -> str:
+    """A Kubernetes object name (RFC 1123 subdomain): lower-case letters, digits, '-' and '.'."""
+    name = text.strip()
+    if not name or len(name) > 253 or not _CLUSTER.match(name):
+        raise InvalidValue(
+            f"invalid cluster name {text!r}: use lower-case letters, digits, '-' and '.', starting and "
+            "ending with a letter or digit (a Kubernetes object name, at most 253 characters)"
+        )
+    return name
+
+
+def agent_id(text: str) -> str:
+    value = text.strip()
+    try:
+        agent_uri("x", value)
+    except ValueError:
+        raise InvalidValue(
+            f"invalid agent id {text!r}: use letters, digits, '.', '_' and '-' "
+            "(starting and ending with a letter or digit, at most 253 characters)"
+        ) from None
+    return value
+
+
+def target_address(text: str) -> tuple[str, int]:
+    host, port = parse_hostport(text)
+    if port == 0:
+        raise InvalidValue(f"invalid address {text!r}: port 0 cannot be dialled")
+    return host, port
+
+
+def positive_duration(text: str) -> float:
+    value = parse_duration(text)
+    if value <= 0:
+        raise InvalidValue(f"invalid duration {text!r}: must be greater than 0")
+    return value
+
+
+def _default_agent_id() -> str:
+    host = socket.gethostname().split(".", 1)[0] or "agent"
+    try:
+        return agent_id(host)
+    except InvalidValue:
+        return "agent"
+
+
+# --- settings ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AgentSettings:
+    server: tuple[str, int]
+    cluster: str
+    ca: Path
+    cert: Path
+    key: Path
+    server_name: str = ""
+    agent_id: str = field(default_factory=_default_agent_id)
+    kube_apiserver: tuple[str, int] = ("kubernetes.default.svc", 443)
+    dial_timeout: float = 10.0
+    allow: list[Rule] = field(default_factory=list)
+    deny: list[Rule] = field(default_factory=list)
+    default_deny: bool = True
+    admin_listen: tuple[str, int] = ("0.0.0.0", 8093)
+    connect_timeout: float = 10.0
+    backoff_initial: float = 0.5
+    backoff_max: float = 30.0
+    keepalive_interval: float = 10.0
+    keepalive_timeout: float = 20.0
+    drain_timeout: float = 30.0
+    log_level: str = "info"
+    log_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.server_name:
+            self.server_name = self.server[0]
+
+    def policy(self) -> EgressPolicy:
+        return EgressPolicy.build(
+            self.allow, self.deny, default_deny=self.default_deny, kube_apiserver=self.kube_apiserver
+        )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        return client_context(self.cert, self.key, self.ca, alpn=["h2"])
+
+    def summary(self) -> dict[str, object]:
+        """The effective configuration for the startup log (paths only, never key material)."""
+        return {
+            "server": _hostport(self.server),
+            "server_name": self.server_name,
+            "kube_apiserver": _hostport(self.kube_apiserver),
+            "ca": str(self.ca),
+            "cert": str(self.cert),
+            "key": str(self.key),
+            "dial_timeout": self.dial_timeout,
+            "egress": self.policy().describe(),
+            "default_deny": self.default_deny,
+            "admin_listen": _hostport(self.admin_listen),
+            "connect_timeout": self.connect_timeout,
+            "backoff_initial": self.backoff_initial,
+            "backoff_max": self.backoff_max,
+            "keepalive_interval": self.keepalive_interval,
+            "keepalive_timeout": self.keepalive_timeout,
+            "drain_timeout": self.drain_timeout,
+            "version": agent_version(),
+        }
+
+
+def _hostport(hp: tuple[str, int]) -> str:
+    host, port = hp
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="cluster-proxy agent: dials out to the hub's proxy-server and serves its tunnel streams "
+        "inside this cluster's network.",
+    )
+
+    def flag(name: str, **kwargs: object) -> None:
+        add_flag(parser, name, env=ENV_PREFIX + name.lstrip("-").upper().replace("-", "_"), **kwargs)  # type: ignore[arg-type]
+
+    flag(
+        "--server",
+        type=target_address,
+        required=True,
+        metavar="HOST:PORT",
+        help="the proxy-server's agent port",
+    )
+    flag("--server-name", help="TLS name expected in the server certificate (default: the host of --server)")
+    flag("--cluster", type=cluster_name, required=True, help="name of this managed cluster")
+    flag("--agent-id", type=agent_id, help="id of this agent replica (default: the host name)")
+    flag("--ca", type=existing_file, required=True, metavar="FILE", help="CA bundle to verify the server")
+    flag("--cert", type=existing_file, required=True, metavar="FILE", help="agent certificate (PEM)")
+    flag("--key", type=existing_file, required=True, metavar="FILE", help="agent private key (PEM)")
+    flag(
+        "--kube-apiserver",
+        type=target_address,
+        default="kubernetes.default.svc:443",
+        metavar="HOST:PORT",
+        help="where the bare cluster name as dial host leads",
+    )
+    flag(
+        "--dial-timeout",
+        metavar="DURATION",
+        type=positive_duration,
+        default="10s",
+        help="bound on resolving and connecting a target",
+    )
+    flag(
+        "--allow",
+        type=parse_rule,
+        multiple=True,
+        metavar="RULE",
+        help="egress allow rule (repeatable): CIDR, host pattern like *.svc, optional :PORTS "
+        "(default: the kube-apiserver, *.svc, *.svc.cluster.local)",
+    )
+    flag("--deny", type=parse_rule, multiple=True, metavar="RULE", help="egress deny rule (repeatable)")
+    flag(
+        "--default-deny",
+        type=bool,
+        default=True,
+        help="built-in denies: link-local and cloud metadata endpoints (--no-default-deny turns them off)",
+    )
+    flag(
+        "--admin-listen",
+        type=parse_hostport,
+        default="0.0.0.0:8093",
+        metavar="HOST:PORT",
+        help="admin HTTP (port 0: any free port)",
+    )
+    flag(
+        "--connect-timeout",
+        metavar="DURATION",
+        type=positive_duration,
+        default="10s",
+        help="bound on TCP connect plus TLS handshake to the server",
+    )
+    flag(
+        "--backoff-initial",
+        metavar="DURATION",
+        type=positive_duration,
+        default="0.5s",
+        help="first reconnect delay ceiling",
+    )
+    flag(
+        "--backoff-max",
+        metavar="DURATION",
+        type=positive_duration,
+        default="30s",
+        help="largest reconnect delay ceiling",
+    )
+    flag(
+        "--keepalive-interval",
+        metavar="DURATION",
+        type=positive_duration,
+        default="10s",
+        help="PING interval on the tunnel",
+    )
+    flag(
+        "--keepalive-timeout",
+        metavar="DURATION",
+        type=positive_duration,
+        default="20s",
+        help="a PING unanswered this long kills the tunnel",
+    )
+    flag(
+        "--drain-timeout",
+        metavar="DURATION",
+        type=parse_duration,
+        default="30s",
+        help="on SIGTERM, how long open streams may take to finish",
+    )
+    flag(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="log level",
+    )
+    flag(
+        "--log-format",
+        default="auto",
+        choices=["auto", "json", "console"],
+        help="auto: JSON unless stderr is a terminal",
+    )
+    return parser
+
+
+def parse_settings(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> AgentSettings:
+    """Parse and validate everything; a bad value exits with status 2 and a message naming it."""
+    parser = build_parser()
+    args = parse_args_or_exit(parser, argv, environ=environ)
+    if args.backoff_max < args.backoff_initial:
+        parser.error(
+            f"--backoff-max {args.backoff_max:g}s is smaller than --backoff-initial {args.backoff_initial:g}s"
+        )
+    if not math.isfinite(args.drain_timeout):
+        parser.error(f"--drain-timeout {args.drain_timeout!r} must be finite")
+    settings = AgentSettings(
+        server=args.server,
+        server_name=(args.server_name or "").strip(),
+        cluster=args.cluster,
+        agent_id=args.agent_id or _default_agent_id(),
+        ca=args.ca,
+        cert=args.cert,
+        key=args.key,
+        kube_apiserver=args.kube_apiserver,
+        dial_timeout=args.dial_timeout,
+        allow=list(args.allow),
+        deny=list(args.deny),
+        default_deny=args.default_deny,
+        admin_listen=args.admin_listen,
+        connect_timeout=args.connect_timeout,
+        backoff_initial=args.backoff_initial,
+        backoff_max=args.backoff_max,
+        keepalive_interval=args.keepalive_interval,
+        keepalive_timeout=args.keepalive_timeout,
+        drain_timeout=args.drain_timeout,
+        log_level=args.log_level,
+        log_format=args.log_format,
+    )
+    try:
+        settings.ssl_context()
+    except ConfigError as exc:
+        parser.error(f"--ca/--cert/--key: {exc}")
+    return settings
+
+
+# --- running ---------------------------------------------------------------------------------------------
+
+
+class Service:
+    """A running agent: tunnel, admin server; :meth:`shutdown` drains it."""
+
+    def __init__(self, settings: AgentSettings) -> None:
+        self.settings = settings
+        self.agent = Agent(
+            AgentConfig(
+                cluster=settings.cluster,
+                agent_id=settings.agent_id,
+                kube_apiserver=settings.kube_apiserver,
+                dial_timeout=settings.dial_timeout,
+                policy=settings.policy(),
+            )
+        )
+        options = TunnelOptions(
+            server=settings.server,
+            connect_timeout=settings.connect_timeout,
+            keepalive=(settings.keepalive_interval, settings.keepalive_timeout),
+            backoff_initial=settings.backoff_initial,
+            backoff_max=settings.backoff_max,
+        )
+        opener = tls_opener(settings.server, settings.ssl_context(), settings.server_name)
+        self.runner = TunnelRunner(self.agent, options, opener)
+        self.log = self.agent.log
+        self.admin_address = ""
+        self.draining = False
+        self.stop_requested = trio.Event()
+
+    # admin routes
+    def healthz(self) -> Reply:
+        return Reply.text("ok")
+
+    def readyz(self) -> Reply:
+        if self.draining:
+            return Reply.text("not ready: shutting down", 503)
+        connected = self.agent.connected
+        if connected:
+            return Reply.text(f"ok: {connected} tunnel(s) connected to {_hostport(self.settings.server)}")
+        last = self.agent.last_error or "still connecting"
+        return Reply.text(
+            f"not ready: no tunnel connected to {_hostport(self.settings.server)} ({last})", 503
+        )
+
+    def metrics(self) -> Reply:
+        return Reply.metrics(self.agent.metrics.registry)
+
+    async def run(self, *, task_status: trio.TaskStatus[Service] = trio.TASK_STATUS_IGNORED) -> None:
+        host, port = self.settings.admin_listen
+        listeners = await trio.open_tcp_listeners(port, host=host or None)
+        sockname = listeners[0].socket.getsockname()
+        self.admin_address = _hostport((str(sockname[0]), int(sockname[1])))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                serve_admin,
+                listeners,
+                {"/healthz": self.healthz, "/readyz": self.readyz, "/metrics": self.metrics},
+            )
+            await nursery.start(self.runner.run)
+            self.log.info(
+                "agent_started", admin_port=self.admin_address, server=_hostport(self.settings.server)
+            )
+            task_status.started(self)
+            await self.stop_requested.wait()
+            await self.shutdown()
+            nursery.cancel_scope.cancel()
+
+    async def shutdown(self) -> None:
+        """Drain: no new streams, open ones get up to --drain-timeout, then every tunnel closes."""
+        self.draining = True
+        self.runner.stop()
+        self.agent.drain()
+        open_streams = sum(m.open_streams for m in self.agent.tunnels)
+        self.log.info("draining", open_streams=open_streams, drain_timeout=self.settings.drain_timeout)
+        with trio.move_on_after(self.settings.drain_timeout) as scope:
+            await self.agent.wait_idle()
+        if scope.cancelled_caught:
+            left = sum(m.open_streams for m in self.agent.tunnels)
+            self.log.warning("drain_timeout", open_streams=left)
+        self.agent.close_all("agent shutting down")
+        with trio.move_on_after(5):
+            await self.runner.stopped.wait()
+        self.log.info("agent_stopped")
+
+
+async def serve(
+    settings: AgentSettings, *, task_status: trio.TaskStatus[Service] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run until SIGTERM/SIGINT, then drain (a second signal cuts the drain short)."""
+    service = Service(settings)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def watch_signals() -> None:
+                count = 0
+                async for signum in signals:
+                    count += 1
+                    name = signal.Signals(signum).name
+                    if count == 1:
+                        service.log.info("shutdown_requested", signal=name)
+                        service.stop_requested.set()
+                    else:
+                        service.log.warning("shutdown_forced", signal=name)
+                        service.agent.close_all("agent stopped")
+
+            nursery.start_soon(watch_signals)
+            await service.run(task_status=task_status)
+            nursery.cancel_scope.cancel()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = parse_settings(argv)
+    json_logs = {"auto": None, "json": True, "console": False}[settings.log_format]
+    configure_logging(settings.log_level, json=json_logs)
+    log = get_logger("clusterproxy_agent", cluster=settings.cluster, agent_id=settings.agent_id)
+    log.info("agent_starting", **settings.summary())
+    try:
+        trio.run(serve, settings)
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        log.error("agent_failed", error=str(exc))
+        sys.exit(1)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""The agent's side of the tunnel: answers the streams the proxy-server opens.
+
+``CONNECT host:port`` -> egress policy, resolve, dial, ``200`` and relay bytes (or an error status
+with a reason); ``GET /v1/info`` -> who this agent is. One :class:`Agent` per process holds the state
+shared by all its tunnels (live connections, the server identities learnt, metrics).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+from clusterproxy_agent.dialer import ConnectFailed, Connector, ResolveFailed, Resolver, connect_any, resolve
+from clusterproxy_agent.egress import EgressPolicy, Target, TargetError, normalize_name, parse_target
+from clusterproxy_agent.metrics import AgentMetrics
+from clusterproxy_protocol.driver import IncomingRequest, Mux
+from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol.relay import relay
+
+__all__ = ["CAPABILITIES", "Agent", "AgentConfig", "ServerIdentity", "agent_version"]
+
+CAPABILITIES = ("connect", "half-close")
+SERVER_ID_HEADER = "cluster-proxy-server-id"
+SERVER_COUNT_HEADER = "cluster-proxy-server-count"
+INFO_PATH = "/v1/info"
+
+
+def agent_version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("cluster-proxy-agent")
+    except (ImportError, PackageNotFoundError):
+        return "0.0.0+unknown"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}s"
+
+
+@dataclass
+class AgentConfig:
+    cluster: str
+    agent_id: str
+    kube_apiserver: tuple[str, int] = ("kubernetes.default.svc", 443)
+    dial_timeout: float = 10.0
+    policy: EgressPolicy = field(default_factory=EgressPolicy.build)
+    version: str = field(default_factory=agent_version)
+
+
+@dataclass
+class ServerIdentity:
+    """What a proxy-server told us about itself with ``GET /v1/info`` (used for HA)."""
+
+    server_id: str | None
+    server_count: int | None
+    address: str = ""
+
+
+@dataclass
+class _TunnelRecord:
+    address: str
+    connected_at: float
+    identity: ServerIdentity | None = None
+
+
+class Agent:
+    """Handles tunnel streams; ``connect``/``resolve`` are injectable for tests."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        metrics: AgentMetrics | None = None,
+        resolver: Resolver = resolve,
+        connector: Connector = connect_any,
+    ) -> None:
+        self.config = config
+        self._resolve = resolver
+        self._connect = connector
+        self.tunnels: dict[Mux, _TunnelRecord] = {}
+        self._closed_bytes = [0, 0]
+        self.metrics = metrics or AgentMetrics(self.byte_totals)
+        self.last_error: str | None = None
+        self.log = get_logger("clusterproxy_agent", cluster=config.cluster, agent_id=config.agent_id)
+        self._kube_target = parse_target(_authority(*config.kube_apiserver))
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> int:
+        return sum(1 for mux in self.tunnels if not mux.dead)
+
+    @property
+    def servers(self) -> dict[str, ServerIdentity]:
+        """Server id -> identity, for every live tunnel whose server told us its id."""
+        out: dict[str, ServerIdentity] = {}
+        for mux, record in self.tunnels.items():
+            if record.identity is not None and record.identity.server_id and not mux.dead:
+                out[record.identity.server_id] = record.identity
+        return out
+
+    def byte_totals(self) -> tuple[int, int]:
+        live = list(self.tunnels)
+        return (
+            self._closed_bytes[0] + sum(m.bytes_in for m in live),
+            self._closed_bytes[1] + sum(m.bytes_out for m in live),
+        )
+
+    @contextmanager
+    def tunnel(self, mux: Mux, address: str) -> Iterator[None]:
+        """Register a live tunnel for the duration of the block (readiness, metrics, HA state)."""
+        self.tunnels[mux] = _TunnelRecord(address, trio.current_time())
+        self.metrics.tunnels_connected.inc()
+        try:
+            yield
+        finally:
+            del self.tunnels[mux]
+            self._closed_bytes[0] += mux.bytes_in
+            self._closed_bytes[1] += mux.bytes_out
+            self.metrics.tunnels_connected.dec()
+
+    def drain(self) -> None:
+        """Ask every server to open no new streams; open streams go on."""
+        for mux in list(self.tunnels):
+            mux.drain()
+
+    async def wait_idle(self) -> None:
+        """Wait until no tunnel has an open stream (or every tunnel is gone)."""
+        while True:
+            busy = [mux for mux in self.tunnels if mux.open_streams and not mux.dead]
+            if not busy:
+                return
+            await busy[0].wait_idle()
+
+    def close_all(self, reason: str) -> None:
+        for mux in list(self.tunnels):
+            mux.close(reason)
+
+    # -- streams -------------------------------------------------------------------------------------
+
+    async def handle(self, request: IncomingRequest) -> None:
+        """The tunnel's request handler: never raises, so one stream can never take the tunnel down."""
+        try:
+            if request.method == "CONNECT":
+                await self._handle_connect(request)
+            elif request.path == INFO_PATH:
+                await self._handle_info(request)
+            else:
+                await request.refuse(
+                    404,
+                    f"no such endpoint {request.method} {request.path[:100]!r}; this agent serves CONNECT and GET {INFO_PATH}",
+                )
+        except trio.Cancelled:
+            raise
+        except Exception as exc:
+            self.log.exception(
+                "stream_handler_failed",
+                stream_id=request.stream.stream_id,
+                target=request.authority,
+                error=repr(exc),
+            )
+            try:
+                await request.refuse(500, f"agent error: {type(exc).__name__}")
+            except Exception:
+                pass
+
+    async def _handle_info(self, request: IncomingRequest) -> None:
+        if request.method != "GET":
+            await request.refuse(405, f"method {request.method} not allowed on {INFO_PATH}; use GET")
+            return
+        identity = ServerIdentity(
+            request.headers.get(SERVER_ID_HEADER),
+            _int_or_none(request.headers.get(SERVER_COUNT_HEADER)),
+        )
+        record = self.tunnels.get(request.mux)
+        if record is not None:
+            identity.address = record.address
+            if record.identity != identity:
+                self.log.info(
+                    "server_identified",
+                    server=record.address,
+                    server_id=identity.server_id,
+                    server_count=identity.server_count,
+                )
+            record.identity = identity
+        body = json.dumps(
+            {
+                "agent_id": self.config.agent_id,
+                "cluster": self.config.cluster,
+                "version": self.config.version,
+                "capabilities": list(CAPABILITIES),
+            }
+        ).encode()
+        await request.respond(200, body, [("content-type", "application/json")])
+
+    def resolve_target(self, authority: str) -> Target:
+        """Parse the ``:authority``; the bare cluster name means the kube-apiserver."""
+        target = parse_target(authority)
+        if target.ip is None and target.host == normalize_name(self.config.cluster):
+            return self._kube_target
+        return target
+
+    async def _handle_connect(self, request: IncomingRequest) -> None:
+        metrics = self.metrics
+        log = self.log.bind(stream_id=request.stream.stream_id, target=request.authority)
+        metrics.open_streams.inc()
+        try:
+            try:
+                target = self.resolve_target(request.authority)
+            except TargetError as exc:
+                metrics.dials.labels("bad_target").inc()
+                log.info("stream_refused", status=400, error=str(exc))
+                await request.refuse(400, str(exc))
+                return
+            status, reason, stream = await self._dial(target)
+            if stream is None:
+                log.info("stream_refused", status=status, error=reason)
+                await request.refuse(status, reason)
+                return
+            metrics.dials.labels("ok").inc()
+            async with stream:
+                try:
+                    tunnel_stream = await request.accept()
+                except Exception as exc:  # the stream was reset while we dialled
+                    log.info("stream_gone_before_dial_completed", error=repr(exc))
+                    return
+                log.debug("stream_connected", dialled=str(target))
+                result = await relay(stream, tunnel_stream)
+            log.debug(
+                "stream_closed",
+                bytes_in=result.bytes_b_to_a,
+                bytes_out=result.bytes_a_to_b,
+                error=result.error,
+            )
+        finally:
+            metrics.open_streams.dec()
+
+    async def _dial(self, target: Target) -> tuple[int, str, trio.abc.Stream | None]:
+        """``(0, "", stream)`` on success, else ``(status, reason, None)`` (and counts the dial)."""
+        policy = self.config.policy
+        timeout = self.config.dial_timeout
+        dials = self.metrics.dials
+        denied = policy.precheck(target)
+        if denied is not None:
+            dials.labels("forbidden").inc()
+            return 403, denied.reason, None
+        stream: trio.abc.Stream | None = None
+        phase = "resolving the name"
+        with trio.move_on_after(timeout if math.isfinite(timeout) else math.inf):
+            try:
+                if target.ip is not None:
+                    addresses = [target.ip]
+                else:
+                    addresses = await self._resolve(target.host, target.port)
+                decision = policy.evaluate(target, addresses)
+                if not decision.allowed:
+                    dials.labels("forbidden").inc()
+                    return 403, decision.reason, None
+                phase = "connecting"
+                stream = await self._connect(decision.addresses, target.port)
+            except ResolveFailed as exc:
+                dials.labels("refused").inc()
+                return 502, f"dial to {target} failed: {exc.strerror or exc}", None
+            except ConnectFailed as exc:
+                dials.labels("refused").inc()
+                return 502, f"dial to {target} failed: {exc}", None
+            except OSError as exc:
+                dials.labels("refused").inc()
+                return 502, f"dial to {target} failed: {exc}", None
+        if stream is None:
+            dials.labels("timeout").inc()
+            return 504, f"dial to {target} timed out after {_seconds(timeout)} ({phase})", None
+        return 0, "", stream
+
+
+def _authority(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _int_or_none(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(text.strip())
+    except ValueError:
+        return None

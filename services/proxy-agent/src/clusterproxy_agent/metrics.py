@@ -1,0 +1,57 @@
+"""Prometheus metrics of one agent instance (its own registry: no module-level state)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "cluster_proxy_agent_"
+DIAL_RESULTS = ("ok", "refused", "timeout", "forbidden", "bad_target")
+
+
+class _ByteCounters(Collector):
+    """Bytes carried over the tunnels, read live from the connections when scraped."""
+
+    def __init__(self, totals: Callable[[], tuple[int, int]]) -> None:
+        self._totals = totals
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families(0, 0)
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(*self._totals())
+
+    def _families(self, bytes_in: int, bytes_out: int) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            PREFIX + "bytes_in", "Payload bytes received from the proxy-servers over tunnels", value=bytes_in
+        )
+        yield CounterMetricFamily(
+            PREFIX + "bytes_out", "Payload bytes sent to the proxy-servers over tunnels", value=bytes_out
+        )
+
+
+class AgentMetrics:
+    def __init__(self, byte_totals: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.tunnels_connected = Gauge(
+            PREFIX + "tunnels_connected", "Tunnels currently connected to a proxy-server", registry=r
+        )
+        self.tunnel_reconnects = Counter(
+            PREFIX + "tunnel_reconnects", "Tunnel connection attempts after the first one", registry=r
+        )
+        self.dials = Counter(
+            PREFIX + "dials",
+            "Dials to targets by result (ok, refused, timeout, forbidden, bad_target)",
+            ["result"],
+            registry=r,
+        )
+        for result in DIAL_RESULTS:
+            self.dials.labels(result)
+        self.open_streams = Gauge(
+            PREFIX + "open_streams", "Proxied streams being dialled or relayed", registry=r
+        )
+        r.register(_ByteCounters(byte_totals))

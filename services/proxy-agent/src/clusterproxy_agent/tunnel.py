@@ -1,0 +1,213 @@
+"""Dial out to the proxy-server and keep a tunnel up, reconnecting forever with jittered backoff.
+
+The transport is a parameter (:data:`Opener`): TLS over TCP by default (:func:`tls_opener`); a
+WebSocket or forward-proxy transport only has to return another ``trio.abc.Stream``.
+"""
+
+from __future__ import annotations
+
+import random
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+
+from clusterproxy_agent.agent import Agent
+from clusterproxy_protocol.core import Role, TunnelSettings
+from clusterproxy_protocol.driver import open_mux
+
+__all__ = [
+    "Backoff",
+    "HandshakeError",
+    "Opener",
+    "TunnelOptions",
+    "TunnelRunner",
+    "describe_error",
+    "tls_opener",
+]
+
+ALPN = "h2"
+
+Opener = Callable[[], Awaitable[trio.abc.Stream]]
+
+
+class HandshakeError(Exception):
+    """The server answered, but not as a proxy-server tunnel endpoint (e.g. no ALPN h2)."""
+
+
+@dataclass
+class TunnelOptions:
+    server: tuple[str, int]
+    connect_timeout: float = 10.0
+    keepalive: tuple[float, float] | None = (10.0, 20.0)
+    backoff_initial: float = 0.5
+    backoff_max: float = 30.0
+    stable_after: float = 10.0  # a tunnel that lived longer resets the backoff
+    settings: TunnelSettings | None = None
+
+    @property
+    def address(self) -> str:
+        host, port = self.server
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Backoff:
+    """Exponential backoff with full jitter: the n-th delay is uniform in ``[0, min(max, initial * 2**n)]``."""
+
+    def __init__(self, initial: float, maximum: float, rng: Callable[[], float] = random.random) -> None:
+        if initial <= 0 or maximum < initial:
+            raise ValueError(f"backoff needs 0 < initial <= max, got initial={initial} max={maximum}")
+        self.initial = initial
+        self.maximum = maximum
+        self._rng = rng
+        self.attempt = 0
+
+    def ceiling(self) -> float:
+        return min(self.maximum, self.initial * 2.0 ** min(self.attempt, 64))
+
+    def next(self) -> float:
+        delay = self._rng() * self.ceiling()
+        self.attempt += 1
+        return delay
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+def tls_opener(server: tuple[str, int], ctx: ssl.SSLContext, server_name: str) -> Opener:
+    """TCP to ``server``, TLS handshake (the agent certificate in ``ctx``), ALPN ``h2`` required."""
+    host, port = server
+
+    async def open_tls() -> trio.abc.Stream:
+        tcp = await trio.open_tcp_stream(host, port)
+        try:
+            tls = trio.SSLStream(tcp, ctx, server_hostname=server_name)
+            await tls.do_handshake()
+            selected = tls.selected_alpn_protocol()
+            if selected != ALPN:
+                raise HandshakeError(f"server did not select ALPN {ALPN!r} (selected {selected!r})")
+        except BaseException:
+            await trio.aclose_forcefully(tcp)
+            raise
+        return tls
+
+    return open_tls
+
+
+def describe_error(exc: BaseException) -> str:
+    """A one-line reason for a failed connect or handshake (the SSL cause of a BrokenResourceError)."""
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(exc, trio.BrokenResourceError) and isinstance(cause, ssl.SSLError):
+        exc = cause
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS handshake failed: certificate verify failed: {exc.verify_message}"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS handshake failed: {getattr(exc, 'reason', None) or exc}"
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(describe_error(e) for e in exc.exceptions)
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror if not exc.filename else f"{exc.strerror}: {exc.filename}"
+    return str(exc) or type(exc).__name__
+
+
+class TunnelRunner:
+    """One tunnel slot: connect, serve the mux until it closes, back off, again; until :meth:`stop`."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        options: TunnelOptions,
+        opener: Opener,
+        *,
+        rng: Callable[[], float] = random.random,
+    ) -> None:
+        self.agent = agent
+        self.options = options
+        self._open = opener
+        self.backoff = Backoff(options.backoff_initial, options.backoff_max, rng)
+        self.log = agent.log.bind(server=options.address)
+        self.stopped = trio.Event()
+        self._stopping = False
+        self._wait_scope: trio.CancelScope | None = None
+        self.attempts = 0
+
+    def stop(self) -> None:
+        """Connect no more; a connect or backoff in progress is abandoned, a live tunnel stays up."""
+        self._stopping = True
+        if self._wait_scope is not None:
+            self._wait_scope.cancel()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            while not self._stopping:
+                lived = await self._once()
+                if self._stopping:
+                    break
+                if lived > self.options.stable_after:
+                    self.backoff.reset()
+                delay = self.backoff.next()
+                self.log.info(
+                    "tunnel_reconnect_scheduled", delay=round(delay, 3), attempt=self.backoff.attempt
+                )
+                with self._interruptible():
+                    await trio.sleep(delay)
+        finally:
+            self.stopped.set()
+
+    def _interruptible(self) -> trio.CancelScope:
+        scope = trio.CancelScope()
+        if self._stopping:
+            scope.cancel()
+        self._wait_scope = scope
+        return scope
+
+    async def _connect(self) -> trio.abc.Stream | None:
+        timeout = self.options.connect_timeout
+        error: str | None = None
+        transport: trio.abc.Stream | None = None
+        with self._interruptible():
+            try:
+                with trio.fail_after(timeout):
+                    transport = await self._open()
+            except trio.TooSlowError:
+                error = f"connect to {self.options.address} timed out after {timeout:g}s"
+            except (OSError, trio.BrokenResourceError, ssl.SSLError, HandshakeError) as exc:
+                error = describe_error(exc)
+        self._wait_scope = None
+        if error is not None:
+            self.agent.last_error = error
+            self.log.warning("tunnel_connect_failed", error=error)
+        return transport
+
+    async def _once(self) -> float:
+        """One connect and, when it works, one tunnel's life; returns how long the tunnel lived."""
+        if self.attempts:
+            self.agent.metrics.tunnel_reconnects.inc()
+        self.attempts += 1
+        self.log.debug("tunnel_connecting", attempt=self.attempts)
+        transport = await self._connect()
+        if transport is None:
+            return 0.0
+        started = trio.current_time()
+        reason = "closed"
+        try:
+            async with open_mux(
+                transport,
+                Role.ACCEPTOR,
+                settings=self.options.settings,
+                handler=self.agent.handle,
+                keepalive=self.options.keepalive,
+            ) as mux:
+                with self.agent.tunnel(mux, self.options.address):
+                    self.log.info("tunnel_connected")
+                    await mux.closed.wait()
+                reason = mux.dead_reason or reason
+        except Exception as exc:
+            reason = f"tunnel failed: {describe_error(exc)}"
+            self.log.exception("tunnel_error", error=reason)
+        lived = trio.current_time() - started
+        self.agent.last_error = f"tunnel disconnected: {reason}"
+        self.log.info("tunnel_disconnected", error=reason, lived=round(lived, 3))
+        return lived
