@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats:
         settings.repeats = args.repeats
         settings.hol_repeats = args.repeats
+        settings.rr_repeats = args.repeats
     if args.fanin_ours_max:
         settings.fanin_ours_max = args.fanin_ours_max
     workloads = [w.strip() for w in args.only.split(",") if w.strip()] or list(WORKLOADS)
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown system(s) {bad}; known: {', '.join(SYSTEMS)}", file=sys.stderr)
         return 2
 
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
     nofile = raise_nofile()
     log(f"open-files limit {nofile[0]}")
     need = 2 * max(settings.idle_levels) + 1000 if "idle" in workloads else 0
@@ -169,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             "systems": [s.name for s in systems],
             "workloads": workloads,
             "open_files_limit": nofile[0],
+            "loadavg_before": " ".join(load_before),
+            "loadavg_after": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
+            "commands": runner.commands,
         },
         "settings": settings.__dict__,
         "skipped": runner.skipped,

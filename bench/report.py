@@ -84,9 +84,12 @@ def markdown(results: dict) -> str:
         f"- machine: {meta['machine']}",
         f"- upstream: apiserver-network-proxy {meta.get('anp_version', '?')} (http-connect, destHost, mTLS)",
         f"- systems run: {', '.join(meta['systems'])}",
+        f"- load average (1/5/15 min) before: {meta.get('loadavg_before', '?')}, after: {meta.get('loadavg_after', '?')}"
+        " (other work on the machine shows here; the run itself adds ~2)",
         "",
-        "Values are medians over repeats. ours/upstream > 1 means ours is larger: better for",
-        "throughput, rates and ratios; worse for latencies, times and memory (the arrow says which is better).",
+        "Values are medians over repeats. ours/upstream is the plain quotient; `better` says which system",
+        "wins on that metric (within 5 %: even): higher is better for throughput, rates, counts and the",
+        "head-of-line ratio; lower is better for latencies, times and memory.",
         "",
     ]
     if results.get("skipped"):
@@ -105,8 +108,8 @@ def markdown(results: dict) -> str:
             continue
         lines += [f"## {WORKLOAD_TITLES[w]}", ""]
         lines += [
-            "| variant | metric | direct | ours | upstream | ours/upstream |",
-            "|---|---|---:|---:|---:|---:|",
+            "| variant | metric | direct | ours | upstream | ours/upstream | better |",
+            "|---|---|---:|---:|---:|---:|---|",
         ]
         for var in sorted(summary[w], key=_variant_key):
             for (wk, m), (label, unit, higher) in METRICS.items():
@@ -114,11 +117,25 @@ def markdown(results: dict) -> str:
                     continue
                 vals = summary[w][var][m]
                 d, o, u = vals.get("direct"), vals.get("ours"), vals.get("upstream")
-                ratio = "-"
+                ratio, better = "-", "-"
                 if o is not None and u:
-                    ratio = f"{o / u:.2f} {'↑' if higher else '↓'} better"
-                lines.append(f"| {var} | {label} ({unit}) | {_fmt(d)} | {_fmt(o)} | {_fmt(u)} | {ratio} |")
+                    r = o / u
+                    ratio = f"{r:.2f}"
+                    if 0.95 <= r <= 1.05:
+                        better = "even"
+                    else:
+                        better = "ours" if (r > 1) == higher else "upstream"
+                elif o is not None and u == 0 and o > 0:
+                    better = "ours" if higher else "upstream"
+                lines.append(
+                    f"| {var} | {label} ({unit}) | {_fmt(d)} | {_fmt(o)} | {_fmt(u)} | {ratio} | {better} |"
+                )
         lines.append("")
+    if meta.get("commands"):
+        lines += ["## How the systems were started", ""]
+        for name, roles in meta["commands"].items():
+            for role, argv in roles.items():
+                lines += [f"{name} {role}:", "", "```", " ".join(_short(a) for a in argv), "```", ""]
     cpu_rows = _cpu_rows(results["records"])
     if cpu_rows:
         lines += [
@@ -132,6 +149,16 @@ def markdown(results: dict) -> str:
         lines += cpu_rows
         lines.append("")
     return "\n".join(lines)
+
+
+def _short(arg: str) -> str:
+    """Shorten run-specific paths in a command line for the report."""
+    for marker in ("/pki/", "/bin/"):
+        if marker in arg:
+            head, _, tail = arg.rpartition(marker)
+            prefix = head.split("=", 1)[0] + "=" if "=" in head else ""
+            return f"{prefix}…{marker}{tail}"
+    return arg
 
 
 def _cpu_rows(records: list[dict]) -> list[str]:

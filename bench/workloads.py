@@ -26,6 +26,7 @@ class Settings:
     rr_rates: list[int]
     rr_duration: float
     rr_conns: int
+    rr_repeats: int
     idle_levels: list[int]
     idle_hold: float
     fanin_levels: list[int]
@@ -46,6 +47,7 @@ class Settings:
                 rr_rates=[1000],
                 rr_duration=2.0,
                 rr_conns=16,
+                rr_repeats=1,
                 idle_levels=[1000],
                 idle_hold=1.0,
                 fanin_levels=[20, 100],
@@ -63,6 +65,7 @@ class Settings:
             rr_rates=[500, 2000, 5000],
             rr_duration=4.0,
             rr_conns=16,
+            rr_repeats=2,
             idle_levels=[1000, 5000, 10000],
             idle_hold=3.0,
             fanin_levels=[100, 500, 1000],
@@ -85,6 +88,7 @@ class Runner:
     target: Proc
     records: list[dict] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    commands: dict[str, dict[str, list[str]]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -122,6 +126,7 @@ class Runner:
             try:
                 s.start()
                 up.append(s)
+                self.commands.setdefault(s.name, {role: p.argv for role, p in s.procs().items()})
             except Exception as exc:
                 s.stop()
                 self.skipped[f"{workload}/{s.name}"] = f"failed to start: {exc}"
@@ -182,7 +187,7 @@ class Runner:
         with self.started("bulk") as systems:
             for rep in range(st.repeats):
                 for direction, streams in st.bulk_variants:
-                    variant = f"{direction}-{streams}streams"
+                    variant = f"{direction}-{streams}stream" + ("s" if streams > 1 else "")
 
                     def one(
                         s: System, direction=direction, streams=streams, variant=variant, rep=rep
@@ -231,7 +236,7 @@ class Runner:
     def rr(self) -> None:
         st = self.settings
         with self.started("rr") as systems:
-            for rep in range(st.repeats):
+            for rep in range(st.rr_repeats):
                 for rate in st.rr_rates:
                     variant = f"{rate}rps"
 
