@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,19 @@ def test_bad_flag_exits_2_naming_the_value(tunnel_pki) -> None:
     assert result.returncode == 2
     assert "--dial-timeout" in result.stderr
     assert "'soonish'" in result.stderr
+
+
+def test_admin_port_in_use_exits_1_with_the_reason(tunnel_pki) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = agent_argv(tunnel_pki, 1, "--admin-listen", f"127.0.0.1:{port}")
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    failed = [json.loads(line) for line in result.stderr.splitlines() if '"agent_failed"' in line]
+    assert failed, result.stderr
+    assert failed[0]["error"] == f"cannot listen on --admin-listen 127.0.0.1:{port}: Address already in use"
 
 
 @pytest.mark.slow

@@ -43,3 +43,14 @@ def test_describe_error_for_certificate_verification() -> None:
     except trio.BrokenResourceError as exc:
         text = describe_error(exc)
     assert text == "TLS handshake failed: certificate verify failed: unable to get local issuer certificate"
+
+
+async def test_describe_error_shows_why_every_address_failed() -> None:
+    with trio.socket.socket() as probe:
+        await probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(OSError) as info:
+        await trio.open_tcp_stream("127.0.0.1", port)
+    text = describe_error(info.value)
+    assert f"127.0.0.1:{port}" in text
+    assert "Connection refused" in text

@@ -363,7 +363,11 @@ class Service:
 
     async def run(self, *, task_status: trio.TaskStatus[Service] = trio.TASK_STATUS_IGNORED) -> None:
         host, port = self.settings.admin_listen
-        listeners = await trio.open_tcp_listeners(port, host=host or None)
+        try:
+            listeners = await trio.open_tcp_listeners(port, host=host or None)
+        except OSError as exc:
+            where = _hostport(self.settings.admin_listen)
+            raise ConfigError(f"cannot listen on --admin-listen {where}: {exc.strerror or exc}") from None
         sockname = listeners[0].socket.getsockname()
         self.admin_address = _hostport((str(sockname[0]), int(sockname[1])))
         async with trio.open_nursery() as nursery:
@@ -434,10 +438,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         trio.run(serve, settings)
     except KeyboardInterrupt:
         pass
-    except OSError as exc:
-        log.error("agent_failed", error=str(exc))
+    except Exception as exc:
+        leaves = _leaves(exc)
+        if not all(isinstance(e, OSError | ConfigError) for e in leaves):
+            raise
+        log.error("agent_failed", error="; ".join(str(e) for e in leaves))
         sys.exit(1)
     sys.exit(0)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
 
 
 if __name__ == "__main__":

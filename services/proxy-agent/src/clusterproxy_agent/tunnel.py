@@ -108,7 +108,13 @@ def describe_error(exc: BaseException) -> str:
         return "; ".join(describe_error(e) for e in exc.exceptions)
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror if not exc.filename else f"{exc.strerror}: {exc.filename}"
-    return str(exc) or type(exc).__name__
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, OSError) and isinstance(cause, BaseException) and cause is not exc:
+        # trio.open_tcp_stream: "all attempts to connect to H:P failed" from a group of the real errors
+        detail = describe_error(cause)
+        if detail and detail not in text:
+            text = f"{text}: {detail}"
+    return text
 
 
 class TunnelRunner:
