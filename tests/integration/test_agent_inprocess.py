@@ -358,3 +358,38 @@ async def test_drain_lets_open_streams_finish(nursery: trio.Nursery) -> None:
         await round_trip(stream, 200_000)  # the open stream still works
         with trio.fail_after(5):
             await agent.wait_idle()
+
+
+async def test_hub_giving_up_during_the_dial_closes_the_target(nursery: trio.Nursery) -> None:
+    """The hub drops its pending CONNECT while the agent dials: the late target connection is closed
+    again (the relay sees the hub's end of stream) and the tunnel lives on."""
+    port = await serve_echo(nursery)
+    dialling = trio.Event()
+    release = trio.Event()
+    connected: list[trio.SocketStream] = []
+
+    async def slow_connector(addresses, target_port):
+        dialling.set()
+        await release.wait()
+        stream = await trio.open_tcp_stream(str(addresses[0]), target_port)
+        connected.append(stream)
+        return stream
+
+    agent = make_agent(connector=slow_connector)
+    async with hub_side(agent) as hub:
+        with trio.move_on_after(5) as scope:
+            async with trio.open_nursery() as inner:
+                inner.start_soon(hub.open_connect, f"127.0.0.1:{port}")
+                await dialling.wait()
+                inner.cancel_scope.cancel()  # the hub client gave up on the pending CONNECT
+        assert not scope.cancelled_caught
+        release.set()
+        with trio.fail_after(5):
+            await agent.wait_idle()
+            while agent.metrics.open_streams._value.get():
+                await trio.sleep(0.01)
+        assert len(connected) == 1
+        with pytest.raises(trio.ClosedResourceError):
+            await connected[0].send_all(b"x")  # the agent closed the late target connection
+        response = await hub.request("GET", "/v1/info")
+        assert response.status == 200
