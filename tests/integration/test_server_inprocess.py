@@ -70,8 +70,11 @@ async def run_wire_agent(
 async def echo_target(nursery: trio.Nursery) -> int:
     async def echo(stream: trio.SocketStream) -> None:
         async with stream:
-            while data := await stream.receive_some():
-                await stream.send_all(data)
+            try:
+                while data := await stream.receive_some():
+                    await stream.send_all(data)
+            except trio.BrokenResourceError:
+                pass  # the client side was aborted (RST): nothing to echo any more
 
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     await nursery.start(trio.serve_listeners, echo, listeners)

@@ -19,6 +19,9 @@ import trio
 from clusterproxy_protocol import events as ev
 from clusterproxy_protocol.core import CANCEL, NO_ERROR, Role, StreamState, TunnelCore, TunnelSettings
 from clusterproxy_protocol.errors import REASON_HEADER, TunnelClosed, TunnelError, refusal
+from clusterproxy_protocol.logs import get_logger
+
+_log = get_logger("tunnel")
 
 RECEIVE_SIZE = 256 << 10
 MAX_CONTROL_BODY = 1 << 20
@@ -269,7 +272,7 @@ class Mux:
                 or (await stream.read_body(MAX_REASON_BODY)).decode("utf-8", "replace").strip()
             )
         except BaseException:
-            stream._close()
+            stream.abort()  # cancelled or failed while the peer may still be dialing: tell it to stop
             raise
         stream._close()
         raise refusal(stream.status, reason or f"status {stream.status}")
@@ -504,6 +507,10 @@ class Mux:
     async def _run_handler(self, request: IncomingRequest) -> None:
         try:
             await self._handler(request)  # type: ignore[misc]
+        except Exception:
+            # A bug in one stream's handler costs that stream, never the whole tunnel.
+            _log.exception("stream_handler_failed", stream_id=request.stream.stream_id)
+            request.stream.abort()
         finally:
             request.stream._close()
 
