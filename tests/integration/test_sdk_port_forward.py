@@ -165,9 +165,9 @@ async def _run_cli(args: list[str], *, cwd: Path | None = None) -> trio.Process:
     )
 
 
-async def _stop(process: trio.Process) -> int:
+async def _stop(process: trio.Process, signum: int = signal.SIGINT) -> int:
     if process.returncode is None:
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signum)
     with trio.fail_after(10):
         return await process.wait()
 
@@ -202,7 +202,7 @@ async def test_cli_process_forwards(tmp_path: Path, nursery: trio.Nursery, mode:
         assert fake.requests[-1].authority == "[fd00::9]:443"
         assert fake.requests[-1].cluster == "cluster2"
     finally:
-        code = await _stop(process)
+        code = await _stop(process, signal.SIGTERM if mode == "flags" else signal.SIGINT)
     assert code == 0
 
 

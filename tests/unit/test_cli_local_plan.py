@@ -190,3 +190,16 @@ def test_child_command_lines(tmp_path: Path) -> None:
     assert echo[1:3] == ["-m", "clusterproxy_cli.echo"]
     assert flag(echo, "--listen") == "127.0.0.1:20010"
     assert flag(echo, "--name") == "cluster1-echo"
+
+
+def test_busy_ports_are_found() -> None:
+    import socket
+
+    from clusterproxy_cli.local import busy_ports
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        free = free_ports(1)[0]
+        assert busy_ports([taken, free]) == [taken]

@@ -49,6 +49,7 @@ CLUSTERS = ("cluster1", "cluster2")
 CLIENT_NAME = "local-admin"
 LOOPBACK = "127.0.0.1"
 STOP_GRACE = 10.0
+DRAIN_TIMEOUT = "3s"  # children drain on SIGTERM well within STOP_GRACE
 POLL = 0.1
 TAIL_LINES = 20
 
@@ -112,6 +113,19 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
             s.close()
 
 
+def busy_ports(ports: Sequence[int], host: str = LOOPBACK) -> list[int]:
+    """Those of ``ports`` that cannot be bound on ``host`` right now."""
+    busy = []
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the services bind
+            try:
+                s.bind((host, port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
 def plan_ports(base: int, clusters: Sequence[str]) -> Ports:
     """Fixed ports from ``base`` (client base, agent base+1, admin base+2, agents' admin base+3..,
     echo services base+10..), or free ephemeral ports when ``base`` is 0."""
@@ -170,6 +184,8 @@ def server_argv(ports: Ports, certs: Certificates, clusters: Sequence[str]) -> l
         str(certs.server.key),
         "--known-clusters",
         ",".join(clusters),
+        "--drain-timeout",
+        DRAIN_TIMEOUT,
         "--log-format",
         "json",
     ]
@@ -201,6 +217,10 @@ def agent_argv(cluster: str, ports: Ports, certs: Certificates) -> list[str]:
         # No real kube-apiserver here: the bare-cluster-name route leads to the echo service.
         "--kube-apiserver",
         echo,
+        "--drain-timeout",
+        DRAIN_TIMEOUT,
+        "--backoff-max",
+        "2s",
         "--log-format",
         "json",
     ]
@@ -313,12 +333,9 @@ class Supervisor:
             for child in running:
                 await child.process.wait()  # type: ignore[union-attr]
 
-    def report_failure(self, child: Child) -> None:
-        print(
-            f"error: {child.name} {_describe_exit(child.returncode)}; last lines of {child.log_path}:",
-            file=self.out,
-            flush=True,
-        )
+    def report_failure(self, child: Child, problem: str | None = None) -> None:
+        problem = problem or _describe_exit(child.returncode)
+        print(f"error: {child.name} {problem}; last lines of {child.log_path}:", file=self.out, flush=True)
         for line in child.tail().splitlines():
             print(f"  | {line}", file=self.out)
         self.out.flush()
@@ -382,6 +399,9 @@ async def self_test(proxy: ProxySettings, cluster: str, target: Target) -> str:
         stream = await tunnel.connect(cluster, target.host, target.port)
         async with stream:
             response = await _http.request(stream, "GET", "/self-test", target.address)
+            with trio.move_on_after(2):  # let the echo's close come through: a clean end both ways
+                while await stream.receive_some():
+                    pass
     if response.status != 200:
         raise RuntimeError(f"echo answered {response.status}")
     return json.loads(response.body).get("message", "")
@@ -428,8 +448,17 @@ async def local_up(
             flush=True,
         )
         return 1
-    certs = issue_certificates(state_dir / "pki", clusters)
     ports = plan_ports(base_port, clusters)
+    busy = busy_ports(ports.all()) if base_port else []
+    if busy:
+        print(
+            f"error: port(s) {', '.join(map(str, busy))} on {LOOPBACK} already in use; choose another "
+            f"--base-port (the plan uses {base_port}..{max(ports.all())}) or 0 for free ports",
+            file=out,
+            flush=True,
+        )
+        return 1
+    certs = issue_certificates(state_dir / "pki", clusters)
     proxy = ProxySettings(
         LOOPBACK,
         ports.client,
@@ -508,15 +537,26 @@ async def _bring_up(
         with trio.fail_after(ready_timeout):
             await wait_ready(ports, clusters, supervisor, out)
     except trio.TooSlowError:
+        problems: list[tuple[Child, str]] = []
+        for cluster in clusters:
+            if not await _port_open(LOOPBACK, ports.echo[cluster]):
+                problems.append(
+                    (supervisor.children[f"{cluster}-echo"], f"does not listen on port {ports.echo[cluster]}")
+                )
         connected = await connected_clusters(ports.admin)
         if connected is None:
-            missing = [supervisor.children["proxy-server"]]
-            what = f"the proxy-server's admin API (port {ports.admin}) did not answer"
+            problems.append(
+                (supervisor.children["proxy-server"], f"does not answer on its admin port {ports.admin}")
+            )
         else:
-            missing = [supervisor.children[f"{c}-agent"] for c in clusters if c not in connected]
-            what = "no agent connected for " + ", ".join(c.name.removesuffix("-agent") for c in missing)
-        for child in missing:
-            supervisor.report_failure(child)
+            for cluster in clusters:
+                if cluster not in connected:
+                    problems.append(
+                        (supervisor.children[f"{cluster}-agent"], "has not connected to the proxy-server")
+                    )
+        for child, problem in problems:
+            supervisor.report_failure(child, problem)
+        what = "; ".join(f"{child.name} {problem}" for child, problem in problems) or "unknown"
         raise TimeoutError(f"not ready within {ready_timeout:g}s: {what}") from None
 
 

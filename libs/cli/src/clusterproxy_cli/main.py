@@ -190,7 +190,7 @@ def _port_forward(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(str(exc))
     configure_logging(args.log_level)
     try:
-        trio.run(run_port_forward, replace(pf, tls=tls))
+        trio.run(partial(run_port_forward, replace(pf, tls=tls), stop_on_signals=True))
     except KeyboardInterrupt:
         return 0
     except TunnelError as exc:

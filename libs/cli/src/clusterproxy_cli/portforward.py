@@ -7,6 +7,7 @@ and the local connection is closed.
 
 from __future__ import annotations
 
+import signal
 import ssl
 import sys
 from dataclasses import dataclass
@@ -80,11 +81,13 @@ async def run_port_forward(
     pf: PortForward,
     *,
     out: TextIO | None = None,
+    stop_on_signals: bool = False,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen and forward until cancelled. Dials the proxy once at start so that a wrong address or
     certificate fails at once (raises ProxyConnectionError); later failures are per connection.
-    ``task_status.started`` gets the bound addresses."""
+    ``task_status.started`` gets the bound addresses. With ``stop_on_signals``, SIGINT or SIGTERM
+    ends it (normally, returning)."""
     out = out or sys.stdout
     log = get_logger("port-forward")
     async with open_shared_tunnel(
@@ -107,3 +110,9 @@ async def run_port_forward(
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, handle, listeners)
             task_status.started([(h, p) for h, p in bound])
+            if stop_on_signals:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        log.info("stopping", signal=signal.Signals(signum).name)
+                        nursery.cancel_scope.cancel()
+                        break
