@@ -62,6 +62,7 @@ if [[ "$want_stamp" != "$have_stamp" || ! -x "$VENV/bin/task" ]]; then
         -e libs/sdk \
         -e services/proxy-server \
         -e services/proxy-agent \
+        -e services/cert-signer \
         -e libs/cli \
         -r requirements-dev.txt \
         go-task-bin

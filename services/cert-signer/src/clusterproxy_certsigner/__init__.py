@@ -1,0 +1,1 @@
+"""cluster-proxy cert-signer: the CA, bootstrap tokens, a signing API over HTTPS, CA rotation."""

@@ -1,0 +1,303 @@
+"""The signing logic, without I/O of its own: bootstrap with a token, renew with the current
+certificate, serve the trust bundle (and record what each party reports it trusts).
+
+Synchronous (the store may block): the HTTPS front end calls it from a worker thread. Every refusal
+is a :class:`~clusterproxy_certsigner.errors.SignerError` with a status and a clear reason.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from .crypto import CAKey, issue_leaf, public_key_sha256
+from .csr import match_csr, parse_csr
+from .errors import BadRequest, Conflict, Gone, SignerError, Unauthorized
+from .models import Authorities, AuthorityRecord, Identity, IssuedRecord, TokenRecord, format_time
+from .store import CertStore, NotFound, StoreConflict
+from .tokens import parse_token, secret_matches
+
+__all__ = ["DEFAULT_CERT_TTL", "IssueResult", "SignerCore", "parse_trusted", "utc_now"]
+
+DEFAULT_CERT_TTL = dt.timedelta(hours=24)
+TRUST_REPORT_REFRESH = dt.timedelta(minutes=5)
+PRUNE_AFTER = dt.timedelta(days=7)
+MAX_TRUSTED = 16
+_FINGERPRINT = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _serial(cert: x509.Certificate) -> str:
+    return format(cert.serial_number, "x")
+
+
+def _pem(cert: x509.Certificate) -> str:
+    return cert.public_bytes(serialization.Encoding.PEM).decode()
+
+
+def parse_trusted(value: object) -> tuple[str, ...] | None:
+    """The CA fingerprints a party reports it trusts (``["sha256:<hex>", ...]``), or None if absent."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list) or len(value) > MAX_TRUSTED:
+        raise BadRequest(f"trusted must be a list of at most {MAX_TRUSTED} CA fingerprints")
+    for item in value:
+        if not isinstance(item, str) or not _FINGERPRINT.match(item):
+            raise BadRequest(f"trusted: {item!r} is not a CA fingerprint like sha256:<64 hex digits>")
+    return tuple(dict.fromkeys(value))
+
+
+@dataclass(frozen=True)
+class IssueResult:
+    record: IssuedRecord
+    ca_bundle_pem: str
+
+    def body(self) -> dict[str, Any]:
+        r = self.record
+        return {
+            "cert_pem": r.cert_pem,
+            "ca_bundle_pem": self.ca_bundle_pem,
+            "serial": r.serial,
+            "ca_id": r.ca_id,
+            "not_before": format_time(r.not_before),
+            "not_after": format_time(r.not_after),
+            "identity": r.identity.to_json(),
+        }
+
+
+class SignerCore:
+    def __init__(
+        self,
+        store: CertStore,
+        *,
+        cert_ttl: dt.timedelta = DEFAULT_CERT_TTL,
+        clock: Callable[[], dt.datetime] = utc_now,
+    ) -> None:
+        self.store = store
+        self.cert_ttl = cert_ttl
+        self.clock = clock
+        self._keys: dict[str, CAKey] = {}
+
+    # -- signing -----------------------------------------------------------------------------------------
+
+    def _signing_ca(self) -> tuple[Authorities, AuthorityRecord, CAKey]:
+        current = self.store.read_authorities()
+        active = current.active
+        if active is None:
+            raise SignerError("the signer has no active CA", error="no_active_ca")
+        key = self._keys.get(active.id)
+        if key is None:
+            key = self._keys[active.id] = self.store.load_ca_key(active.id)
+        return current, active, key
+
+    def _issue(
+        self, identity: Identity, public_key: object, now: dt.datetime, **record: Any
+    ) -> tuple[IssuedRecord, str]:
+        current, active, key = self._signing_ca()
+        ca_cert = active.cert
+        if ca_cert.not_valid_after_utc <= now:
+            raise SignerError(f"the active CA {active.id} has expired", error="ca_expired")
+        cert = issue_leaf(ca_cert, key, public_key, identity, now=now, ttl=self.cert_ttl)
+        issued = IssuedRecord(
+            serial=_serial(cert),
+            identity=identity,
+            ca_id=active.id,
+            cert_pem=_pem(cert),
+            not_before=cert.not_valid_before_utc,
+            not_after=cert.not_valid_after_utc,
+            issued_at=now,
+            public_key_sha256=public_key_sha256(public_key),
+            **record,
+        )
+        return issued, current.bundle_pem()
+
+    # -- bootstrap ---------------------------------------------------------------------------------------
+
+    def check_token(self, token: object) -> TokenRecord:
+        """The usable token record for ``token``, else 401 (unknown), 409 (used) or 410 (expired)."""
+        token_id, secret = parse_token(token)
+        record = self.store.get_token(token_id)
+        if record is None or not secret_matches(secret, record):
+            raise Unauthorized(f"unknown bootstrap token {token_id}", error="invalid_token")
+        _usable(record, self.clock())
+        return record
+
+    def bootstrap(self, token: object, csr_pem: object) -> IssueResult:
+        """A certificate for the CSR, if the token is valid, unused and allows the CSR's names.
+
+        Refusals (bad CSR, names not allowed) leave the token unused; it is consumed atomically with
+        the issuance, so two concurrent requests with one token get one certificate between them.
+        """
+        record = self.check_token(token)
+        if not isinstance(csr_pem, str):
+            raise BadRequest("csr_pem (a PEM certificate signing request) is required")
+        csr = parse_csr(csr_pem)
+        identity = match_csr(csr, record.binding)
+        now = self.clock()
+        issued, bundle = self._issue(identity, csr.public_key(), now, via="bootstrap", token_id=record.id)
+
+        def consume(current: TokenRecord) -> TokenRecord:
+            _usable(current, now)
+            return replace(current, used_at=now, used_serial=issued.serial)
+
+        self.store.update_token(record.id, consume)
+        self.store.put_issued(issued)
+        return IssueResult(issued, bundle)
+
+    # -- renewal -----------------------------------------------------------------------------------------
+
+    def _known(self, peer: x509.Certificate) -> IssuedRecord:
+        serial = _serial(peer)
+        record = self.store.get_issued(serial)
+        if record is None or record.cert_pem.strip() != _pem(peer).strip():
+            raise Unauthorized(
+                f"certificate serial {serial} was not issued by this signer (or its record was pruned); "
+                "bootstrap again with a new token",
+                error="unknown_certificate",
+            )
+        return record
+
+    def renew(
+        self, peer: x509.Certificate | None, csr_pem: object, trusted: tuple[str, ...] | None = None
+    ) -> IssueResult:
+        """A new certificate for the same identity as ``peer`` (the verified TLS client certificate).
+
+        The CSR must carry a new key and ask for the same names (a server: a subset of its hosts).
+        Each certificate is renewed once; a retry with the same new key gets the same answer, so a
+        lost response does not strand the caller.
+        """
+        if peer is None:
+            raise Unauthorized(
+                "renewal needs the current certificate as the TLS client certificate (mTLS)",
+                error="client_certificate_required",
+            )
+        if not isinstance(csr_pem, str):
+            raise BadRequest("csr_pem (a PEM certificate signing request) is required")
+        current = self._known(peer)
+        csr = parse_csr(csr_pem)
+        new_key = public_key_sha256(csr.public_key())
+        if current.successor is not None:
+            successor = self.store.get_issued(current.successor)
+            if successor is not None and successor.public_key_sha256 == new_key:
+                return IssueResult(successor, self.store.read_authorities().bundle_pem())
+            raise Conflict(
+                f"certificate {current.serial} was already renewed (serial {current.successor}); "
+                "use the renewed certificate",
+                error="already_renewed",
+            )
+        if new_key == current.public_key_sha256:
+            raise BadRequest(
+                "the CSR reuses the current certificate's key: renew with a new key", error="key_reuse"
+            )
+        identity = match_csr(csr, current.identity.binding())
+        now = self.clock()
+        issued, bundle = self._issue(
+            identity,
+            csr.public_key(),
+            now,
+            via="renew",
+            predecessor=current.serial,
+            trusted=trusted if trusted is not None else current.trusted,
+            trust_reported_at=now if trusted is not None else current.trust_reported_at,
+        )
+        self.store.put_issued(issued)
+
+        def link(record: IssuedRecord) -> IssuedRecord:
+            if record.successor is not None:
+                raise Conflict(
+                    f"certificate {record.serial} was renewed concurrently (serial {record.successor})",
+                    error="already_renewed",
+                )
+            return replace(record, successor=issued.serial)
+
+        try:
+            self.store.update_issued(current.serial, link)
+        except SignerError:
+            self.store.delete_issued(issued.serial)
+            raise
+        return IssueResult(issued, bundle)
+
+    # -- trust bundle ------------------------------------------------------------------------------------
+
+    def trust_bundle(
+        self, peer: x509.Certificate | None = None, trusted: tuple[str, ...] | None = None
+    ) -> dict[str, Any]:
+        """The trust bundle; a caller with a client certificate that reports ``trusted`` has it
+        recorded (that is how ``status`` knows who trusts a pending CA)."""
+        current = self.store.read_authorities()
+        if peer is not None and trusted is not None:
+            self._record_trust(peer, trusted)
+        return {
+            "ca_bundle_pem": current.bundle_pem(),
+            "cas": [
+                {
+                    "id": r.id,
+                    "state": r.state,
+                    "fingerprint": r.fingerprint,
+                    "not_after": format_time(r.cert.not_valid_after_utc),
+                }
+                for r in current.bundle()
+            ],
+        }
+
+    def _record_trust(self, peer: x509.Certificate, trusted: tuple[str, ...]) -> None:
+        record = self.store.get_issued(_serial(peer))
+        if record is None or record.cert_pem.strip() != _pem(peer).strip():
+            return
+        now = self.clock()
+        fresh = record.trust_reported_at is not None and now - record.trust_reported_at < TRUST_REPORT_REFRESH
+        if record.trusted == trusted and fresh:
+            return
+        try:
+            self.store.update_issued(record.serial, lambda r: r.with_trust(trusted, now))
+        except (NotFound, StoreConflict):
+            pass
+
+    # -- the signer's own certificate and housekeeping ---------------------------------------------------
+
+    def issue_self(self, public_key: object, name: str, hosts: Sequence[str]) -> IssueResult:
+        """The signer's own serving certificate (recorded, but not a party of rotations)."""
+        identity = Identity(kind="server", name=name, hosts=tuple(hosts))
+        issued, bundle = self._issue(identity, public_key, self.clock(), via="self")
+        self.store.put_issued(issued)
+        return IssueResult(issued, bundle)
+
+    def prune(self) -> int:
+        """Delete tokens and certificate records that expired more than a week ago."""
+        now = self.clock()
+        removed = 0
+        for token in self.store.list_tokens():
+            if token.expires_at < now - PRUNE_AFTER:
+                self.store.delete_token(token.id)
+                removed += 1
+        for record in self.store.list_issued():
+            if record.not_after < now - PRUNE_AFTER:
+                self.store.delete_issued(record.serial)
+                removed += 1
+        return removed
+
+
+def _usable(record: TokenRecord, now: dt.datetime) -> None:
+    if record.used_at is not None:
+        raise Conflict(
+            f"bootstrap token {record.id} was already used at {format_time(record.used_at)}"
+            f"{f' (certificate serial {record.used_serial})' if record.used_serial else ''}; "
+            "tokens are single-use: create a new one",
+            error="token_used",
+        )
+    if record.expired(now):
+        raise Gone(
+            f"bootstrap token {record.id} expired at {format_time(record.expires_at)}; create a new one",
+            error="token_expired",
+        )

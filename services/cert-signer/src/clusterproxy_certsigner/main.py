@@ -1,0 +1,230 @@
+"""``cluster-proxy-cert-signer``: the signer process and its administration commands.
+
+::
+
+    cluster-proxy-cert-signer serve --store DIR [--listen 0.0.0.0:8443] [--tls-host NAME ...]
+    cluster-proxy-cert-signer init --store DIR                     create the CA (serve does it too)
+    cluster-proxy-cert-signer token create --store DIR --cluster X [--agent-id A] [--ttl 10m]
+    cluster-proxy-cert-signer token create --store DIR --server NAME --host H [--host H ...]
+    cluster-proxy-cert-signer token create --store DIR --client NAME [--org O]
+    cluster-proxy-cert-signer token list|delete --store DIR
+    cluster-proxy-cert-signer status --store DIR [--json]
+    cluster-proxy-cert-signer rotate-ca --store DIR [start|activate|retire] [--force]
+    cluster-proxy-cert-signer trust-bundle --store DIR [--out FILE]
+
+Every ``serve`` flag has an environment twin ``CLUSTER_PROXY_CERT_SIGNER_<FLAG>``; ``--store`` is
+``CLUSTER_PROXY_CERT_SIGNER_STORE`` everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+
+import trio
+
+from clusterproxy_protocol.config import (
+    ConfigError,
+    InvalidValue,
+    add_flag,
+    parse_args_or_exit,
+    parse_duration,
+    parse_hostport,
+    parse_positive_int,
+    parse_size,
+)
+from clusterproxy_protocol.logs import configure_logging, get_logger
+
+from .cli_commands import add_store_flag, parse_host, register_certs_commands
+from .filestore import FileStore
+from .https import HttpLimits
+from .rotation import DEFAULT_CA_DAYS, RotationError, ensure_ca
+from .service import SignerConfig, SignerService
+from .store import CertStore, StoreError, open_store
+
+ENV = "CLUSTER_PROXY_CERT_SIGNER_"
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidValue(f"invalid number {text!r}: expected a number > 0") from None
+    if not value > 0:
+        raise InvalidValue(f"invalid number {text!r}: expected a number > 0")
+    return value
+
+
+def _cert_ttl(text: str) -> dt.timedelta:
+    seconds = parse_duration(text)
+    if seconds < 1:
+        raise InvalidValue(f"invalid certificate lifetime {text!r}: at least 1s")
+    return dt.timedelta(seconds=seconds)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cluster-proxy-cert-signer",
+        description="The cluster-proxy CA: issues server, agent and client certificates over HTTPS "
+        "(bootstrap tokens, mTLS renewal) and rotates the CA with overlap.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = commands.add_parser("serve", help="run the signing API")
+
+    def flag(name: str, **kwargs: object) -> None:
+        add_flag(serve, name, env=ENV + name[2:].upper().replace("-", "_"), **kwargs)  # type: ignore[arg-type]
+
+    add_store_flag(serve)
+    flag("--listen", type=parse_hostport, default="0.0.0.0:8443", help="HTTPS address of the signing API")
+    flag(
+        "--tls-host",
+        type=parse_host,
+        multiple=True,
+        default=["localhost", "127.0.0.1", "::1"],
+        help="names/addresses in the signer's own serving certificate (repeat)",
+    )
+    flag(
+        "--tls-dir",
+        type=Path,
+        help="where the signer keeps its own certificate (default: STORE/signer "
+        "for a files store, else a private temporary folder)",
+    )
+    flag("--cert-ttl", type=_cert_ttl, default="24h", help="lifetime of issued certificates")
+    flag(
+        "--ca-days", type=parse_positive_int, default=str(DEFAULT_CA_DAYS), help="lifetime of a new CA, days"
+    )
+    flag("--max-body", type=parse_size, default="64KiB", help="largest request body (413 above)")
+    flag("--ip-burst", type=_positive_float, default="20", help="requests per client IP at once")
+    flag("--ip-rate", type=_positive_float, default="2", help="requests per client IP per second, sustained")
+    flag("--token-burst", type=_positive_float, default="5", help="attempts per bootstrap token at once")
+    flag(
+        "--token-rate",
+        type=_positive_float,
+        default="0.0167",
+        help="attempts per token per second, sustained",
+    )
+    flag(
+        "--store-poll",
+        type=parse_duration,
+        default="5s",
+        help="how often the CA list is re-read from the store",
+    )
+    flag("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    flag(
+        "--log-format",
+        default="auto",
+        choices=["auto", "json", "console"],
+        help="auto: JSON unless a terminal",
+    )
+    serve.set_defaults(run=_serve, subparser=serve)
+
+    init = commands.add_parser("init", help="create the CA in the store if there is none")
+    add_store_flag(init)
+    init.add_argument("--ca-days", type=int, default=DEFAULT_CA_DAYS, help="lifetime of the CA in days")
+    init.set_defaults(run=_init, subparser=init)
+
+    bundle = commands.add_parser("trust-bundle", help="print the trust bundle (every non-retired CA), PEM")
+    add_store_flag(bundle)
+    bundle.add_argument("--out", type=Path, help="write it to this file instead")
+    bundle.set_defaults(run=_trust_bundle, subparser=bundle)
+
+    register_certs_commands(commands)
+    return parser
+
+
+def _open(args: argparse.Namespace) -> CertStore:
+    return open_store(args.store)
+
+
+def _init(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    store = _open(args)
+    current = ensure_ca(store, now=dt.datetime.now(dt.UTC), days=args.ca_days)
+    assert current.active is not None
+    print(f"active CA {current.active.id} {current.active.fingerprint} in {store.description}")
+    return 0
+
+
+def _trust_bundle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from clusterproxy_protocol.certclient import write_bundle
+
+    pem = ensure_ca(_open(args), now=dt.datetime.now(dt.UTC)).bundle_pem()
+    if args.out is not None:
+        write_bundle(args.out, pem)
+    else:
+        sys.stdout.write(pem)
+    return 0
+
+
+def config_from_args(args: argparse.Namespace) -> SignerConfig:
+    store = _open(args)
+    tls_dir = args.tls_dir
+    if tls_dir is None:
+        tls_dir = (
+            store.root / "signer"
+            if isinstance(store, FileStore)
+            else Path(tempfile.mkdtemp(prefix="cert-signer-"))
+        )
+    return SignerConfig(
+        store=store,
+        tls_dir=tls_dir,
+        listen=args.listen,
+        tls_hosts=tuple(args.tls_host),
+        cert_ttl=args.cert_ttl,
+        ca_days=args.ca_days,
+        limits=HttpLimits(max_body=args.max_body),
+        ip_burst=args.ip_burst,
+        ip_rate=args.ip_rate,
+        token_burst=args.token_burst,
+        token_rate=args.token_rate,
+        store_poll=max(0.1, args.store_poll),
+    )
+
+
+async def serve(config: SignerConfig) -> None:
+    service = SignerService(config)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                service.log.info("signal_received", signal=signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
+
+
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
+    log = get_logger("cert-signer")
+    try:
+        config = config_from_args(args)
+        trio.run(partial(serve, config))
+    except ConfigError as exc:
+        parser.exit(2, f"cluster-proxy-cert-signer: error: {exc}\n")
+    except (RotationError, StoreError, NotImplementedError) as exc:
+        log.error("signer_failed", error=str(exc))
+        return 1
+    except OSError as exc:
+        log.error("signer_failed", error=str(exc))
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parse_args_or_exit(parser, argv)
+    try:
+        code = args.run(args, args.subparser)
+    except (StoreError, RotationError, NotImplementedError) as exc:
+        print(f"cluster-proxy-cert-signer: error: {exc}", file=sys.stderr)
+        code = 1
+    raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    main()

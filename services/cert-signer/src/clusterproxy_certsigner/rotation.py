@@ -1,0 +1,281 @@
+"""The CA's life: create it, rotate it with overlap, and report where a rotation stands.
+
+A rotation has three steps, each a separate command so that an operator (or automation) checks the
+status in between (docs/certificates.md has the procedure):
+
+1. :func:`start_rotation`: a new CA enters the trust bundle as ``pending``. It signs nothing yet.
+   Parties pick the new bundle up (trust refresh, or their next renewal) and report what they trust.
+2. :func:`activate_pending`: once every live party trusts the new CA, it becomes ``active`` (signs
+   every new certificate) and the old one ``previous`` (still trusted). Leaves move at their renewal.
+3. :func:`retire_previous`: once no live leaf is signed by the previous CA, it is ``retired``: it
+   leaves the bundle and its key is deleted.
+
+Steps 2 and 3 refuse (:class:`RotationBlocked`, naming the parties in the way) unless ``force``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import secrets
+from dataclasses import replace
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from .crypto import new_ca
+from .models import Authorities, AuthorityRecord, CAState, IssuedRecord, fingerprint, format_time
+from .store import CertStore, StoreConflict
+
+__all__ = [
+    "DEFAULT_CA_DAYS",
+    "RotationBlocked",
+    "RotationError",
+    "activate_pending",
+    "ensure_ca",
+    "live_parties",
+    "retire_previous",
+    "start_rotation",
+    "status",
+]
+
+DEFAULT_CA_DAYS = 1825
+ROTATE_WARNING = dt.timedelta(days=365)
+RENEW_FRACTION = 0.8
+
+
+class RotationError(Exception):
+    """The step does not apply to the current state (e.g. activate without a pending CA)."""
+
+
+class RotationBlocked(RotationError):
+    """The step's precondition does not hold yet; ``parties`` are the records in the way."""
+
+    def __init__(self, reason: str, parties: list[IssuedRecord]) -> None:
+        super().__init__(reason)
+        self.parties = parties
+
+
+def _new_record(
+    now: dt.datetime, days: int, state: CAState
+) -> tuple[AuthorityRecord, ec.EllipticCurvePrivateKey]:
+    stamp = now.strftime("%Y%m%d-%H%M%S")
+    # a unique subject: OpenSSL looks issuers up by subject name, and CAs may overlap in the bundle
+    cert, key = new_ca(f"cluster-proxy-ca-{stamp}-{secrets.token_hex(3)}", now=now, days=days)
+    record = AuthorityRecord(
+        id=fingerprint(cert).removeprefix("sha256:")[:16],
+        state=state,
+        cert_pem=cert.public_bytes(serialization.Encoding.PEM).decode(),
+        created_at=now,
+        activated_at=now if state == "active" else None,
+    )
+    return record, key
+
+
+def ensure_ca(store: CertStore, *, now: dt.datetime, days: int = DEFAULT_CA_DAYS) -> Authorities:
+    """The store's CAs, creating the first (active) CA when there is none. Safe against a concurrent
+    creator: the loser of the compare-and-swap uses the winner's CA."""
+    for _ in range(5):
+        current = store.read_authorities()
+        if current.active is not None:
+            return current
+        if current.records:
+            raise RotationError(
+                f"the store {store.description} has CAs but none is active: "
+                + ", ".join(f"{r.id} ({r.state})" for r in current.records)
+            )
+        record, key = _new_record(now, days, "active")
+        try:
+            return store.write_authorities(
+                [record], expected_version=current.version, new_keys={record.id: key}
+            )
+        except StoreConflict:
+            continue
+    raise RotationError("could not create the CA: the store kept changing")
+
+
+def live_parties(store: CertStore, now: dt.datetime) -> list[IssuedRecord]:
+    """The holders of every valid, not-yet-renewed certificate, except the signer's own."""
+    return [r for r in store.list_issued() if r.live(now) and r.via != "self"]
+
+
+def _write(store: CertStore, current: Authorities, records: list[AuthorityRecord], **kw: Any) -> Authorities:
+    try:
+        return store.write_authorities(records, expected_version=current.version, **kw)
+    except StoreConflict as exc:
+        raise RotationError(f"{exc}; run the command again") from None
+
+
+def start_rotation(store: CertStore, *, now: dt.datetime, days: int = DEFAULT_CA_DAYS) -> AuthorityRecord:
+    """Step 1: add a new, ``pending`` CA to the trust bundle."""
+    current = store.read_authorities()
+    if current.active is None:
+        raise RotationError("there is no active CA to rotate from (start the signer or run `init` first)")
+    if current.pending is not None:
+        raise RotationError(
+            f"a rotation is already under way: CA {current.pending.id} is pending; "
+            "next step: rotate-ca activate"
+        )
+    if current.previous is not None:
+        raise RotationError(
+            f"the last rotation is not finished: CA {current.previous.id} is still trusted as previous; "
+            "next step: rotate-ca retire"
+        )
+    record, key = _new_record(now, days, "pending")
+    _write(store, current, [*current.records, record], new_keys={record.id: key})
+    return record
+
+
+def activate_blockers(store: CertStore, current: Authorities, now: dt.datetime) -> list[IssuedRecord]:
+    pending = current.pending
+    assert pending is not None
+    fp = pending.fingerprint
+    return [p for p in live_parties(store, now) if p.trusted is None or fp not in p.trusted]
+
+
+def activate_pending(store: CertStore, *, now: dt.datetime, force: bool = False) -> AuthorityRecord:
+    """Step 2: the pending CA signs from now on; the active one becomes ``previous`` (still trusted)."""
+    current = store.read_authorities()
+    pending, active = current.pending, current.active
+    if pending is None:
+        raise RotationError("no CA is pending: start a rotation first (rotate-ca start)")
+    blockers = activate_blockers(store, current, now)
+    if blockers and not force:
+        raise RotationBlocked(
+            f"{len(blockers)} part{'y does' if len(blockers) == 1 else 'ies do'} not trust the new CA "
+            f"{pending.id} yet; wait for their trust refresh (see status), or use --force to accept "
+            "that they fail to verify peers with new certificates",
+            blockers,
+        )
+    records = []
+    for r in current.records:
+        if active is not None and r.id == active.id:
+            r = replace(r, state="previous")
+        elif r.id == pending.id:
+            r = replace(r, state="active", activated_at=now)
+        records.append(r)
+    _write(store, current, records)
+    return replace(pending, state="active", activated_at=now)
+
+
+def retire_blockers(store: CertStore, current: Authorities, now: dt.datetime) -> list[IssuedRecord]:
+    previous = current.previous
+    assert previous is not None
+    return [p for p in live_parties(store, now) if p.ca_id == previous.id]
+
+
+def retire_previous(store: CertStore, *, now: dt.datetime, force: bool = False) -> AuthorityRecord:
+    """Step 3: the previous CA leaves the trust bundle; its key is deleted."""
+    current = store.read_authorities()
+    previous = current.previous
+    if previous is None:
+        raise RotationError("no previous CA to retire (activate the pending CA first: rotate-ca activate)")
+    blockers = retire_blockers(store, current, now)
+    if blockers and not force:
+        raise RotationBlocked(
+            f"{len(blockers)} live certificate{' is' if len(blockers) == 1 else 's are'} still signed by "
+            f"CA {previous.id}; wait for their renewal (see status), or use --force to cut them off",
+            blockers,
+        )
+    records = [
+        replace(r, state="retired", retired_at=now) if r.id == previous.id else r for r in current.records
+    ]
+    _write(store, current, records)
+    return replace(previous, state="retired", retired_at=now)
+
+
+# --- status --------------------------------------------------------------------------------------------
+
+
+def _renew_due(record: IssuedRecord) -> dt.datetime:
+    return record.not_before + (record.not_after - record.not_before) * RENEW_FRACTION
+
+
+def _party_json(p: IssuedRecord, current: Authorities, now: dt.datetime) -> dict[str, Any]:
+    by_fp = {r.fingerprint: r.id for r in current.records}
+    pending = current.pending
+    return {
+        "identity": p.identity.key,
+        "kind": p.identity.kind,
+        "serial": p.serial,
+        "ca_id": p.ca_id,
+        "on_active_ca": current.active is not None and p.ca_id == current.active.id,
+        "not_after": format_time(p.not_after),
+        "renew_due": format_time(_renew_due(p)),
+        "trusted_cas": None if p.trusted is None else [by_fp.get(fp, fp) for fp in p.trusted],
+        "trusts_pending": None if pending is None or p.trusted is None else pending.fingerprint in p.trusted,
+        "trust_reported_at": format_time(p.trust_reported_at),
+    }
+
+
+def _phase(current: Authorities) -> str:
+    if current.active is None:
+        return "no-ca"
+    if current.pending is not None:
+        return "new-ca-pending"
+    if current.previous is not None:
+        return "moving-leaves"
+    return "stable"
+
+
+def status(store: CertStore, *, now: dt.datetime) -> dict[str, Any]:
+    """Everything an operator needs to judge the PKI and the next rotation step, as JSON-able data."""
+    current = store.read_authorities()
+    parties = live_parties(store, now)
+    phase = _phase(current)
+    warnings: list[str] = []
+    ready = False
+    if phase == "no-ca":
+        next_step = "create the CA: start the signer, or run `cluster-proxy-cert-signer init`"
+    elif phase == "stable":
+        assert current.active is not None
+        expires = current.active.cert.not_valid_after_utc
+        next_step = f"none; rotate (rotate-ca start) well before the CA expires at {format_time(expires)}"
+        if expires - now < ROTATE_WARNING:
+            warnings.append(f"the active CA expires at {format_time(expires)}: start a rotation now")
+    elif phase == "new-ca-pending":
+        blockers = activate_blockers(store, current, now)
+        ready = not blockers
+        next_step = (
+            "every party trusts the new CA: run rotate-ca activate"
+            if ready
+            else f"wait: {len(blockers)} of {len(parties)} parties do not trust the new CA yet"
+        )
+    else:
+        blockers = retire_blockers(store, current, now)
+        ready = not blockers
+        latest = max((_renew_due(p) for p in blockers), default=None)
+        next_step = (
+            "every leaf is on the new CA: run rotate-ca retire"
+            if ready
+            else f"wait: {len(blockers)} leaves are still on the previous CA (renewals due by "
+            f"{format_time(latest)})"
+        )
+    tokens = store.list_tokens()
+    return {
+        "now": format_time(now),
+        "store": store.description,
+        "phase": phase,
+        "next_step": next_step,
+        "ready_for_next_step": ready,
+        "warnings": warnings,
+        "authorities": [
+            {
+                "id": r.id,
+                "state": r.state,
+                "subject": r.cert.subject.rfc4514_string(),
+                "fingerprint": r.fingerprint,
+                "not_after": format_time(r.cert.not_valid_after_utc),
+                "created_at": format_time(r.created_at),
+                "activated_at": format_time(r.activated_at),
+                "retired_at": format_time(r.retired_at),
+            }
+            for r in current.records
+        ],
+        "parties": [_party_json(p, current, now) for p in sorted(parties, key=lambda p: p.identity.key)],
+        "tokens": {
+            "unused": sum(1 for t in tokens if t.used_at is None and not t.expired(now)),
+            "used": sum(1 for t in tokens if t.used_at is not None),
+            "expired": sum(1 for t in tokens if t.used_at is None and t.expired(now)),
+        },
+    }
