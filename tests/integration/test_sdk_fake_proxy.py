@@ -265,3 +265,28 @@ async def test_handler_sees_half_close(tmp_path: Path) -> None:
         with trio.fail_after(5):
             answer = await _roundtrip(stream, b"z" * 12345)
     assert answer == b"got 12345"
+
+
+async def test_shared_tunnel_moves_off_a_draining_connection(tmp_path: Path) -> None:
+    async with open_fake_proxy(tmp_path) as fake, open_shared_tunnel(fake.address, fake.client_tls) as shared:
+        old_stream = await shared.connect("cluster1", "svc", 80)
+        old = shared.current
+        assert old is not None
+        fake.drain_connections()
+        with trio.fail_after(5):
+            while old.accepts_streams:
+                await trio.sleep(0.01)
+        new_stream = await shared.connect("cluster1", "svc", 81)
+        assert shared.current is not old
+        assert len(fake.connections) == 2
+        # The draining connection still carries its stream...
+        await old_stream.send_all(b"still here")
+        assert await old_stream.receive_some() == b"still here"
+        assert old.is_alive
+        # ...and is closed once that stream ends.
+        await old_stream.aclose()
+        with trio.fail_after(5):
+            await old.wait_closed()
+        await new_stream.send_all(b"new")
+        assert await new_stream.receive_some() == b"new"
+        await new_stream.aclose()

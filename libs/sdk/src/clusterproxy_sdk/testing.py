@@ -88,6 +88,11 @@ class FakeProxy:
         for mux in self.connections:
             mux.close("dropped by the test")
 
+    def drain_connections(self) -> None:
+        """Ask every client to open no new streams here (as a server shutting down does)."""
+        for mux in self.connections:
+            mux.drain()
+
     @property
     def live_connections(self) -> int:
         return sum(1 for mux in self.connections if not mux.dead)
