@@ -364,3 +364,16 @@ async def test_signer_requires_tls_1_3_and_a_trusted_name(signer: RunningSigner)
         await certclient.fetch_trust_bundle(
             certclient.SignerEndpoint(endpoint.host, endpoint.port, endpoint.ca, "wrong.example")
         )
+
+
+async def test_a_store_failure_is_a_500_and_the_signer_keeps_serving(signer: RunningSigner) -> None:
+    token = signer.agent_token("cluster1")
+    token_id = token.split(".", 1)[0]
+    (signer.store.root / "tokens" / f"{token_id}.json").write_text("{corrupt")
+    with pytest.raises(SignerRequestError) as info:
+        await certclient.bootstrap(
+            signer.endpoint(), token, certclient.agent_csr(certclient.generate_key(), "cluster1", "a")
+        )
+    assert (info.value.status, info.value.error) == (500, "internal_error")
+    assert "corrupt" not in info.value.reason  # details go to the log, not to the client
+    assert (await certclient.fetch_trust_bundle(signer.endpoint())).fingerprints

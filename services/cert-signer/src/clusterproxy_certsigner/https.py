@@ -148,6 +148,15 @@ async def _serve_connection(
                 response = await handler(request)
             except SignerError as exc:
                 response = Response.error(exc)
+            except Exception as exc:  # a bug or a store failure: answer 500, keep serving
+                log.exception("request_failed", method=method, path=path, error=str(exc))
+                response = Response.json(
+                    {
+                        "error": "internal_error",
+                        "reason": "the signer failed to handle the request; see its log",
+                    },
+                    500,
+                )
     if deadline.cancelled_caught and response is None:
         response = Response.json({"error": "request_timeout", "reason": "request not received in time"}, 408)
     assert response is not None
