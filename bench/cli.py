@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     nofile = raise_nofile()
     log(f"open-files limit {nofile[0]}")
-    need = 2 * max(settings.idle_levels) + 1000 if "idle" in workloads else 0
+    need = max(settings.idle_levels) + 1000 if "idle" in workloads else 0
     if need > nofile[0]:
         log(f"warning: the idle workload needs ~{need} open files per process; the limit is {nofile[0]}")
 

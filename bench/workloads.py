@@ -33,7 +33,9 @@ class Settings:
     fanin_ours_max: int
     fanin_timeout: float
     hol_duration: float
+    hol_rounds: int
     hol_repeats: int
+    idle_max_time: float
 
     @classmethod
     def make(cls, quick: bool) -> Settings:
@@ -53,8 +55,10 @@ class Settings:
                 fanin_levels=[20, 100],
                 fanin_ours_max=20,
                 fanin_timeout=60.0,
-                hol_duration=2.0,
+                hol_duration=1.5,
+                hol_rounds=2,
                 hol_repeats=1,
+                idle_max_time=60.0,
             )
         return cls(
             quick=False,
@@ -71,8 +75,10 @@ class Settings:
             fanin_levels=[100, 500, 1000],
             fanin_ours_max=100,
             fanin_timeout=120.0,
-            hol_duration=3.0,
-            hol_repeats=2,
+            hol_duration=2.0,
+            hol_rounds=3,
+            hol_repeats=1,
+            idle_max_time=90.0,
         )
 
 
@@ -294,7 +300,7 @@ class Runner:
             "--hold",
             f"{st.idle_hold + 1.5}s",
             "--max-time",
-            "180s",
+            f"{st.idle_max_time}s",
         ]
         p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         loaded: dict[str, int] = {}
@@ -307,7 +313,7 @@ class Runner:
                     time.sleep(1.0 + st.idle_hold / 2)
                     loaded = {role: pr.rss_kib() for role, pr in procs.items()}
             out = p.stdout.read()
-            p.wait(timeout=240)
+            p.wait(timeout=st.idle_max_time + st.idle_hold + 120)
         except BaseException:
             p.kill()
             raise
@@ -324,7 +330,6 @@ class Runner:
             "alive": alive,
             "established": r["established"],
             **per,
-            "target_kib_per_stream": round((loaded.get("target", 0) - base["target"]) / max(alive, 1), 2),
             "open_per_s": r["open_per_s"],
         }
         self.record("idle", f"{level}", s, 0, m, rss_base_kib=base, rss_loaded_kib=loaded, raw=r)
@@ -401,18 +406,26 @@ class Runner:
                         res, cpu = self.loadgen(
                             s,
                             "hol",
-                            ["--streams", "4", "--direction", direction, "--duration", f"{st.hol_duration}s"],
-                            timeout=2 * st.hol_duration + 90,
+                            [
+                                "--streams",
+                                "4",
+                                "--direction",
+                                direction,
+                                "--duration",
+                                f"{st.hol_duration}s",
+                                "--rounds",
+                                str(st.hol_rounds),
+                            ],
+                            timeout=st.hol_rounds * (2 * st.hol_duration + 60),
                         )
                         r = res["result"]
                         if "error" in r:
                             raise RuntimeError(r["error"])
-                        ns = r["new_stream_during_stall"]
                         m = {
                             "ratio": r["ratio"],
-                            "alone_mbit_s": r["alone"]["mbit_s"],
-                            "stalled_mbit_s": r["with_stalled"]["mbit_s"],
-                            "new_stream_ok": 1 if ns.get("ok") else 0,
+                            "alone_mbit_s": r["alone_mbit_s"],
+                            "stalled_mbit_s": r["with_stalled_mbit_s"],
+                            "new_stream_ok": 1 if r["new_stream_ok"] else 0,
                         }
                         self.record("hol", direction, s, rep, m, cpu=cpu, raw=r)
 

@@ -30,6 +30,7 @@ func runClient(mode string, args []string) error {
 	size := fs.Int("size", 1024, "rr: request and response size in bytes")
 	parallel := fs.Int("parallel", 64, "idle/probe: dials in flight at once")
 	hold := fs.Duration("hold", 5*time.Second, "idle: how long to hold the streams open after all are up")
+	rounds := fs.Int("rounds", 2, "hol: alone/stalled pairs, alternated")
 	settle := fs.Duration("settle", time.Second, "hol: time for the stalled stream to fill buffers before measuring")
 	targets := fs.String("targets", "", "probe: file with one CONNECT authority per line, optionally TAB and a header 'K: V'")
 	timeout := fs.Duration("timeout", 60*time.Second, "probe: give up after this long")
@@ -60,8 +61,8 @@ func runClient(mode string, args []string) error {
 		params["count"], params["parallel"], params["hold_s"] = *count, *parallel, hold.Seconds()
 		res = runIdle(d, *count, *parallel, *hold, *maxTime)
 	case "hol":
-		params["streams"], params["direction"], params["duration_s"] = *streams, *direction, duration.Seconds()
-		res = runHOL(d, *streams, *direction, *duration, *settle, *chunk)
+		params["streams"], params["direction"], params["duration_s"], params["rounds"] = *streams, *direction, duration.Seconds(), *rounds
+		res = runHOL(d, *streams, *direction, *duration, *settle, *chunk, *rounds)
 	case "probe":
 		params["targets"], params["parallel"] = *targets, *parallel
 		res, err = runProbe(d, *targets, *parallel, *timeout)
@@ -489,7 +490,47 @@ func runIdle(d *Dialer, count, parallel int, hold, maxTime time.Duration) map[st
 // runHOL measures head-of-line blocking: the throughput of `streams` moving streams alone, then
 // again while one more stream on the same path is stalled (down: the client does not read it; up:
 // the target does not read it). Ratio = stalled / alone; 1.0 means no interference.
-func runHOL(d *Dialer, streams int, dir string, dur, settle time.Duration, chunk int) map[string]any {
+func runHOL(d *Dialer, streams int, dir string, dur, settle time.Duration, chunk, rounds int) map[string]any {
+	// Rounds alternate alone / with a stall (A B A B ...), so slow drifts of the machine's load
+	// hit both sides alike; the ratio is of the summed throughputs.
+	var sumA, sumB float64
+	out := map[string]any{}
+	var roundsOut []map[string]any
+	allNew := true
+	for r := 0; r < max(rounds, 1); r++ {
+		res, stallEnd := holRound(d, streams, dir, dur, settle, chunk)
+		roundsOut = append(roundsOut, res)
+		// A path that the stall blocked may stay blocked until the target reads again: let
+		// the stall run out before the next round, so rounds do not contaminate each other.
+		if ok, _ := res["new_stream_during_stall"].(map[string]any)["ok"].(bool); !ok && r+1 < rounds {
+			time.Sleep(time.Until(stallEnd) + time.Second)
+		}
+		if e, ok := res["error"]; ok {
+			out["error"] = e
+			break
+		}
+		a, _ := res["alone"].(map[string]any)["mbit_s"].(float64)
+		b, _ := res["with_stalled"].(map[string]any)["mbit_s"].(float64)
+		sumA += a
+		sumB += b
+		if ok, _ := res["new_stream_during_stall"].(map[string]any)["ok"].(bool); !ok {
+			allNew = false
+		}
+	}
+	n := float64(len(roundsOut))
+	out["rounds"] = roundsOut
+	out["alone_mbit_s"] = round(sumA/n, 2)
+	out["with_stalled_mbit_s"] = round(sumB/n, 2)
+	out["new_stream_ok"] = allNew
+	out["ratio"] = 0.0
+	if sumA > 0 {
+		out["ratio"] = round(sumB/sumA, 3)
+	}
+	return out
+}
+
+// holRound is one alone / with-stall pair. It returns when the target-side stall (up) ends.
+func holRound(d *Dialer, streams int, dir string, dur, settle time.Duration, chunk int) (map[string]any, time.Time) {
 	alone := runBulk(d, streams, dir, dur, 0, chunk, 5*time.Second)
 
 	// The moving streams are opened before the stall, so what is measured is their data
@@ -502,9 +543,12 @@ func runHOL(d *Dialer, streams int, dir string, dur, settle time.Duration, chunk
 				c.Close()
 			}
 		}
-		return map[string]any{"alone": alone, "error": "stalled stream: " + err.Error()}
+		return map[string]any{"alone": alone, "error": "stalled stream: " + err.Error()}, time.Now()
 	}
-	stallFor := dur + settle + 20*time.Second
+	// The target stops reading for the whole measured phase: settle, the moving streams (with
+	// their 5 s watchdog) and the 3 s new-stream probe.
+	stallFor := settle + dur + 9*time.Second
+	stallEnd := time.Now().Add(stallFor)
 	var stallWriter sync.WaitGroup
 	if dir == "down" {
 		var hdr [9]byte
@@ -528,7 +572,7 @@ func runHOL(d *Dialer, streams int, dir string, dur, settle time.Duration, chunk
 	}
 	if err != nil {
 		stalled.Close()
-		return map[string]any{"alone": alone, "error": "stalled stream: " + err.Error()}
+		return map[string]any{"alone": alone, "error": "stalled stream: " + err.Error()}, stallEnd
 	}
 	time.Sleep(settle)
 	withStall := moveStreams(moving, &dialErrs, dir, dur, 0, chunk, 5*time.Second)
@@ -561,7 +605,7 @@ func runHOL(d *Dialer, streams int, dir string, dur, settle time.Duration, chunk
 	if a > 0 {
 		ratio = round(b/a, 3)
 	}
-	return map[string]any{"alone": alone, "with_stalled": withStall, "ratio": ratio, "new_stream_during_stall": newStream}
+	return map[string]any{"alone": alone, "with_stalled": withStall, "ratio": ratio, "new_stream_during_stall": newStream}, stallEnd
 }
 
 // ---------------------------------------------------------------- probe
