@@ -159,3 +159,23 @@ async def test_streams_go_to_the_least_loaded_tunnel(nursery: trio.Nursery, pki:
         assert loads == [3, 3]
         for stream in streams:
             await stream.aclose()
+
+
+async def test_client_connection_closing_ends_its_open_streams(nursery: trio.Nursery, pki: PkiFiles) -> None:
+    server, bound = await start_server(nursery, pki)
+    echo_port = await echo_target(nursery)
+    nursery.start_soon(run_wire_agent, bound.agent[1], pki, "cluster1", "agent-a")
+    await wait_for(lambda: server.registry.tunnels("cluster1"))
+    for _ in range(3):
+        async with open_tunnel(
+            f"127.0.0.1:{bound.client[1]}",
+            TLSFiles(pki.ca, pki.client.cert, pki.client.key),
+            server_hostname="localhost",
+        ) as tunnel:
+            stream = await tunnel.connect("cluster1", "127.0.0.1", echo_port)
+            await stream.send_all(b"ping")
+            assert await stream.receive_some() == b"ping"
+        # leaving the block with the stream still open
+    await wait_for(lambda: server.open_relays == 0)
+    tunnel = server.registry.tunnels("cluster1")[0]
+    await wait_for(lambda: tunnel.mux.open_streams == 0)

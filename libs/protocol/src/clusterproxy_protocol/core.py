@@ -425,8 +425,12 @@ class TunnelCore:
             out.append(ev.DataArrived(sid))
 
     def _close_all_streams(self) -> None:
-        for state in self._streams.values():
+        """The connection is gone: every stream is broken, except that a stream whose peer had already
+        ended it keeps its buffered bytes, because they are the complete data."""
+        for state in list(self._streams.values()):
+            if state.remote_ended and state.reset_code is None and not state.app_closed:
+                continue
             if state.reset_code is None:
                 state.reset_code = CANCEL
                 self._drop_buffer(state)
-        self._streams.clear()
+            del self._streams[state.stream_id]

@@ -137,10 +137,12 @@ class TunnelStream(trio.abc.HalfCloseableStream):
                     data = self._mux.core.read(self.stream_id, max_bytes or RECEIVE_SIZE)
                     self._mux.kick()
                     return data
-                if state.reset_code is not None or self._mux.dead:
+                if state.reset_code is not None:
                     raise trio.BrokenResourceError(self._broken_reason())
                 if state.remote_ended:
-                    return b""
+                    return b""  # the data was complete before anything broke
+                if self._mux.dead:
+                    raise trio.BrokenResourceError(self._broken_reason())
                 await self._receive_lot.park()
 
     async def aclose(self) -> None:

@@ -29,6 +29,7 @@ async def relay(a: trio.abc.Stream, b: trio.abc.Stream) -> RelayResult:
     proxy does. A failure in either direction aborts both.
     """
     result = RelayResult()
+    completed = False
     try:
         async with trio.open_nursery() as nursery:
 
@@ -50,10 +51,11 @@ async def relay(a: trio.abc.Stream, b: trio.abc.Stream) -> RelayResult:
 
             nursery.start_soon(pump, a, b, True)
             nursery.start_soon(pump, b, a, False)
+        completed = True
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
             for stream in (a, b):
-                if result.error:
+                if result.error or not completed:  # failed, or cancelled from outside
                     await abort(stream)
                 else:
                     try:

@@ -110,6 +110,10 @@ class ProxyServer:
                 task_status.started(bound)
             nursery.cancel_scope.cancel()
 
+    @property
+    def open_relays(self) -> int:
+        return self._relays
+
     async def shutdown(self) -> None:
         """Stop accepting, let open streams finish (up to the drain timeout), then stop."""
         self.ready = False
@@ -346,11 +350,12 @@ class ProxyServer:
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.info("stream_failed", error=str(exc))
         finally:
-            await trio.aclose_forcefully(upstream)
+            # Bookkeeping first: under cancellation every await below would raise at once.
             gauge.dec()
             self._relays -= 1
             if self._relays == 0:
                 self._idle.set()
+            upstream.abort()  # a no-op when the relay closed it already
 
     async def _dial(self, route: Route) -> tuple[TunnelStream, AgentTunnel]:
         """Open the stream on the least-loaded tunnel; a tunnel that dies meanwhile makes us try the next."""
