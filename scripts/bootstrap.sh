@@ -46,6 +46,7 @@ fi
 # 2. Python packages, unless nothing that decides them changed.
 stamp_inputs=(pyproject.toml libs/protocol/pyproject.toml libs/sdk/pyproject.toml
     services/proxy-server/pyproject.toml services/proxy-agent/pyproject.toml libs/cli/pyproject.toml
+    services/cert-signer/pyproject.toml
     requirements-dev.txt scripts/bootstrap.sh)
 for f in "${stamp_inputs[@]}"; do
     [[ -f "$f" ]] || die "missing $f"

@@ -14,12 +14,12 @@ from typing import Any
 import h11
 import pytest
 import trio
-from clusterproxy_certsigner.testing import RunningSigner, start_signer
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
+from clusterproxy_certsigner.testing import RunningSigner, start_signer
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles, SignerRequestError
 from clusterproxy_protocol.pki import DevCA, agent_identity_from_cert, peer_identity

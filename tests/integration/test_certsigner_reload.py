@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import trio
-from clusterproxy_certsigner.testing import EchoClient, serve_tls_echo
 from cryptography import x509
 
+from clusterproxy_certsigner.testing import EchoClient, serve_tls_echo
 from clusterproxy_protocol.pki import DevCA
 from clusterproxy_protocol.reloader import ReloadingContext
 from clusterproxy_protocol.tls import client_context

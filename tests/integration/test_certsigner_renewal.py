@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import trio
+from cryptography import x509
+
 from clusterproxy_certsigner.cli_commands import rotate_ca
 from clusterproxy_certsigner.core import SignerCore
 from clusterproxy_certsigner.rotation import status
 from clusterproxy_certsigner.testing import EchoClient, RunningSigner, serve_tls_echo, start_signer
-from cryptography import x509
-
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.config import ConfigError

@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
+
 from clusterproxy_certsigner.cli_commands import add_certs_commands
 from clusterproxy_certsigner.filestore import FileStore
 from clusterproxy_certsigner.main import build_parser, main
 from clusterproxy_certsigner.tokens import hash_secret, parse_token
-
 from clusterproxy_protocol.certclient import bundle_fingerprints
 from clusterproxy_protocol.config import parse_args_or_exit
 

@@ -7,6 +7,8 @@ import datetime as dt
 from pathlib import Path
 
 import pytest
+from cryptography import x509
+
 from clusterproxy_certsigner.cli_commands import create_token, format_status, rotate_ca
 from clusterproxy_certsigner.core import SignerCore
 from clusterproxy_certsigner.filestore import FileStore
@@ -20,8 +22,6 @@ from clusterproxy_certsigner.rotation import (
     start_rotation,
     status,
 )
-from cryptography import x509
-
 from clusterproxy_protocol import certclient
 
 

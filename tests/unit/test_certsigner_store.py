@@ -11,13 +11,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 from clusterproxy_certsigner.filestore import FileStore
 from clusterproxy_certsigner.kubestore import KubernetesSecretStore
 from clusterproxy_certsigner.models import Binding
 from clusterproxy_certsigner.rotation import ensure_ca, start_rotation
 from clusterproxy_certsigner.store import CertStore, NotFound, StoreConflict, open_store, parse_store
 from clusterproxy_certsigner.tokens import hash_secret, new_token, parse_token, secret_matches
-
 from clusterproxy_protocol.config import InvalidValue
 
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)

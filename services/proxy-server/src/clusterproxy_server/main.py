@@ -162,8 +162,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
     try:
         config = config_from_args(args)
-        trio.run(serve, config)
     except ConfigError as exc:
         parser.exit(2, f"cluster-proxy-server: error: {exc}\n")
-    except OSError as exc:
-        parser.exit(1, f"cluster-proxy-server: error: {exc}\n")
+    try:
+        trio.run(serve, config)
+    except* OSError as group:  # e.g. a listen address already in use
+        parser.exit(1, f"cluster-proxy-server: error: {group.exceptions[0]}\n")
