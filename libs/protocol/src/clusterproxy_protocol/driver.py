@@ -20,6 +20,7 @@ from clusterproxy_protocol import events as ev
 from clusterproxy_protocol.core import CANCEL, NO_ERROR, Role, StreamState, TunnelCore, TunnelSettings
 from clusterproxy_protocol.errors import REASON_HEADER, TunnelClosed, TunnelError, refusal
 from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol.transport import receive_batch
 
 _log = get_logger("tunnel")
 
@@ -449,7 +450,7 @@ class Mux:
     async def _reader(self) -> None:
         while not self.dead:
             try:
-                data = await self.transport.receive_some(RECEIVE_SIZE)
+                data = await receive_batch(self.transport, RECEIVE_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 self._peer_closed = True
                 self._die(f"read failed: {_describe(exc)}")

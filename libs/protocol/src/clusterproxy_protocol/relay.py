@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import trio
 
+from clusterproxy_protocol.transport import receive_batch
+
 CHUNK = 256 << 10
 CLOSE_GRACE = 2.0  # seconds a graceful close (TLS close_notify) may take before we cut
 _TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
@@ -35,7 +37,7 @@ async def relay(a: trio.abc.Stream, b: trio.abc.Stream) -> RelayResult:
 
             async def pump(src: trio.abc.Stream, dst: trio.abc.Stream, forward: bool) -> None:
                 try:
-                    while data := await src.receive_some(CHUNK):
+                    while data := await receive_batch(src, CHUNK):
                         await dst.send_all(data)
                         if forward:
                             result.bytes_a_to_b += len(data)
