@@ -18,7 +18,9 @@ import trio
 from clusterproxy_agent.agent import Agent, AgentConfig, agent_version
 from clusterproxy_agent.egress import EgressPolicy, Rule, parse_rule
 from clusterproxy_agent.tunnel import TunnelOptions, TunnelRunner, tls_opener
+from clusterproxy_protocol import certclient
 from clusterproxy_protocol.admin import Reply, serve_admin
+from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint, SignerRequestError
 from clusterproxy_protocol.config import (
     ConfigError,
     InvalidValue,
@@ -30,12 +32,14 @@ from clusterproxy_protocol.config import (
 )
 from clusterproxy_protocol.logs import configure_logging, get_logger
 from clusterproxy_protocol.pki import agent_uri
+from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
 from clusterproxy_protocol.tls import client_context
 
 __all__ = ["AgentSettings", "build_parser", "main", "parse_settings", "serve"]
 
 ENV_PREFIX = "CLUSTER_PROXY_AGENT_"
 PROG = "cluster-proxy-agent"
+BOOTSTRAP_PATIENCE = 60.0  # seconds to keep retrying a signer that does not answer (or answers 429/5xx)
 _CLUSTER = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
@@ -79,6 +83,11 @@ def positive_duration(text: str) -> float:
     return value
 
 
+def signer_url(text: str) -> str:
+    SignerEndpoint.parse(text, Path("."))  # validates the form; --ca is checked on its own
+    return text.strip()
+
+
 def _default_agent_id() -> str:
     host = socket.gethostname().split(".", 1)[0] or "agent"
     try:
@@ -113,6 +122,10 @@ class AgentSettings:
     drain_timeout: float = 30.0
     log_level: str = "info"
     log_format: str = "auto"
+    # cert-signer: bootstrap --cert/--key from a token, renew them, follow the trust bundle
+    signer: str | None = None
+    bootstrap_token: str | None = None
+    trust_refresh: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.server_name:
@@ -125,6 +138,17 @@ class AgentSettings:
 
     def ssl_context(self) -> ssl.SSLContext:
         return client_context(self.cert, self.key, self.ca, alpn=["h2"])
+
+    def reloading_context(self) -> ReloadingContext:
+        """The context for each dial, kept in step with the files (renewal, trust bundle changes)."""
+        return ReloadingContext.client(self.cert, self.key, self.ca, alpn=["h2"])
+
+    def cert_files(self) -> CertFiles:
+        return CertFiles(self.cert, self.key, self.ca)
+
+    def signer_endpoint(self) -> SignerEndpoint:
+        assert self.signer
+        return SignerEndpoint.parse(self.signer, self.ca)
 
     def summary(self) -> dict[str, object]:
         """The effective configuration for the startup log (paths only, never key material)."""
@@ -145,6 +169,8 @@ class AgentSettings:
             "keepalive_interval": self.keepalive_interval,
             "keepalive_timeout": self.keepalive_timeout,
             "drain_timeout": self.drain_timeout,
+            "signer": self.signer,
+            "trust_refresh": self.trust_refresh if self.signer else None,
             "version": agent_version(),
         }
 
@@ -175,8 +201,41 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--cluster", type=cluster_name, required=True, help="name of this managed cluster")
     flag("--agent-id", type=agent_id, help="id of this agent replica (default: the host name)")
     flag("--ca", type=existing_file, required=True, metavar="FILE", help="CA bundle to verify the server")
-    flag("--cert", type=existing_file, required=True, metavar="FILE", help="agent certificate (PEM)")
-    flag("--key", type=existing_file, required=True, metavar="FILE", help="agent private key (PEM)")
+    flag(
+        "--cert",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="agent certificate (PEM); with --signer it is written (and renewed) there",
+    )
+    flag(
+        "--key",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="agent private key (PEM); with --signer, as --cert",
+    )
+    flag(
+        "--signer",
+        type=signer_url,
+        metavar="URL",
+        help="cert-signer (https://HOST:PORT, verified with --ca): bootstrap --cert/--key with "
+        "--bootstrap-token when they hold no valid certificate, renew them at 80%% of their lifetime "
+        "and follow the trust bundle, all without dropping the tunnel",
+    )
+    flag(
+        "--bootstrap-token",
+        metavar="TOKEN",
+        help="single-use token bound to this cluster (cluster-proxy certs token create --cluster NAME); "
+        "only used when --cert/--key hold no valid certificate",
+    )
+    flag(
+        "--trust-refresh",
+        metavar="DURATION",
+        type=parse_duration,
+        default="5m",
+        help="with --signer: how often the trust bundle is fetched (CA rotation needs it); 0: never",
+    )
     flag(
         "--kube-apiserver",
         type=target_address,
@@ -305,11 +364,51 @@ def parse_settings(
         log_level=args.log_level,
         log_format=args.log_format,
     )
+    if args.signer:
+        settings.signer = args.signer
+        settings.bootstrap_token = (args.bootstrap_token or "").strip() or None
+        settings.trust_refresh = args.trust_refresh
+        if not math.isfinite(args.trust_refresh) or args.trust_refresh < 0:
+            parser.error(f"--trust-refresh {args.trust_refresh!r} must be finite and not negative")
+        # The certificate may not exist yet (the first start bootstraps it); the CA bundle must: it is
+        # how the signer is verified.
+        return settings
+    if args.bootstrap_token:
+        parser.error("--bootstrap-token needs --signer")
     try:
         settings.ssl_context()
     except ConfigError as exc:
         parser.error(f"--ca/--cert/--key: {exc}")
     return settings
+
+
+async def bootstrap(settings: AgentSettings) -> None:
+    """With a signer: trade the bootstrap token for a first certificate when the files hold no valid
+    one. A refused token (used, expired, for another cluster) is final: ConfigError with the signer's
+    reason. A signer that does not answer yet is retried for up to BOOTSTRAP_PATIENCE seconds."""
+    if not settings.signer:
+        return
+    endpoint = settings.signer_endpoint()
+    log = get_logger("clusterproxy_agent", cluster=settings.cluster, agent_id=settings.agent_id)
+    deadline = trio.current_time() + BOOTSTRAP_PATIENCE
+    delay = 0.5
+    while True:
+        try:
+            issued = await certclient.ensure_bootstrapped(
+                endpoint,
+                settings.cert_files(),
+                settings.bootstrap_token,
+                lambda key: certclient.agent_csr(key, settings.cluster, settings.agent_id),
+            )
+            break
+        except SignerRequestError as exc:
+            if not exc.retryable or trio.current_time() + delay > deadline:
+                raise ConfigError(f"bootstrap with the cert-signer at {endpoint.url} failed: {exc}") from None
+            log.warning("cert_bootstrap_retry", error=str(exc), retry_in=delay)
+            await trio.sleep(delay)
+            delay = min(2 * delay, 10.0)
+    if issued is not None:
+        log.info("cert_bootstrapped", serial=issued.serial, not_after=issued.not_after.isoformat())
 
 
 # --- running ---------------------------------------------------------------------------------------------
@@ -336,8 +435,18 @@ class Service:
             backoff_initial=settings.backoff_initial,
             backoff_max=settings.backoff_max,
         )
-        opener = tls_opener(settings.server, settings.ssl_context(), settings.server_name)
+        self.tls = settings.reloading_context()
+        opener = tls_opener(settings.server, self.tls, settings.server_name)
         self.runner = TunnelRunner(self.agent, options, opener)
+        self.renewer: CertRenewer | None = None
+        if settings.signer:
+            self.renewer = CertRenewer(
+                settings.signer_endpoint(),
+                settings.cert_files(),
+                [self.tls],
+                RenewalPolicy(trust_refresh=settings.trust_refresh),
+            )
+            self.agent.metrics.watch_renewer(self.renewer)
         self.log = self.agent.log
         self.admin_address = ""
         self.draining = False
@@ -376,6 +485,8 @@ class Service:
                 listeners,
                 {"/healthz": self.healthz, "/readyz": self.readyz, "/metrics": self.metrics},
             )
+            if self.renewer is not None:
+                await nursery.start(self.renewer.run)
             await nursery.start(self.runner.run)
             self.log.info(
                 "agent_started", admin_port=self.admin_address, server=_hostport(self.settings.server)
@@ -407,6 +518,7 @@ async def serve(
     settings: AgentSettings, *, task_status: trio.TaskStatus[Service] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Run until SIGTERM/SIGINT, then drain (a second signal cuts the drain short)."""
+    await bootstrap(settings)
     service = Service(settings)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:

@@ -75,14 +75,21 @@ class Backoff:
         self.attempt = 0
 
 
-def tls_opener(server: tuple[str, int], ctx: ssl.SSLContext, server_name: str) -> Opener:
-    """TCP to ``server``, TLS handshake (the agent certificate in ``ctx``), ALPN ``h2`` required."""
+def tls_opener(
+    server: tuple[str, int], ctx: ssl.SSLContext | Callable[[], ssl.SSLContext], server_name: str
+) -> Opener:
+    """TCP to ``server``, TLS handshake (the agent certificate in ``ctx``), ALPN ``h2`` required.
+
+    ``ctx`` may be a callable (e.g. a :class:`~clusterproxy_protocol.reloader.ReloadingContext`),
+    called at each dial: a renewed certificate or a changed trust bundle applies to the next tunnel.
+    """
     host, port = server
 
     async def open_tls() -> trio.abc.Stream:
         tcp = await trio.open_tcp_stream(host, port)
         try:
-            tls = trio.SSLStream(tcp, ctx, server_hostname=server_name)
+            context = ctx() if callable(ctx) else ctx
+            tls = trio.SSLStream(tcp, context, server_hostname=server_name)
             await tls.do_handshake()
             selected = tls.selected_alpn_protocol()
             if selected != ALPN:

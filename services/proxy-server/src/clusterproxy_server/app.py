@@ -13,22 +13,25 @@ from pathlib import Path
 import trio
 from cryptography import x509
 
-from clusterproxy_protocol import tls as tls_config
 from clusterproxy_protocol.admin import Reply, serve_admin
+from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
 from clusterproxy_protocol.core import Role, TunnelSettings
 from clusterproxy_protocol.driver import IncomingRequest, Mux, TunnelStream, open_mux
 from clusterproxy_protocol.errors import (
     ConnectRefused,
     DialTimeout,
+    Forbidden,
     NoAgentConnected,
     TargetUnreachable,
     TunnelClosed,
     TunnelError,
 )
 from clusterproxy_protocol.logs import get_logger
-from clusterproxy_protocol.pki import agent_identity_from_cert, peer_identity
+from clusterproxy_protocol.pki import agent_identity_from_cert
 from clusterproxy_protocol.relay import relay
+from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
 from clusterproxy_server import h1
+from clusterproxy_server.authz import ClientIdentity, PolicyFile
 from clusterproxy_server.metrics import ServerMetrics
 from clusterproxy_server.registry import AgentTunnel, Registry
 from clusterproxy_server.routing import Route, resolve
@@ -54,6 +57,13 @@ class ServerConfig:
     keepalive_timeout: float = 20.0
     drain_timeout: float = 30.0
     tunnel: TunnelSettings = field(default_factory=TunnelSettings)
+    # cert-signer: bootstrap (``main.serve``) and renewal; None keeps the files as they are
+    signer: str | None = None
+    bootstrap_token: str | None = None
+    tls_hosts: tuple[str, ...] = ()
+    trust_refresh: float = 300.0
+    # which clients reach which clusters (authz.py); None: every client reaches every cluster
+    client_policy: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -74,10 +84,22 @@ class ProxyServer:
         self.registry = Registry(config.known_clusters)
         self.metrics = ServerMetrics()
         self.log = get_logger("proxy-server", server_id=config.server_id)
-        self._agent_tls = tls_config.server_context(config.cert, config.key, config.ca, alpn=["h2"])
-        self._client_tls = tls_config.server_context(
+        # Read at each handshake: a renewed certificate or a changed trust bundle applies to new
+        # connections only; live tunnels and streams keep the session they have.
+        self._agent_tls = ReloadingContext.server(config.cert, config.key, config.ca, alpn=["h2"])
+        self._client_tls = ReloadingContext.server(
             config.cert, config.key, config.ca, alpn=["h2", "http/1.1"]
         )
+        self.policy = PolicyFile(config.client_policy) if config.client_policy is not None else None
+        self.renewer: CertRenewer | None = None
+        if config.signer:
+            self.renewer = CertRenewer(
+                SignerEndpoint.parse(config.signer, config.ca),
+                CertFiles(config.cert, config.key, config.ca),
+                [self._agent_tls, self._client_tls],
+                RenewalPolicy(trust_refresh=config.trust_refresh),
+            )
+            self.metrics.watch_renewer(self.renewer)
         self._relays = 0
         self._idle = trio.Event()
         self._idle.set()
@@ -95,6 +117,8 @@ class ProxyServer:
         )
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_admin, admin_listeners, self._admin_routes())
+            if self.renewer is not None:
+                await nursery.start(self.renewer.run)
             async with trio.open_nursery() as ports:
                 self._ports = ports
                 ports.start_soon(trio.serve_listeners, self.handle_agent, agent_listeners)
@@ -106,9 +130,15 @@ class ProxyServer:
                     client_port=_address(bound.client),
                     admin_port=_address(bound.admin),
                     known_clusters=sorted(cfg.known_clusters),
+                    signer=cfg.signer,
+                    certificate_serial=format(self._certificate().serial_number, "x"),
+                    client_policy=str(cfg.client_policy) if cfg.client_policy else None,
                 )
                 task_status.started(bound)
             nursery.cancel_scope.cancel()
+
+    def _certificate(self) -> x509.Certificate:
+        return x509.load_pem_x509_certificate(self.config.cert.read_bytes())
 
     @property
     def open_relays(self) -> int:
@@ -161,7 +191,7 @@ class ProxyServer:
 
     async def _serve_agent(self, tcp: trio.SocketStream) -> None:
         peer = _address(tcp.socket.getpeername())
-        stream = await self._handshake(tcp, self._agent_tls, "agent")
+        stream = await self._handshake(tcp, self._agent_tls.context, "agent")
         if stream is None:
             return
         identity = agent_identity_from_cert(
@@ -238,16 +268,16 @@ class ProxyServer:
     # -- client port ------------------------------------------------------------------------------
 
     async def _serve_client(self, tcp: trio.SocketStream) -> None:
-        stream = await self._handshake(tcp, self._client_tls, "client")
+        stream = await self._handshake(tcp, self._client_tls.context, "client")
         if stream is None:
             return
-        client = str(peer_identity(stream.getpeercert(binary_form=True)).get("common_name"))
+        client = ClientIdentity.from_der(stream.getpeercert(binary_form=True))
         if stream.selected_alpn_protocol() == "h2":
             await self._serve_h2_client(stream, client)
         else:
             await self._serve_h1_client(stream, client)
 
-    async def _serve_h2_client(self, stream: trio.SSLStream, client: str) -> None:
+    async def _serve_h2_client(self, stream: trio.SSLStream, client: ClientIdentity) -> None:
         async def handle(request: IncomingRequest) -> None:
             if request.method != "CONNECT":
                 await request.refuse(405, f"method {request.method} not served: open CONNECT streams here")
@@ -259,7 +289,7 @@ class ProxyServer:
         async with open_mux(stream, Role.ACCEPTOR, settings=self.config.tunnel, handler=handle) as mux:
             await mux.closed.wait()
 
-    async def _serve_h1_client(self, stream: trio.SSLStream, client: str) -> None:
+    async def _serve_h1_client(self, stream: trio.SSLStream, client: ClientIdentity) -> None:
         try:
             with trio.fail_after(self.config.handshake_timeout):
                 request = await h1.read_request(stream)
@@ -308,17 +338,18 @@ class ProxyServer:
     async def _proxy(
         self,
         frontend: str,
-        client: str,
+        client: ClientIdentity,
         authority: str,
         headers: dict[str, str],
         accept: Callable[[], Awaitable[trio.abc.Stream]],
         refuse: Callable[[int, str], Awaitable[None]],
         early_data: bytes = b"",
     ) -> None:
-        log = self.log.bind(frontend=frontend, client=client, target=authority)
+        log = self.log.bind(frontend=frontend, client=client.name, target=authority)
         try:
             route = resolve(authority, headers, self.registry.known_clusters)
             log = log.bind(cluster=route.cluster)
+            self._authorize(client, route.cluster)
             with self.metrics.dial_seconds.time():
                 upstream, tunnel = await self._dial(route)
         except ConnectRefused as exc:
@@ -356,6 +387,15 @@ class ProxyServer:
             if self._relays == 0:
                 self._idle.set()
             upstream.abort()  # a no-op when the relay closed it already
+
+    def _authorize(self, client: ClientIdentity, cluster: str) -> None:
+        """Raise Forbidden (403) when the client policy keeps ``client`` out of ``cluster``. Checked
+        before the cluster's existence, so a refused client learns nothing about it."""
+        if self.policy is None:
+            return
+        decision = self.policy.decide(client, cluster)
+        if not decision.allowed:
+            raise Forbidden(decision.reason)
 
     async def _dial(self, route: Route) -> tuple[TunnelStream, AgentTunnel]:
         """Open the stream on the least-loaded tunnel; a tunnel that dies meanwhile makes us try the next."""

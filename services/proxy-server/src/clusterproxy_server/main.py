@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import signal
 from collections.abc import Sequence
+from pathlib import Path
 
 import trio
 
+from clusterproxy_protocol import certclient
+from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint, SignerRequestError
 from clusterproxy_protocol.config import (
     ConfigError,
+    InvalidValue,
     add_flag,
     existing_file,
     parse_args_or_exit,
@@ -21,9 +25,12 @@ from clusterproxy_protocol.config import (
 from clusterproxy_protocol.core import TunnelSettings
 from clusterproxy_protocol.logs import configure_logging, get_logger
 from clusterproxy_server.app import ProxyServer, ServerConfig
+from clusterproxy_server.authz import load_policy
 from clusterproxy_server.routing import CLUSTER_NAME
 
 ENV = "CLUSTER_PROXY_SERVER_"
+SERVER_CERT_NAME = "proxy-server"  # CN of a certificate from the signer (bootstrap tokens name it)
+BOOTSTRAP_PATIENCE = 60.0  # seconds to keep retrying a signer that does not answer (or answers 429/5xx)
 
 
 def _cluster_names(text: str) -> list[str]:
@@ -32,6 +39,18 @@ def _cluster_names(text: str) -> list[str]:
         if not CLUSTER_NAME.match(name):
             raise ConfigError(f"invalid cluster name {name!r}: expected a DNS name like cluster1")
     return names
+
+
+def _tls_host(text: str) -> str:
+    host = text.strip().removeprefix("[").removesuffix("]")
+    if not host or any(c.isspace() or c in "/@" for c in host):
+        raise InvalidValue(f"invalid TLS host {text!r}: expected a DNS name or an IP address")
+    return host
+
+
+def _signer_url(text: str) -> str:
+    SignerEndpoint.parse(text, Path("."))  # validates; the CA path is checked later
+    return text.strip()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,8 +84,47 @@ def build_parser() -> argparse.ArgumentParser:
     flag(
         "--ca", type=existing_file, required=True, help="CA bundle trusted for agent and client certificates"
     )
-    flag("--cert", type=existing_file, required=True, help="server certificate (PEM)")
-    flag("--key", type=existing_file, required=True, help="server private key (PEM)")
+    flag(
+        "--cert",
+        type=Path,
+        required=True,
+        help="server certificate (PEM); with --signer it is written (and renewed) there",
+    )
+    flag("--key", type=Path, required=True, help="server private key (PEM); with --signer, as --cert")
+    flag(
+        "--signer",
+        type=_signer_url,
+        metavar="URL",
+        help="cert-signer (https://HOST:PORT, verified with --ca): bootstrap --cert/--key with "
+        "--bootstrap-token when they hold no valid certificate, renew them at 80%% of their lifetime "
+        "and follow the trust bundle, all without a restart",
+    )
+    flag(
+        "--bootstrap-token",
+        metavar="TOKEN",
+        help="single-use token for the first certificate (cluster-proxy certs token create --server "
+        "proxy-server --host ...); only used when --cert/--key hold no valid certificate",
+    )
+    flag(
+        "--tls-host",
+        type=_tls_host,
+        multiple=True,
+        help="DNS name or IP address the server certificate is for (repeat); with --signer",
+    )
+    flag(
+        "--trust-refresh",
+        type=parse_duration,
+        default="5m",
+        help="with --signer: how often the trust bundle is fetched (CA rotation needs it); 0: never",
+    )
+    flag(
+        "--client-policy",
+        type=existing_file,
+        metavar="FILE",
+        help="JSON file mapping client certificates (subject or SAN) to the clusters they may reach; "
+        "others get 403 (docs/certificates.md). Re-read when it changes. Default: every client "
+        "reaches every cluster",
+    )
     flag("--server-id", help="identity told to agents (default: hostname plus a random suffix)")
     flag("--server-count", type=parse_positive_int, default="1", help="number of server replicas")
     flag(
@@ -141,10 +199,62 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
     if args.server_id:
         config.server_id = args.server_id
+    if args.signer:
+        config.signer = args.signer
+        config.bootstrap_token = (args.bootstrap_token or "").strip() or None
+        config.tls_hosts = tuple(dict.fromkeys(args.tls_host))
+        config.trust_refresh = args.trust_refresh
+    else:
+        for flag_name, value in (("--bootstrap-token", args.bootstrap_token), ("--tls-host", args.tls_host)):
+            if value:
+                raise ConfigError(f"{flag_name} needs --signer")
+        for flag_name, path in (("--cert", args.cert), ("--key", args.key)):
+            try:
+                existing_file(path)
+            except ConfigError as exc:
+                raise ConfigError(f"{flag_name}: {exc} (or use --signer to get one)") from None
+    if args.client_policy is not None:
+        config.client_policy = args.client_policy
+        load_policy(args.client_policy)  # a broken policy stops the start, not the first request
     return config
 
 
+async def bootstrap(config: ServerConfig) -> None:
+    """With a signer: get a first certificate when the files hold no valid one (else nothing)."""
+    if not config.signer:
+        return
+    endpoint = SignerEndpoint.parse(config.signer, config.ca)
+    files = CertFiles(config.cert, config.key, config.ca)
+    if certclient.usable_credentials(files) is None and config.bootstrap_token and not config.tls_hosts:
+        raise ConfigError("bootstrapping a server certificate needs --tls-host (the names clients dial)")
+    hosts = list(config.tls_hosts)
+    log = get_logger("proxy-server")
+    deadline = trio.current_time() + BOOTSTRAP_PATIENCE
+    delay = 0.5
+    while True:
+        try:
+            issued = await certclient.ensure_bootstrapped(
+                endpoint,
+                files,
+                config.bootstrap_token,
+                lambda key: certclient.server_csr(key, SERVER_CERT_NAME, hosts),
+            )
+            break
+        except SignerRequestError as exc:
+            # A refusal (used, expired or foreign token) is final; a signer not up yet is worth a wait.
+            if not exc.retryable or trio.current_time() + delay > deadline:
+                raise ConfigError(f"bootstrap with the cert-signer at {endpoint.url} failed: {exc}") from None
+            log.warning("cert_bootstrap_retry", error=str(exc), retry_in=delay)
+            await trio.sleep(delay)
+            delay = min(2 * delay, 10.0)
+    if issued is not None:
+        log.info(
+            "cert_bootstrapped", serial=issued.serial, not_after=issued.not_after.isoformat(), hosts=hosts
+        )
+
+
 async def serve(config: ServerConfig) -> None:
+    await bootstrap(config)
     server = ProxyServer(config)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.run)
@@ -166,5 +276,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.exit(2, f"cluster-proxy-server: error: {exc}\n")
     try:
         trio.run(serve, config)
+    except* ConfigError as group:  # e.g. a refused bootstrap token, a bad certificate file
+        parser.exit(1, f"cluster-proxy-server: error: {group.exceptions[0]}\n")
     except* OSError as group:  # e.g. a listen address already in use
         parser.exit(1, f"cluster-proxy-server: error: {group.exceptions[0]}\n")
