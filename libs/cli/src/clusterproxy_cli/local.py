@@ -6,32 +6,53 @@ Started as subprocesses (logs in ``STATE/logs/<name>.log``):
 - per cluster (``cluster1``, ``cluster2``): an echo service (the cluster's "in-cluster" target, also
   standing in for its kube-apiserver) and a ``proxy-agent`` dialing the server.
 
-Certificates come from a development CA in ``STATE/pki`` (:func:`issue_certificates`, the one place
-a cert-signer will replace). Once every agent is connected, ``STATE/local.json`` is written and
-ready-to-paste commands are printed. Foreground: Ctrl-C or SIGTERM stops every child (SIGTERM,
-then SIGKILL after 10 s) and removes ``local.json``; a child dying on its own stops the rest too
-and exits 1.
+The cert-signer (the CA; its store in ``STATE/pki/store``) runs inside this process: its signing API
+on a free loopback port, its log in ``STATE/logs/cert-signer.log``. Every party bootstraps from a
+single-use token (:func:`prepare_signer_pki` creates tokens only for parties without a usable
+certificate, so a restart needs none) and renews at 80% of its lifetime; the hub client's
+certificate (``STATE/pki/local-admin.crt``, what curl and the SDK use) is bootstrapped and renewed by
+this process. ``--no-cert-signer`` falls back to static certificates from a development CA
+(:func:`issue_certificates`).
+
+Once every agent is connected, ``STATE/local.json`` is written and ready-to-paste commands are
+printed. Foreground: Ctrl-C or SIGTERM stops every child (SIGTERM, then SIGKILL after 10 s) and
+removes ``local.json``; a child dying on its own (or the signer failing) stops the rest too and
+exits 1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
+import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
+import structlog
 import trio
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 
-from clusterproxy_protocol.config import ConfigError
-from clusterproxy_protocol.pki import DevCA, PemPair
+from clusterproxy_certsigner.cli_commands import create_token
+from clusterproxy_certsigner.filestore import FileStore
+from clusterproxy_certsigner.models import Authorities, Binding
+from clusterproxy_certsigner.rotation import ensure_ca
+from clusterproxy_certsigner.service import SignerConfig, SignerService
+from clusterproxy_certsigner.store import StoreError
+from clusterproxy_protocol import certclient
+from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint, SignerRequestError
+from clusterproxy_protocol.config import ConfigError, parse_duration
+from clusterproxy_protocol.pki import DevCA
+from clusterproxy_protocol.reloader import CertRenewer, RenewalPolicy
 from clusterproxy_sdk import TLSFiles, open_tunnel
 
 from . import _http
@@ -59,10 +80,12 @@ TAIL_LINES = 20
 
 @dataclass(frozen=True)
 class Certificates:
-    ca: Path
-    server: PemPair
-    client: PemPair
-    agents: dict[str, PemPair]  # cluster -> agent certificate
+    """Where each party's certificate, key and trust bundle live."""
+
+    ca: Path  # the hub client's trust bundle (curl --proxy-cacert, the SDK, local.json)
+    server: CertFiles
+    client: CertFiles
+    agents: dict[str, CertFiles]  # cluster -> agent files
 
 
 def agent_id(cluster: str) -> str:
@@ -70,18 +93,116 @@ def agent_id(cluster: str) -> str:
 
 
 def issue_certificates(pki_dir: Path, clusters: Sequence[str]) -> Certificates:
-    """Every certificate local mode needs, from a development CA kept in ``pki_dir``.
-
-    The CA is created once and reused; leaves are issued fresh on each start. This is the single
-    place to swap for the cert-signer service.
-    """
+    """Static certificates from a development CA kept in ``pki_dir`` (``local up --no-cert-signer``):
+    the CA is created once and reused; leaves are issued fresh on each start and never renewed."""
     ca = DevCA.create_or_load(pki_dir)
+
+    def files(pair) -> CertFiles:  # type: ignore[no-untyped-def]
+        return CertFiles(pair.cert, pair.key, ca.ca_path)
+
     return Certificates(
         ca=ca.ca_path,
-        server=ca.issue_server("proxy-server", ["localhost", LOOPBACK], pki_dir),
-        client=ca.issue_client(CLIENT_NAME, pki_dir),
-        agents={cluster: ca.issue_agent(cluster, agent_id(cluster), pki_dir) for cluster in clusters},
+        server=files(ca.issue_server("proxy-server", ["localhost", LOOPBACK], pki_dir)),
+        client=files(ca.issue_client(CLIENT_NAME, pki_dir)),
+        agents={cluster: files(ca.issue_agent(cluster, agent_id(cluster), pki_dir)) for cluster in clusters},
     )
+
+
+# --- the cert-signer ---------------------------------------------------------------------------------
+
+SIGNER_STORE = "store"  # STATE/pki/store
+SERVER_NAME = "proxy-server"
+SERVER_HOSTS = ("localhost", LOOPBACK)
+TOKEN_TTL = dt.timedelta(minutes=10)
+SIGNER_POLL = 1.0  # seconds: how soon the signer sees `cluster-proxy certs rotate-ca` and new tokens
+
+
+def signer_certificates(pki_dir: Path, clusters: Sequence[str]) -> Certificates:
+    """The file layout with a signer: one folder per party (``tls.crt``, ``tls.key``, ``ca.crt``),
+    each party its own trust bundle (a renewer must see its own bundle change to reload it); the hub
+    client's files at the top, where curl and the SDK find them."""
+
+    def party(name: str) -> CertFiles:
+        folder = pki_dir / name
+        return CertFiles(folder / "tls.crt", folder / "tls.key", folder / "ca.crt")
+
+    client = CertFiles(pki_dir / f"{CLIENT_NAME}.crt", pki_dir / f"{CLIENT_NAME}.key", pki_dir / "ca.crt")
+    return Certificates(
+        ca=client.ca,
+        server=party(SERVER_NAME),
+        client=client,
+        agents={cluster: party(f"{cluster}-agent") for cluster in clusters},
+    )
+
+
+def _issued_by_current_ca(cert: x509.Certificate, authorities: Authorities) -> bool:
+    for record in authorities.bundle():
+        try:
+            cert.verify_directly_issued_by(record.cert)
+            return True
+        except (ValueError, TypeError, InvalidSignature):
+            continue
+    return False
+
+
+@dataclass(frozen=True)
+class SignerPlan:
+    """What ``local up`` needs to run the signer and bootstrap the parties."""
+
+    store: FileStore
+    tokens: dict[str, str | None]  # "client", "proxy-server", cluster -> token (None: has a certificate)
+    cert_ttl: str = "24h"
+    trust_refresh: str = "30s"
+    url: str = ""  # set once the signer listens
+
+    def token(self, party: str) -> str | None:
+        return self.tokens.get(party)
+
+
+def prepare_signer_pki(
+    pki_dir: Path,
+    certs: Certificates,
+    clusters: Sequence[str],
+    *,
+    now: dt.datetime | None = None,
+) -> tuple[FileStore, dict[str, str | None]]:
+    """Create the CA (once), give every party the current trust bundle, and a bootstrap token to
+    each party without a usable certificate (missing, expired, or from a CA no longer trusted)."""
+    now = now or dt.datetime.now(dt.UTC)
+    store = FileStore(pki_dir / SIGNER_STORE)
+    authorities = ensure_ca(store, now=now)
+    bundle = authorities.bundle_pem()
+    parties: dict[str, tuple[CertFiles, Binding]] = {
+        "client": (certs.client, Binding(kind="client", name=CLIENT_NAME)),
+        SERVER_NAME: (certs.server, Binding(kind="server", name=SERVER_NAME, hosts=SERVER_HOSTS)),
+        **{
+            cluster: (
+                certs.agents[cluster],
+                Binding(kind="agent", cluster=cluster, agent_id=agent_id(cluster)),
+            )
+            for cluster in clusters
+        },
+    }
+    tokens: dict[str, str | None] = {}
+    for name, (files, binding) in parties.items():
+        files.cert.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        certclient.write_bundle(files.ca, bundle)
+        cert = certclient.usable_credentials(files, now=now)
+        if cert is not None and _issued_by_current_ca(cert, authorities):
+            tokens[name] = None
+            continue
+        for stale in (files.cert, files.key):
+            stale.unlink(missing_ok=True)
+        tokens[name] = create_token(store, binding, TOKEN_TTL, description=f"local up: {name}", now=now).token
+    return store, tokens
+
+
+def _signer_flags(plan: SignerPlan | None, party: str) -> list[str]:
+    if plan is None:
+        return []
+    flags = ["--signer", plan.url, "--trust-refresh", plan.trust_refresh]
+    token = plan.token(party)
+    return [*flags, "--bootstrap-token", token] if token else flags
 
 
 # --- ports -------------------------------------------------------------------------------------------
@@ -167,7 +288,10 @@ def executable(name: str) -> str:
     return found
 
 
-def server_argv(ports: Ports, certs: Certificates, clusters: Sequence[str]) -> list[str]:
+def server_argv(
+    ports: Ports, certs: Certificates, clusters: Sequence[str], signer: SignerPlan | None = None
+) -> list[str]:
+    hosts = [arg for host in SERVER_HOSTS for arg in ("--tls-host", host)] if signer is not None else []
     return [
         executable("cluster-proxy-server"),
         "--agent-listen",
@@ -177,11 +301,13 @@ def server_argv(ports: Ports, certs: Certificates, clusters: Sequence[str]) -> l
         "--admin-listen",
         f"{LOOPBACK}:{ports.admin}",
         "--ca",
-        str(certs.ca),
+        str(certs.server.ca),
         "--cert",
         str(certs.server.cert),
         "--key",
         str(certs.server.key),
+        *_signer_flags(signer, SERVER_NAME),
+        *hosts,
         "--known-clusters",
         ",".join(clusters),
         "--drain-timeout",
@@ -191,7 +317,9 @@ def server_argv(ports: Ports, certs: Certificates, clusters: Sequence[str]) -> l
     ]
 
 
-def agent_argv(cluster: str, ports: Ports, certs: Certificates) -> list[str]:
+def agent_argv(
+    cluster: str, ports: Ports, certs: Certificates, signer: SignerPlan | None = None
+) -> list[str]:
     echo = f"{LOOPBACK}:{ports.echo[cluster]}"
     return [
         executable("cluster-proxy-agent"),
@@ -204,11 +332,12 @@ def agent_argv(cluster: str, ports: Ports, certs: Certificates) -> list[str]:
         "--agent-id",
         agent_id(cluster),
         "--ca",
-        str(certs.ca),
+        str(certs.agents[cluster].ca),
         "--cert",
         str(certs.agents[cluster].cert),
         "--key",
         str(certs.agents[cluster].key),
+        *_signer_flags(signer, cluster),
         "--admin-listen",
         f"{LOOPBACK}:{ports.agent_admin[cluster]}",
         # Loopback is not in the default egress allow-list; allow this cluster's echo service.
@@ -285,8 +414,15 @@ class Supervisor:
     out: TextIO
     children: dict[str, Child] = field(default_factory=dict)
     failed: Child | None = None
+    failure: str | None = None  # a failure of an in-process part (the cert-signer)
     stopping: bool = False
     died: trio.Event = field(default_factory=trio.Event)
+
+    def fail(self, problem: str) -> None:
+        """An in-process part failed: stop everything, like a child dying."""
+        if not self.stopping and self.failed is None and self.failure is None:
+            self.failure = problem
+            self.died.set()
 
     async def start(self, nursery: trio.Nursery, name: str, argv: list[str]) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -342,6 +478,57 @@ class Supervisor:
 
 
 # --- readiness ---------------------------------------------------------------------------------------
+
+
+def _file_logger(file: TextIO, name: str) -> Any:
+    """A structlog logger writing JSON lines to ``file`` (the in-process signer's own log)."""
+    return structlog.wrap_logger(
+        structlog.WriteLogger(file),
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+    ).bind(logger=name)
+
+
+async def start_signer(
+    nursery: trio.Nursery, plan: SignerPlan, ca: Path, log: TextIO, on_failure: Callable[[str], None]
+) -> SignerEndpoint:
+    """Run the cert-signer in this process (its log in ``log``) on a free loopback port and check
+    that it answers over TLS, verified with ``ca``. A later failure calls ``on_failure``."""
+    config = SignerConfig(
+        store=plan.store,
+        tls_dir=plan.store.root / "signer",
+        listen=(LOOPBACK, 0),
+        tls_hosts=SERVER_HOSTS,
+        cert_ttl=dt.timedelta(seconds=parse_duration(plan.cert_ttl)),
+        store_poll=SIGNER_POLL,
+    )
+    service = SignerService(config)
+    service.log = _file_logger(log, "cert-signer")
+
+    async def run(*, task_status: trio.TaskStatus[tuple[str, int]]) -> None:
+        started = False
+        try:
+            async with trio.open_nursery() as inner:
+                task_status.started(await inner.start(service.run))
+                started = True
+        except Exception as exc:
+            if not started:
+                raise
+            service.log.exception("signer_failed")
+            leaf: BaseException = exc
+            while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:
+                leaf = leaf.exceptions[0]
+            on_failure(f"cert-signer failed: {type(leaf).__name__}: {leaf}")
+
+    _, port = await nursery.start(run)
+    endpoint = SignerEndpoint(LOOPBACK, port, ca, "localhost", timeout=10.0)
+    await certclient.request_json(endpoint, "GET", "/healthz")
+    return endpoint
 
 
 async def _port_open(host: str, port: int) -> bool:
@@ -435,8 +622,15 @@ async def local_up(
     ready_timeout: float = 30.0,
     out: TextIO | None = None,
     clusters: Sequence[str] = CLUSTERS,
+    cert_signer: bool = True,
+    cert_ttl: str = "24h",
+    trust_refresh: str = "30s",
 ) -> int:
-    """Run the local system until a signal (exit status 0) or a failure (exit status 1)."""
+    """Run the local system until a signal (exit status 0) or a failure (exit status 1).
+
+    With ``cert_signer`` (the default) certificates come from an in-process cert-signer (leaves live
+    ``cert_ttl``, parties fetch the trust bundle every ``trust_refresh``); else from a static
+    development CA."""
     out = out or sys.stdout
     state_dir = state_dir.resolve()
     running = _running_pids(state_dir)
@@ -458,7 +652,13 @@ async def local_up(
             flush=True,
         )
         return 1
-    certs = issue_certificates(state_dir / "pki", clusters)
+    plan: SignerPlan | None = None
+    if cert_signer:
+        certs = signer_certificates(state_dir / "pki", clusters)
+        store, tokens = prepare_signer_pki(state_dir / "pki", certs, clusters)
+        plan = SignerPlan(store, tokens, cert_ttl=cert_ttl, trust_refresh=trust_refresh)
+    else:
+        certs = issue_certificates(state_dir / "pki", clusters)
     proxy = ProxySettings(
         LOOPBACK,
         ports.client,
@@ -470,8 +670,14 @@ async def local_up(
     supervisor = Supervisor(state_dir / "logs", out)
     local_json = state_dir / LOCAL_JSON
     outcome = {"code": 0}
+    signer_log: TextIO | None = None
+    if plan is not None:
+        supervisor.log_dir.mkdir(parents=True, exist_ok=True)
+        signer_log = (supervisor.log_dir / "cert-signer.log").open("a", buffering=1)
 
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with contextlib.ExitStack() as files, trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        if signer_log is not None:
+            files.enter_context(signer_log)
         async with trio.open_nursery() as nursery:
 
             async def on_signal() -> None:
@@ -488,8 +694,10 @@ async def local_up(
             nursery.start_soon(on_signal)
             nursery.start_soon(on_death)
             try:
-                await _bring_up(nursery, supervisor, ports, certs, proxy, clusters, ready_timeout, out)
-            except (TimeoutError, trio.TooSlowError) as exc:
+                plan = await _bring_up(
+                    nursery, supervisor, ports, certs, proxy, clusters, ready_timeout, out, plan, signer_log
+                )
+            except (TimeoutError, trio.TooSlowError, ConfigError, SignerRequestError, StoreError) as exc:
                 print(f"error: {exc}", file=out, flush=True)
                 outcome["code"] = 1
                 nursery.cancel_scope.cancel()
@@ -504,13 +712,17 @@ async def local_up(
                         **{n: c.pid for n, c in supervisor.children.items()},
                     }
                     doc = build_local_json(proxy, _cluster_info(clusters, ports), pids, state_dir)
+                    if plan is not None:
+                        doc["signer"] = {"url": plan.url, "store": str(plan.store.root.resolve())}
                     write_local_json(state_dir, doc)
-                    await _print_ready(proxy, clusters, ports, state_dir, out)
+                    await _print_ready(proxy, clusters, ports, state_dir, out, plan)
                     await trio.sleep_forever()
 
         with trio.CancelScope(shield=True):
             if supervisor.failed is not None:
                 supervisor.report_failure(supervisor.failed)
+            elif supervisor.failure is not None:
+                print(f"error: {supervisor.failure}", file=out, flush=True)
             local_json.unlink(missing_ok=True)
             await supervisor.stop_all()
     print("stopped" if outcome["code"] == 0 else "stopped after a failure", file=out, flush=True)
@@ -526,13 +738,31 @@ async def _bring_up(
     clusters: Sequence[str],
     ready_timeout: float,
     out: TextIO,
-) -> None:
+    plan: SignerPlan | None = None,
+    signer_log: TextIO | None = None,
+) -> SignerPlan | None:
     print(f"starting cluster-proxy local (logs in {supervisor.log_dir})", file=out, flush=True)
     for cluster in clusters:
         await supervisor.start(nursery, f"{cluster}-echo", echo_argv(cluster, ports))
-    await supervisor.start(nursery, "proxy-server", server_argv(ports, certs, clusters))
+    if plan is not None:
+        assert signer_log is not None
+        endpoint = await start_signer(nursery, plan, certs.client.ca, signer_log, supervisor.fail)
+        plan = replace(plan, url=endpoint.url)
+        # The hub client (curl, the SDK, this process's self-test) is a party too: bootstrapped and
+        # renewed here, reporting its trust like the others.
+        await certclient.ensure_bootstrapped(
+            endpoint,
+            certs.client,
+            plan.token("client"),
+            lambda key: certclient.client_csr(key, CLIENT_NAME),
+        )
+        renewer = CertRenewer(
+            endpoint, certs.client, [], RenewalPolicy(trust_refresh=parse_duration(plan.trust_refresh))
+        )
+        await nursery.start(renewer.run)
+    await supervisor.start(nursery, "proxy-server", server_argv(ports, certs, clusters, plan))
     for cluster in clusters:
-        await supervisor.start(nursery, f"{cluster}-agent", agent_argv(cluster, ports, certs))
+        await supervisor.start(nursery, f"{cluster}-agent", agent_argv(cluster, ports, certs, plan))
     try:
         with trio.fail_after(ready_timeout):
             await wait_ready(ports, clusters, supervisor, out)
@@ -558,6 +788,7 @@ async def _bring_up(
             supervisor.report_failure(child, problem)
         what = "; ".join(f"{child.name} {problem}" for child, problem in problems) or "unknown"
         raise TimeoutError(f"not ready within {ready_timeout:g}s: {what}") from None
+    return plan
 
 
 def _cluster_info(clusters: Sequence[str], ports: Ports) -> dict[str, dict]:  # type: ignore[type-arg]
@@ -569,11 +800,20 @@ def _cluster_info(clusters: Sequence[str], ports: Ports) -> dict[str, dict]:  # 
 
 
 async def _print_ready(
-    proxy: ProxySettings, clusters: Sequence[str], ports: Ports, state_dir: Path, out: TextIO
+    proxy: ProxySettings,
+    clusters: Sequence[str],
+    ports: Ports,
+    state_dir: Path,
+    out: TextIO,
+    plan: SignerPlan | None = None,
 ) -> None:
     p = lambda *a: print(*a, file=out)  # noqa: E731
     p("")
     p(f"cluster-proxy local is up ({state_dir / LOCAL_JSON})")
+    if plan is not None:
+        p(
+            f"  cert-signer   {plan.url}  (CA store {plan.store.root}; leaves live {plan.cert_ttl}, renewed at 80%)"
+        )
     p(f"  proxy-server  client port {proxy.client_url}  (mTLS; HTTP/2 and HTTP/1.1 CONNECT)")
     p(f"                admin       {proxy.admin_url}/api/v1/agents")
     for cluster in clusters:
@@ -601,6 +841,10 @@ async def _print_ready(
     p(
         f"  cluster-proxy port-forward {first} {LOOPBACK}:{ports.echo[first]} --listen 127.0.0.1:0 --state-dir {state_dir}"
     )
+    if plan is not None:
+        p("Certificates (every party, its CA, what it trusts; CA rotation with overlap):")
+        p(f"  cluster-proxy certs status --store {plan.store.root}")
+        p(f"  cluster-proxy certs rotate-ca --store {plan.store.root}   # start, then activate, then retire")
     p("")
     p("Press Ctrl-C to stop.")
     out.flush()

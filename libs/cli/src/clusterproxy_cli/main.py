@@ -2,9 +2,14 @@
 
 ::
 
-    cluster-proxy local up [--state-dir DIR] [--base-port N]
+    cluster-proxy local up [--state-dir DIR] [--base-port N] [--cert-ttl 24h] [--no-cert-signer]
     cluster-proxy port-forward CLUSTER HOST:PORT [--listen ADDR] (--state-dir DIR | --proxy HOST:PORT
                   --ca FILE --cert FILE --key FILE) [--server-name NAME]
+    cluster-proxy certs status [--json] [--store DIR]
+    cluster-proxy certs rotate-ca [start|activate|retire] [--force] [--store DIR]
+    cluster-proxy certs token create|list|delete [--store DIR] ...
+
+``certs`` works on the cert-signer's store directly (default: the local mode's, ``STATE/pki/store``).
 
 Every flag has an environment twin ``CLUSTER_PROXY_<FLAG>`` (``--state-dir`` ->
 ``CLUSTER_PROXY_STATE_DIR``); a bad value exits with status 2 and a message naming it.
@@ -21,6 +26,7 @@ from pathlib import Path
 
 import trio
 
+from clusterproxy_certsigner.cli_commands import add_certs_commands, run_certs
 from clusterproxy_protocol.config import (
     ConfigError,
     InvalidValue,
@@ -38,6 +44,7 @@ from clusterproxy_sdk import TLSFiles, check_cluster
 from .state import DEFAULT_STATE_DIR, LOCAL_JSON, proxy_settings, read_local_json
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_STORE = DEFAULT_STATE_DIR / "pki" / "store"
 
 
 # --- converters --------------------------------------------------------------------------------------
@@ -73,6 +80,14 @@ def parse_proxy(text: str) -> tuple[str, int]:
     return host, port
 
 
+def parse_positive_duration(text: str) -> str:
+    """A positive duration, passed on as seconds (``90s``)."""
+    seconds = parse_duration(text)
+    if not 0 < seconds < float("inf"):
+        raise InvalidValue(f"invalid duration {text!r}: must be greater than 0")
+    return f"{seconds:g}s"
+
+
 def parse_base_port(text: str) -> int:
     port = parse_port(text)
     if port != 0 and port + 11 > 65535:
@@ -106,6 +121,21 @@ def build_parser() -> argparse.ArgumentParser:
              "services base+10..; 0: free ephemeral ports")  # fmt: skip
     add_flag(up, "--ready-timeout", env="CLUSTER_PROXY_READY_TIMEOUT", type=parse_duration, default="30s",
              help="how long to wait for every agent to connect")  # fmt: skip
+    add_flag(up, "--cert-signer", env="CLUSTER_PROXY_CERT_SIGNER", type=bool, default=True,
+             help="run a cert-signer: parties bootstrap from tokens and renew their certificates "
+             "(--no-cert-signer: static certificates from a development CA)")  # fmt: skip
+    add_flag(up, "--cert-ttl", env="CLUSTER_PROXY_CERT_TTL", type=parse_positive_duration, default="24h",
+             help="lifetime of the certificates the signer issues (renewed at 80%)")  # fmt: skip
+    add_flag(up, "--trust-refresh", env="CLUSTER_PROXY_TRUST_REFRESH", type=parse_positive_duration, default="30s",
+             help="how often every party fetches the trust bundle (a CA rotation waits for it)")  # fmt: skip
+
+    certs = commands.add_parser(
+        "certs",
+        help="certificates: status, CA rotation, bootstrap tokens",
+        description="Work on the cert-signer's store (no running signer needed; it follows the store "
+        f"within its poll interval). --store defaults to the local mode's ({DEFAULT_STORE}).",
+    )
+    add_certs_commands(certs, default_store=str(DEFAULT_STORE))
 
     pf = commands.add_parser(
         "port-forward",
@@ -211,7 +241,17 @@ def _local_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     configure_logging(args.log_level)
     try:
-        return trio.run(partial(local_up, args.state_dir, args.base_port, ready_timeout=args.ready_timeout))
+        return trio.run(
+            partial(
+                local_up,
+                args.state_dir,
+                args.base_port,
+                ready_timeout=args.ready_timeout,
+                cert_signer=args.cert_signer,
+                cert_ttl=args.cert_ttl,
+                trust_refresh=args.trust_refresh,
+            )
+        )
     except ConfigError as exc:
         print(f"cluster-proxy local up: {exc}", file=sys.stderr)
         return 1
@@ -219,6 +259,14 @@ def _local_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args_or_exit(build_parser(), argv)
+    default_store = getattr(args, "run", None) is run_certs and args.store == ("files", str(DEFAULT_STORE))
+    if default_store and not DEFAULT_STORE.is_dir():
+        print(
+            f"cluster-proxy certs: no store at {DEFAULT_STORE}: start `cluster-proxy local up` first, or "
+            "name one with --store DIR",
+            file=sys.stderr,
+        )
+        raise SystemExit(1)
     raise SystemExit(args.run(args, args.subparser))
 
 

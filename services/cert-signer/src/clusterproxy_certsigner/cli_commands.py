@@ -78,13 +78,17 @@ def parse_host(text: str) -> str:
         raise InvalidValue(str(exc)) from None
 
 
-def add_store_flag(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+def add_store_flag(
+    parser: argparse.ArgumentParser, *, required: bool = True, default: str | None = None
+) -> None:
+    """``--store`` (env ``CLUSTER_PROXY_CERT_SIGNER_STORE``); with a ``default`` it is optional."""
     add_flag(
         parser,
         "--store",
         env=STORE_ENV,
         type=_store_spec,
-        required=required,
+        required=required and default is None,
+        default=default,
         metavar="STORE",
         help="where the CA lives: a directory (files) or kubernetes:NAMESPACE[/PREFIX]",
     )
@@ -186,18 +190,25 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 # --- argparse ------------------------------------------------------------------------------------------
 
 
-def add_certs_commands(parser: argparse.ArgumentParser) -> None:
+def add_certs_commands(parser: argparse.ArgumentParser, *, default_store: str | None = None) -> None:
     """Add ``status``, ``rotate-ca`` and ``token ...`` under ``parser``; each sets ``args.run`` to
-    :func:`run_certs` and ``args.subparser`` to its own parser."""
-    register_certs_commands(parser.add_subparsers(dest="certs_command", metavar="COMMAND", required=True))
+    :func:`run_certs` and ``args.subparser`` to its own parser. ``default_store`` makes ``--store``
+    optional (``cluster-proxy certs`` defaults to the local mode's store)."""
+    register_certs_commands(
+        parser.add_subparsers(dest="certs_command", metavar="COMMAND", required=True),
+        default_store=default_store,
+    )
 
 
-def register_certs_commands(commands: Any) -> None:
+def register_certs_commands(commands: Any, *, default_store: str | None = None) -> None:
     """Add ``status``, ``rotate-ca`` and ``token ...`` to an existing sub-command set
     (``parser.add_subparsers()``)."""
 
+    def store_flag(parser: argparse.ArgumentParser) -> None:
+        add_store_flag(parser, default=default_store)
+
     st = commands.add_parser("status", help="CAs, rotation phase, parties and what they trust")
-    add_store_flag(st)
+    store_flag(st)
     st.add_argument("--json", action="store_true", help="print JSON")
     st.set_defaults(run=run_certs, certs_run=_status, subparser=st)
 
@@ -208,7 +219,7 @@ def register_certs_commands(commands: Any) -> None:
         "once every party trusts it; retire: drop the old CA once no live certificate uses it. "
         "Without a step, runs the next one. See docs/certificates.md.",
     )
-    add_store_flag(rc)
+    store_flag(rc)
     rc.add_argument("step", nargs="?", choices=["start", "activate", "retire"], help="default: the next step")
     rc.add_argument("--force", action="store_true", help="skip the safety check of activate/retire")
     rc.add_argument("--ca-days", type=int, default=DEFAULT_CA_DAYS, help="lifetime of a new CA in days")
@@ -221,7 +232,7 @@ def register_certs_commands(commands: Any) -> None:
         help="create a token and print it (shown once)",
         description="One of --cluster (an agent), --server NAME --host H... or --client NAME.",
     )
-    add_store_flag(create)
+    store_flag(create)
     kind = create.add_mutually_exclusive_group(required=True)
     kind.add_argument("--cluster", type=_name, help="an agent token bound to this cluster")
     kind.add_argument("--server", type=_name, metavar="NAME", help="a server token (CN=NAME)")
@@ -237,10 +248,10 @@ def register_certs_commands(commands: Any) -> None:
     create.set_defaults(run=run_certs, certs_run=_token_create, subparser=create)
 
     ls = tok_commands.add_parser("list", help="tokens (ids and bindings; never the secret)")
-    add_store_flag(ls)
+    store_flag(ls)
     ls.set_defaults(run=run_certs, certs_run=_token_list, subparser=ls)
     rm = tok_commands.add_parser("delete", help="revoke an unused token")
-    add_store_flag(rm)
+    store_flag(rm)
     rm.add_argument("token_id", metavar="ID")
     rm.set_defaults(run=run_certs, certs_run=_token_delete, subparser=rm)
 

@@ -81,9 +81,10 @@ async def serve_https(
     handler: Handler,
     limits: HttpLimits = HttpLimits(),
     *,
+    log: Any = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    log = get_logger("cert-signer.https")
+    log = log or get_logger("cert-signer.https")
     slots = trio.CapacityLimiter(limits.max_connections)
 
     async def handle(tcp: trio.SocketStream) -> None:

@@ -20,6 +20,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,10 @@ class SignerService:
         sockname = listeners[0].socket.getsockname()
         bound = (str(sockname[0]), int(sockname[1]))
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_https, listeners, self.tls, self.handle, cfg.limits)
+            https_log = self.log.bind(logger="cert-signer.https")
+            await nursery.start(
+                partial(serve_https, listeners, self.tls, self.handle, cfg.limits, log=https_log)
+            )
             nursery.start_soon(self._poll_loop)
             self.log.info(
                 "signer_started",

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_signer_url,
         metavar="URL",
         help="cert-signer (https://HOST:PORT, verified with --ca): bootstrap --cert/--key with "
-        "--bootstrap-token when they hold no valid certificate, renew them at 80%% of their lifetime "
+        "--bootstrap-token when they hold no valid certificate, renew them at 80% of their lifetime "
         "and follow the trust bundle, all without a restart",
     )
     flag(
