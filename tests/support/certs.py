@@ -1,0 +1,260 @@
+"""A real cert-signer process, and a proxy-server and agents that get their certificates from it.
+
+Extends :mod:`tests.support.procs`: :class:`SignedHub` is a :class:`~tests.support.procs.Hub` whose
+server and agents run with ``--signer`` and bootstrap from tokens. Tokens are created straight in the
+signer's store (as ``cluster-proxy certs token create`` does). The hub client lives in the test
+process: :class:`ClientParty` bootstraps it and runs its renewer.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from clusterproxy_certsigner.cli_commands import create_token
+from clusterproxy_certsigner.filestore import FileStore
+from clusterproxy_certsigner.models import Binding
+from clusterproxy_protocol import certclient
+from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
+from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
+from tests.support.procs import BIN, Hub, Process
+
+SERVER_HOSTS = ("localhost", "127.0.0.1")
+
+
+class SignerProcess:
+    """``cluster-proxy-cert-signer serve`` on a free loopback port, with a files store."""
+
+    def __init__(self, directory: Path, log_dir: Path, *extra: str) -> None:
+        self.directory = directory
+        self.store_dir = directory / "store"
+        self.log_dir = log_dir
+        self.extra = extra
+        self.process: Process | None = None
+        self.port = 0
+
+    async def start(self) -> SignerProcess:
+        self.process = Process(
+            "cert-signer",
+            [
+                str(BIN / "cluster-proxy-cert-signer"),
+                "serve",
+                "--store",
+                str(self.store_dir),
+                "--listen",
+                "127.0.0.1:0",
+                "--tls-host",
+                "localhost",
+                "--tls-host",
+                "127.0.0.1",
+                "--store-poll",
+                "1s",
+                "--log-format",
+                "json",
+                *self.extra,
+            ],
+            self.log_dir,
+        )
+        started = await self.process.wait_event("signer_started")
+        self.port = int(str(started["listen"]).rsplit(":", 1)[1])
+        return self
+
+    @property
+    def store(self) -> FileStore:
+        return FileStore(self.store_dir)
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    def endpoint(self, ca: Path) -> SignerEndpoint:
+        return SignerEndpoint("127.0.0.1", self.port, ca, "localhost", timeout=10.0)
+
+    def bundle_pem(self) -> str:
+        return self.store.read_authorities().bundle_pem()
+
+    def token(self, binding: Binding, ttl: dt.timedelta = dt.timedelta(minutes=10)) -> str:
+        return create_token(self.store, binding, ttl, description="test").token
+
+    def agent_token(self, cluster: str, agent_id: str | None = None, **kw: Any) -> str:
+        return self.token(Binding(kind="agent", cluster=cluster, agent_id=agent_id), **kw)
+
+    def server_token(self) -> str:
+        return self.token(Binding(kind="server", name="proxy-server", hosts=SERVER_HOSTS))
+
+    def client_token(self, name: str, organization: str | None = None) -> str:
+        return self.token(Binding(kind="client", name=name, organization=organization))
+
+    def party(self, directory: Path) -> CertFiles:
+        """Files for a new party: a folder with the current trust bundle (how it verifies the signer)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        files = CertFiles(directory / "tls.crt", directory / "tls.key", directory / "ca.crt")
+        certclient.write_bundle(files.ca, self.bundle_pem())
+        return files
+
+    def issued(self) -> Counter[str]:
+        """``cert_issued`` events of the signer's log by ``via`` (bootstrap, renew, self)."""
+        assert self.process is not None
+        return Counter(str(e.get("via")) for e in self.process.events() if e.get("event") == "cert_issued")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+
+@dataclass
+class SignedHub(Hub):
+    """A :class:`Hub` whose server and agents bootstrap from ``signer`` and renew their certificates."""
+
+    signer: SignerProcess | None = None
+    files: dict[str, CertFiles] = field(default_factory=dict)
+
+    def _signer(self) -> SignerProcess:
+        assert self.signer is not None
+        return self.signer
+
+    async def start_server(self, *extra: str, trust_refresh: str = "5m") -> None:  # type: ignore[override]
+        signer = self._signer()
+        files = self.files["proxy-server"] = signer.party(self.log_dir / "proxy-server")
+        self.server = Process(
+            "proxy-server",
+            [
+                str(BIN / "cluster-proxy-server"),
+                "--agent-listen",
+                "127.0.0.1:0",
+                "--client-listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--ca",
+                str(files.ca),
+                "--cert",
+                str(files.cert),
+                "--key",
+                str(files.key),
+                "--signer",
+                signer.url,
+                "--bootstrap-token",
+                signer.server_token(),
+                *(arg for host in SERVER_HOSTS for arg in ("--tls-host", host)),
+                "--trust-refresh",
+                trust_refresh,
+                "--drain-timeout",
+                "2s",
+                "--log-format",
+                "json",
+                *extra,
+            ],
+            self.log_dir,
+        )
+        started = await self.server.wait_event("server_started")
+        self.agent_port = int(started["agent_port"].rsplit(":", 1)[1])
+        self.client_port = int(started["client_port"].rsplit(":", 1)[1])
+        self.admin_port = int(started["admin_port"].rsplit(":", 1)[1])
+
+    def start_agent(  # type: ignore[override]
+        self,
+        cluster: str,
+        agent_id: str,
+        *extra: str,
+        token: str | None = "new",
+        files: CertFiles | None = None,
+        name: str | None = None,
+        trust_refresh: str = "5m",
+    ) -> Process:
+        """An agent with ``--signer``; ``token="new"`` creates one bound to ``cluster``, None passes
+        none (the files must hold a certificate), any other string is passed as is."""
+        signer = self._signer()
+        name = name or f"agent-{cluster}-{agent_id}"
+        files = files or self.files.get(name) or signer.party(self.log_dir / name)
+        self.files[name] = files
+        if token == "new":
+            token = signer.agent_token(cluster)
+        process = Process(
+            name,
+            [
+                str(BIN / "cluster-proxy-agent"),
+                "--server",
+                f"127.0.0.1:{self.agent_port}",
+                "--server-name",
+                "localhost",
+                "--cluster",
+                cluster,
+                "--agent-id",
+                agent_id,
+                "--ca",
+                str(files.ca),
+                "--cert",
+                str(files.cert),
+                "--key",
+                str(files.key),
+                "--signer",
+                signer.url,
+                *(["--bootstrap-token", token] if token else []),
+                "--trust-refresh",
+                trust_refresh,
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--allow",
+                "127.0.0.0/8",
+                "--backoff-initial",
+                "0.1s",
+                "--backoff-max",
+                "1s",
+                "--drain-timeout",
+                "2s",
+                "--log-format",
+                "json",
+                *extra,
+            ],
+            self.log_dir,
+        )
+        self.agents[name] = process
+        return process
+
+    def stop(self) -> None:
+        super().stop()
+        if self.signer is not None:
+            self.signer.stop()
+
+
+class ClientParty:
+    """A hub client in the test process: bootstrapped from a token, renewed by a CertRenewer, with a
+    reloading context per ALPN (read ``.context`` at each new connection)."""
+
+    def __init__(self, files: CertFiles, endpoint: SignerEndpoint, trust_refresh: float) -> None:
+        self.files = files
+        self.endpoint = endpoint
+        self.h2 = ReloadingContext.client(files.cert, files.key, files.ca, alpn=["h2"])
+        self.h1 = ReloadingContext.client(files.cert, files.key, files.ca, alpn=["http/1.1"])
+        self.probe = ReloadingContext.client(files.cert, files.key, files.ca, alpn=["h2"])
+        self.renewer = CertRenewer(
+            endpoint, files, [self.h2, self.h1, self.probe], RenewalPolicy(trust_refresh=trust_refresh)
+        )
+
+    @classmethod
+    async def bootstrap(
+        cls, signer: SignerProcess, directory: Path, name: str, *, trust_refresh: float = 300.0
+    ) -> ClientParty:
+        files = signer.party(directory)
+        endpoint = signer.endpoint(files.ca)
+        await certclient.bootstrap_files(
+            endpoint, signer.client_token(name), files, lambda key: certclient.client_csr(key, name)
+        )
+        return cls(files, endpoint, trust_refresh)
+
+    async def start_renewer(self, nursery: trio.Nursery) -> None:
+        await nursery.start(self.renewer.run)
+
+
+def count_events(process: Process, event: str, **match: Any) -> int:
+    return sum(
+        1
+        for e in process.events()
+        if e.get("event") == event and all(e.get(k) == v for k, v in match.items())
+    )
