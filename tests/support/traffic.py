@@ -98,19 +98,24 @@ class Traffic:
     echo: Target
     h2: Callable[[], ssl.SSLContext]  # the client's contexts, read at each new connection
     h1: Callable[[], ssl.SSLContext]
-    up: int = 256 << 10
-    down: int = 256 << 10
+    up: int = 128 << 10
+    down: int = 128 << 10
     interval: float = 0.25
     ok: Counter[str] = field(default_factory=Counter)  # transfers by frontend
     failures: list[str] = field(default_factory=list)
     bytes_moved: int = 0
     long_exchanges: Counter[str] = field(default_factory=Counter)
     long_streams_closed_cleanly: int = 0
+    failure_seen: trio.Event = field(default_factory=trio.Event)  # set at the first failure
     _n: int = 0
 
     @property
     def failed(self) -> int:
         return len(self.failures)
+
+    def _fail(self, what: str) -> None:
+        self.failures.append(what)
+        self.failure_seen.set()
 
     # -- short transfers, one connection each ----------------------------------------------------------
 
@@ -171,7 +176,7 @@ class Traffic:
                     with trio.fail_after(30):
                         await self.transfer(frontend)
                 except Exception as exc:  # recorded: the run reports every failure
-                    self.failures.append(f"{frontend} transfer: {type(exc).__name__}: {exc}")
+                    self._fail(f"{frontend} transfer: {type(exc).__name__}: {exc}")
                 frontend = "http1" if frontend == "h2" else "h2"
                 await trio.sleep(0.01)
 
@@ -191,6 +196,7 @@ class Traffic:
         """One stream open for the whole run: a 4 KiB message echoed every ``interval``; at ``stop``
         a BYE and a clean close. Opened on the contexts of the start (it outlives their certificates)."""
         rng = random.Random(frontend)
+        started = False
         try:
             if frontend == "h2":
                 async with open_tunnel(
@@ -199,6 +205,7 @@ class Traffic:
                     stream = await tunnel.connect(self.cluster, self.echo.host, self.echo.port)
                     async with stream:
                         task_status.started()
+                        started = True
                         await self._echo_until(stream, frontend, stop, rng)
             else:
                 reply = await h1_connect(
@@ -208,10 +215,12 @@ class Traffic:
                     raise AssertionError(f"CONNECT refused: {reply.head!r}")
                 async with reply.stream:
                     task_status.started()
+                    started = True
                     await self._echo_until(reply.stream, frontend, stop, rng)
         except Exception as exc:
-            self.failures.append(f"long-lived {frontend} stream: {type(exc).__name__}: {exc}")
-            task_status.started()
+            self._fail(f"long-lived {frontend} stream: {type(exc).__name__}: {exc}")
+            if not started:
+                task_status.started()
 
     async def _echo_until(
         self, stream: trio.abc.Stream, frontend: str, stop: trio.Event, rng: random.Random
@@ -258,13 +267,16 @@ class SerialWatch:
     seen: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
+    async def probe_once(self) -> None:
+        try:
+            serial = await server_serial(self.port, self.context())
+            if not self.seen or self.seen[-1] != serial:
+                self.seen.append(serial)
+        except Exception as exc:
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+
     async def run(self, stop: trio.Event) -> None:
         while not stop.is_set():
-            try:
-                serial = await server_serial(self.port, self.context())
-                if not self.seen or self.seen[-1] != serial:
-                    self.seen.append(serial)
-            except Exception as exc:
-                self.errors.append(f"{type(exc).__name__}: {exc}")
+            await self.probe_once()
             with trio.move_on_after(self.interval):
                 await stop.wait()

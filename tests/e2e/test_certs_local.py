@@ -1,0 +1,169 @@
+"""``cluster-proxy local up`` with its cert-signer: every party bootstraps from a token, renews on its
+own, and ``cluster-proxy certs`` rotates the CA of the running system; a restart needs no token."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import trio
+
+from clusterproxy_cli import _http
+from clusterproxy_cli.state import proxy_settings, read_local_json
+from clusterproxy_sdk import TLSFiles, open_tunnel
+from tests.support.procs import BIN
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+AGENTS = ("cluster1-agent", "cluster2-agent")
+
+
+class LocalUp:
+    def __init__(self, state: Path, output: Path, process: trio.Process) -> None:
+        self.state, self.output, self.process = state, output, process
+
+    @classmethod
+    async def start(cls, state: Path, name: str, *extra: str) -> LocalUp:
+        output = state.parent / f"{name}.out"
+        with output.open("wb") as out:
+            process = await trio.lowlevel.open_process(
+                [str(BIN / "cluster-proxy"), "local", "up", "--state-dir", str(state), *extra],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        local = cls(state, output, process)
+        with trio.fail_after(60):
+            while "Press Ctrl-C" not in local.text():
+                assert process.returncode is None, local.text()
+                await trio.sleep(0.1)
+        return local
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def events(self, child: str, event: str) -> list[dict]:
+        lines = (self.state / "logs" / f"{child}.log").read_text(errors="replace").splitlines()
+        found = []
+        for line in lines:
+            if line.startswith("{") and f'"{event}"' in line:
+                record = json.loads(line)
+                if record.get("event") == event:
+                    found.append(record)
+        return found
+
+    async def stop(self) -> None:
+        if self.process.returncode is None:
+            self.process.send_signal(signal.SIGINT)
+            with trio.fail_after(30):
+                await self.process.wait()
+
+
+async def certs(store: Path, *args: str) -> str:
+    result = await trio.run_process(
+        [str(BIN / "cluster-proxy"), "certs", *args, "--store", str(store)], capture_stdout=True
+    )
+    return result.stdout.decode()
+
+
+async def status(store: Path) -> dict:
+    return json.loads(await certs(store, "status", "--json"))
+
+
+async def echo_through(state: Path, cluster: str) -> dict:
+    """GET the cluster's echo service through the proxy with the client files of local.json (read
+    anew: they are renewed in place)."""
+    doc = read_local_json(state)
+    proxy = proxy_settings(doc)
+    host, port = doc["clusters"][cluster]["targets"][0]["address"].rsplit(":", 1)
+    tls = TLSFiles(proxy.ca, proxy.cert, proxy.key)
+    async with open_tunnel((proxy.host, proxy.port), tls, server_hostname="localhost") as tunnel:
+        stream = await tunnel.connect(cluster, host, int(port))
+        async with stream:
+            response = await _http.request(stream, "GET", "/certs", f"{host}:{port}")
+    assert response.status == 200
+    return json.loads(response.body)
+
+
+async def until(condition, what: str, timeout: float) -> None:  # type: ignore[no-untyped-def]
+    with trio.move_on_after(timeout):
+        while not await condition():
+            await trio.sleep(0.5)
+        return
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+async def test_local_up_restart_needs_no_token(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    store = state / "pki" / "store"
+    for run in ("first", "second"):
+        local = await LocalUp.start(state, run)
+        try:
+            assert (await status(store))["tokens"] == {"unused": 0, "used": 4, "expired": 0}
+            assert (await echo_through(state, "cluster1"))["cluster"] == "cluster1"
+            bootstrapped = len(local.events("cluster1-agent", "cert_bootstrapped"))
+            assert bootstrapped == 1  # the log holds both runs: only the first one bootstrapped
+        finally:
+            await local.stop()
+        assert local.process.returncode == 0, local.text()
+
+
+async def test_local_up_bootstraps_renews_and_rotates_with_the_signer(tmp_path: Path) -> None:
+    local = await LocalUp.start(tmp_path / "state", "first", "--cert-ttl", "20s", "--trust-refresh", "2s")
+    store = local.state / "pki" / "store"
+    try:
+        doc = read_local_json(local.state)
+        assert doc["signer"]["store"] == str(store) and doc["signer"]["url"].startswith("https://127.0.0.1:")
+        assert "cert-signer   https://127.0.0.1:" in local.text()
+        first = await status(store)
+        identities = sorted(p["identity"] for p in first["parties"])
+        assert identities == [
+            "agent:cluster1/cluster1-agent-1",
+            "agent:cluster2/cluster2-agent-1",
+            "client:local-admin",
+            "server:proxy-server",
+        ]
+        assert first["tokens"]["used"] == 4 and first["tokens"]["unused"] == 0
+        for agent in AGENTS:
+            assert len(local.events(agent, "cert_bootstrapped")) == 1
+        assert (await echo_through(local.state, "cluster1"))["cluster"] == "cluster1"
+
+        # every party renews on its own (20 s certificates renew within about 16 s)
+        async def all_renewed() -> bool:
+            serials = {p["identity"]: p["serial"] for p in (await status(store))["parties"]}
+            return all(serials[p["identity"]] != p["serial"] for p in first["parties"])
+
+        await until(all_renewed, "every party to renew", 40)
+        assert (await echo_through(local.state, "cluster2"))["cluster"] == "cluster2"
+
+        # a CA rotation of the running system, step by step with `cluster-proxy certs`
+        print(await certs(store, "rotate-ca", "start"))
+
+        async def ready() -> bool:
+            return (await status(store))["ready_for_next_step"]
+
+        await until(ready, "every party to trust the new CA", 30)
+        print(await certs(store, "rotate-ca", "activate"))
+        await until(ready, "every leaf to move to the new CA", 40)
+        print(await certs(store, "rotate-ca", "retire"))
+        new_ca = [a["id"] for a in (await status(store))["authorities"] if a["state"] == "active"]
+
+        async def on_new_ca_only() -> bool:
+            st = await status(store)
+            return st["phase"] == "stable" and {p["ca_id"] for p in st["parties"]} == set(new_ca)
+
+        await until(on_new_ca_only, "the rotation to finish", 30)
+        for cluster in ("cluster1", "cluster2"):
+            assert (await echo_through(local.state, cluster))["cluster"] == cluster
+        print(await certs(store, "status"))
+        for agent in AGENTS:  # the tunnels lived through it all
+            assert len(local.events(agent, "tunnel_connected")) == 1
+            assert len(local.events(agent, "tunnel_disconnected")) == 0
+        assert len(local.events("proxy-server", "agent_disconnected")) == 0
+    finally:
+        await local.stop()
+    assert local.process.returncode == 0, local.text()
