@@ -84,7 +84,11 @@ def positive_duration(text: str) -> float:
 
 
 def signer_url(text: str) -> str:
-    SignerEndpoint.parse(text, Path("."))  # validates the form; --ca is checked on its own
+    """``https://HOST:PORT`` (or ``HOST:PORT``) of the cert-signer."""
+    try:
+        SignerEndpoint.parse(text, Path("."))  # the form only; --ca is checked on its own
+    except ConfigError as exc:
+        raise InvalidValue(str(exc)) from None
     return text.strip()
 
 

@@ -49,7 +49,11 @@ def _tls_host(text: str) -> str:
 
 
 def _signer_url(text: str) -> str:
-    SignerEndpoint.parse(text, Path("."))  # validates; the CA path is checked later
+    """``https://HOST:PORT`` (or ``HOST:PORT``) of the cert-signer."""
+    try:
+        SignerEndpoint.parse(text, Path("."))  # the form only; --ca is checked on its own
+    except ConfigError as exc:
+        raise InvalidValue(str(exc)) from None
     return text.strip()
 
 
