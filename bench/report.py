@@ -26,7 +26,7 @@ METRICS: dict[tuple[str, str], tuple[str, str, bool]] = {
     ("fanin", "reconnect_all_s"): ("all agents routable after server SIGKILL+restart", "s", False),
     ("fanin", "server_kib_per_tunnel"): ("server RSS per tunnel", "KiB", False),
     ("fanin", "agent_kib_per_agent"): (
-        "agent RSS per agent (ours: one process each; upstream: all in one process)",
+        "agent RSS per agent (all agents in one process, both systems)",
         "KiB",
         False,
     ),

@@ -408,18 +408,28 @@ class Ours(System):
         return f"{self.target_authority()}\t{CLUSTER_HEADER}: {CLUSTER}"
 
     def start_fanin(self, n: int, tag: str) -> FaninHandle:
+        """All n agents run in one process (bench/fleet.py), as upstream's agents do in its harness."""
         e = self.env
         server = self._start_server(f"fanin-{tag}")
-        log = e.log_dir / f"ours-fanin-{tag}-agents.log"
-        argvs, lines = [], []
+        agents, lines = [], []
         for i in range(n):
             cluster = f"fanin-{i}"
             cert = e.pki.agent(cluster, "a")
-            argvs.append(self._agent_argv(cluster, "a", cert))
+            agents.append({"cluster": cluster, "agent_id": "a", "cert": str(cert.cert), "key": str(cert.key)})
             lines.append(f"{self.target_authority()}\t{CLUSTER_HEADER}: {cluster}")
+        spec = e.log_dir / f"ours-fanin-{tag}-fleet.json"
+        common = {
+            "server_host": "127.0.0.1",
+            "server_port": self.agent_port,
+            "server_name": "localhost",
+            "ca": str(e.pki.ca),
+        }
+        spec.write_text(json.dumps({"common": common, "agents": agents}))
+        argv = [str(e.venv_bin / "python"), "-m", "bench.fleet", str(spec)]
+        log = e.log_dir / f"ours-fanin-{tag}-agents.log"
         return FaninHandle(
             server,
-            lambda: [Proc("ours-agent", argv, log) for argv in argvs],
+            lambda: [Proc("ours-fleet", argv, log, env={"PYTHONPATH": str(REPO)})],
             n,
             lines,
             lambda: self._launch_server(f"fanin-{tag}"),

@@ -53,7 +53,7 @@ class Settings:
                 idle_levels=[1000],
                 idle_hold=1.0,
                 fanin_levels=[20, 100],
-                fanin_ours_max=20,
+                fanin_ours_max=1000,
                 fanin_timeout=60.0,
                 hol_duration=1.5,
                 hol_rounds=2,
@@ -73,7 +73,7 @@ class Settings:
             idle_levels=[1000, 5000, 10000],
             idle_hold=3.0,
             fanin_levels=[100, 500, 1000],
-            fanin_ours_max=100,
+            fanin_ours_max=1000,
             fanin_timeout=120.0,
             hol_duration=2.0,
             hol_rounds=3,
@@ -343,8 +343,7 @@ class Runner:
                     continue
                 if s.name == "ours" and n > st.fanin_ours_max:
                     reason = (
-                        f"ours runs one Python process per agent (~{st.fanin_ours_max} fit this machine's run time "
-                        f"and memory); {n} agents skipped (--fanin-ours-max raises the cap)"
+                        f"more than --fanin-ours-max={st.fanin_ours_max} agents for ours; {n} agents skipped"
                     )
                     self.skipped[f"fanin-{n}/ours"] = reason
                     log(f"fanin    {variant:14s} ours      skipped: {reason}")
