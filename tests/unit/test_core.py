@@ -148,3 +148,25 @@ def test_garbage_ends_the_connection_with_a_reason() -> None:
     assert "protocol error" in events[0].reason
     assert acceptor.closed
     assert acceptor.data_to_send()  # a GOAWAY goes out
+
+
+def test_stream_limit_still_holds_with_the_cheap_open_stream_count() -> None:
+    limited = TunnelSettings(stream_window=65535, connection_window=1 << 20, max_concurrent_streams=10)
+    opener, acceptor = TunnelCore(Role.OPENER, SMALL), TunnelCore(Role.ACCEPTOR, limited)
+    opener.initiate()
+    acceptor.initiate()
+    pump(opener, acceptor)
+    sids = [opener.open_connect(f"t:{i + 1}") for i in range(10)]
+    assert not opener.can_open_stream()
+    # Finish them all; the closed streams are swept and new ones may open again, many times over.
+    for sid in sids:
+        opener.reset(sid)
+        opener.close_stream(sid)
+    pump(opener, acceptor)
+    assert opener.can_open_stream()
+    for round_ in range(300):
+        sid = opener.open_connect(f"t:{round_ + 100}")
+        opener.reset(sid)
+        opener.close_stream(sid)
+        pump(opener, acceptor)
+    assert len(opener._conn.streams) < 200  # swept, not accumulated
