@@ -170,3 +170,15 @@ def test_stream_limit_still_holds_with_the_cheap_open_stream_count() -> None:
         opener.close_stream(sid)
         pump(opener, acceptor)
     assert len(opener._conn.streams) < 200  # swept, not accumulated
+
+
+def test_data_then_goaway_in_one_read_does_not_break_the_receiver() -> None:
+    """A DATA frame for a stream we closed, followed by GOAWAY in the same bytes: no h2 error."""
+    opener, acceptor = connected()
+    sid = open_stream(opener, acceptor)
+    acceptor.close_stream(sid)  # our side is done: late data would be answered with RST_STREAM
+    pump(opener, acceptor)
+    opener.send_data(sid, b"late")
+    opener.close(reason="bye")
+    events = acceptor.receive_bytes(opener.data_to_send())
+    assert any(isinstance(e, ev.ConnectionEnded) and "bye" in e.reason for e in events)

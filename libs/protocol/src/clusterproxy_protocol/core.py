@@ -286,10 +286,15 @@ class TunnelCore:
         self._reset(state, error_code)
         self._forget_if_finished(state)
 
+    def _wire_open(self) -> bool:
+        # h2 closes its side as soon as it parses a GOAWAY, which can be in the same read as DATA we
+        # are still translating: sending anything then would raise.
+        return not self.closed and self._conn.state_machine.state is not h2.connection.ConnectionState.CLOSED
+
     def _reset(self, state: StreamState, error_code: int) -> None:
         state.reset_code = error_code
         self._drop_buffer(state)
-        if not self.closed:
+        if self._wire_open():
             try:
                 self._conn.reset_stream(state.stream_id, error_code)
             except h2.exceptions.StreamClosedError:
@@ -343,7 +348,7 @@ class TunnelCore:
 
     def _ack_stream(self, state: StreamState, count: int) -> None:
         state.unacked += count
-        if state.unacked >= self.settings.stream_window // 4 and not state.remote_ended and not self.closed:
+        if state.unacked >= self.settings.stream_window // 4 and not state.remote_ended and self._wire_open():
             try:
                 self._conn.increment_flow_control_window(state.unacked, stream_id=state.stream_id)
             except h2.exceptions.StreamClosedError:
@@ -352,7 +357,7 @@ class TunnelCore:
 
     def _ack_connection(self, count: int) -> None:
         self._conn_unacked += count
-        if self._conn_unacked >= self.settings.connection_window // 4 and not self.closed:
+        if self._conn_unacked >= self.settings.connection_window // 4 and self._wire_open():
             self._conn.increment_flow_control_window(self._conn_unacked)
             self._conn_unacked = 0
 
