@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import trio
@@ -60,92 +60,85 @@ async def _read_line(stream: trio.SocketStream, limit: int = 256) -> tuple[str, 
     return line.decode(), rest
 
 
-async def serve_digest(nursery: trio.Nursery) -> Target:
+Handler = Callable[[trio.SocketStream, Target], Awaitable[None]]
+
+
+async def serve(nursery: trio.Nursery, handle: Handler) -> Target:
+    """A loopback TCP target running ``handle`` per connection; a peer going away ends it quietly."""
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     target = Target("127.0.0.1", listeners[0].socket.getsockname()[1])
 
-    async def handle(stream: trio.SocketStream) -> None:
+    async def connection(stream: trio.SocketStream) -> None:
         target.connections += 1
         try:
-            line, rest = await _read_line(stream)
-            token, wanted = line.split()
-            digest = hashlib.sha256(rest)
-
-            upload_done = trio.Event()
-
-            async def send() -> None:
-                for chunk in pattern(token, int(wanted)):
-                    await stream.send_all(chunk)
-                await upload_done.wait()  # our EOF tells the client its upload digest is recorded
-                await stream.send_eof()
-
-            async def receive() -> None:
-                while data := await stream.receive_some(CHUNK):
-                    digest.update(data)
-                target.received[token] = digest.hexdigest()
-                upload_done.set()
-
-            async with trio.open_nursery() as inner:
-                inner.start_soon(send)
-                inner.start_soon(receive)
+            await handle(stream, target)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ValueError):
             pass
         finally:
             await stream.aclose()
 
-    await nursery.start(trio.serve_listeners, handle, listeners)
+    await nursery.start(trio.serve_listeners, connection, listeners)
     return target
+
+
+async def _digest(stream: trio.SocketStream, target: Target) -> None:
+    line, rest = await _read_line(stream)
+    token, wanted = line.split()
+    digest = hashlib.sha256(rest)
+    upload_done = trio.Event()
+
+    async def send() -> None:
+        for chunk in pattern(token, int(wanted)):
+            await stream.send_all(chunk)
+        await upload_done.wait()  # our EOF tells the client its upload digest is recorded
+        await stream.send_eof()
+
+    async def receive() -> None:
+        while data := await stream.receive_some(CHUNK):
+            digest.update(data)
+        target.received[token] = digest.hexdigest()
+        upload_done.set()
+
+    async with trio.open_nursery() as inner:
+        inner.start_soon(send)
+        inner.start_soon(receive)
+
+
+async def serve_digest(nursery: trio.Nursery) -> Target:
+    return await serve(nursery, _digest)
+
+
+async def _source(stream: trio.SocketStream, target: Target) -> None:
+    token = f"source-{target.connections}"
+    target.sent[token] = 0
+    block = random.Random(token).randbytes(CHUNK)
+    while True:
+        await stream.send_all(block)
+        target.sent[token] += len(block)
 
 
 async def serve_source(nursery: trio.Nursery) -> Target:
     """Sends pattern bytes forever (until the peer goes away); counts what it sent per connection."""
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    target = Target("127.0.0.1", listeners[0].socket.getsockname()[1])
-
-    async def handle(stream: trio.SocketStream) -> None:
-        target.connections += 1
-        token = f"source-{target.connections}"
-        target.sent[token] = 0
-        block = random.Random(token).randbytes(CHUNK)
-        try:
-            while True:
-                await stream.send_all(block)
-                target.sent[token] += len(block)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        finally:
-            await stream.aclose()
-
-    await nursery.start(trio.serve_listeners, handle, listeners)
-    return target
+    return await serve(nursery, _source)
 
 
 async def serve_http(nursery: trio.Nursery, body: bytes) -> Target:
     """A one-shot HTTP/1.1 server answering every request with ``body`` and closing."""
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    target = Target("127.0.0.1", listeners[0].socket.getsockname()[1])
 
-    async def handle(stream: trio.SocketStream) -> None:
-        target.connections += 1
-        try:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                data = await stream.receive_some(4096)
-                if not data:
-                    return
-                head += data
-            await stream.send_all(
-                b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-                % len(body)
-                + body
-            )
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        finally:
-            await stream.aclose()
+    async def answer(stream: trio.SocketStream, target: Target) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            data = await stream.receive_some(4096)
+            if not data:
+                return
+            head += data
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % len(body)
+            + body
+        )
 
-    await nursery.start(trio.serve_listeners, handle, listeners)
-    return target
+    return await serve(nursery, answer)
 
 
 def closed_port() -> int:

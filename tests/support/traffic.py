@@ -25,57 +25,39 @@ from cryptography import x509
 
 from clusterproxy_sdk import open_tunnel
 from tests.support.clients import h1_connect
-from tests.support.targets import CHUNK, Target, _read_line, pattern, pattern_digest
+from tests.support.targets import CHUNK, Target, _read_line, pattern, pattern_digest, serve
 
 BYE = b"BYE\n"
 
 
+async def _sized(stream: trio.SocketStream, target: Target) -> None:
+    line, rest = await _read_line(stream)
+    token, up, down = line.split()
+    digest, left = hashlib.sha256(rest), int(up) - len(rest)
+    while left > 0:
+        data = await stream.receive_some(min(CHUNK, left))
+        if not data:
+            raise ValueError("upload cut short")
+        digest.update(data)
+        left -= len(data)
+    target.received[token] = digest.hexdigest()
+    for chunk in pattern(token, int(down)):
+        await stream.send_all(chunk)
+
+
 async def serve_sized(nursery: trio.Nursery) -> Target:
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    target = Target("127.0.0.1", listeners[0].socket.getsockname()[1])
+    return await serve(nursery, _sized)
 
-    async def handle(stream: trio.SocketStream) -> None:
-        target.connections += 1
-        try:
-            line, rest = await _read_line(stream)
-            token, up, down = line.split()
-            digest, left = hashlib.sha256(rest), int(up) - len(rest)
-            while left > 0:
-                data = await stream.receive_some(min(CHUNK, left))
-                if not data:
-                    raise ValueError("upload cut short")
-                digest.update(data)
-                left -= len(data)
-            target.received[token] = digest.hexdigest()
-            for chunk in pattern(token, int(down)):
-                await stream.send_all(chunk)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ValueError):
-            pass
-        finally:
-            await stream.aclose()
 
-    await nursery.start(trio.serve_listeners, handle, listeners)
-    return target
+async def _bye_echo(stream: trio.SocketStream, target: Target) -> None:
+    while data := await stream.receive_some(CHUNK):
+        await stream.send_all(data)
+        if data.endswith(BYE):
+            break
 
 
 async def serve_bye_echo(nursery: trio.Nursery) -> Target:
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    target = Target("127.0.0.1", listeners[0].socket.getsockname()[1])
-
-    async def handle(stream: trio.SocketStream) -> None:
-        target.connections += 1
-        try:
-            while data := await stream.receive_some(CHUNK):
-                await stream.send_all(data)
-                if data.endswith(BYE):
-                    break
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        finally:
-            await stream.aclose()
-
-    await nursery.start(trio.serve_listeners, handle, listeners)
-    return target
+    return await serve(nursery, _bye_echo)
 
 
 async def _read_exactly(stream: trio.abc.ReceiveStream, n: int) -> bytes:
