@@ -81,3 +81,31 @@ async def test_bulk_both_ways_digest(nursery: trio.Nursery) -> None:
         inner.start_soon(drain, mine, "down")
         inner.start_soon(drain, theirs, "up")
     assert got == {"up": hashlib.sha256(up).hexdigest(), "down": hashlib.sha256(down).hexdigest()}
+
+
+async def test_accepting_a_stream_the_peer_already_reset_is_a_broken_stream(nursery: trio.Nursery) -> None:
+    left, right = trio.testing.memory_stream_pair()
+    requests = trio.open_memory_channel[IncomingRequest](1)
+
+    async def hold(request: IncomingRequest) -> None:
+        await requests[0].send(request)
+        await trio.sleep_forever()
+
+    opener = await nursery.start(_serve, left, Role.OPENER, SMALL, None)
+    await nursery.start(_serve, right, Role.ACCEPTOR, SMALL, hold)
+
+    async def connect_then_give_up() -> None:
+        with trio.move_on_after(0.5):
+            await opener.open_connect("target:80")  # cancelled while pending: the stream is reset
+
+    nursery.start_soon(connect_then_give_up)
+    request = await requests[1].receive()
+    with trio.fail_after(5):
+        while request.stream._state.reset_code is None:
+            await trio.sleep(0.01)
+    try:
+        await request.accept()
+    except trio.BrokenResourceError as exc:
+        assert "reset by peer" in str(exc)
+    else:
+        raise AssertionError("accept() on a reset stream must fail")

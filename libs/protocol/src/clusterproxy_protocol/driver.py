@@ -189,7 +189,13 @@ class IncomingRequest:
     stream: TunnelStream
     mux: Mux
 
+    def _check_open(self) -> None:
+        # The peer may have reset the stream, or the connection died, while we were working on it.
+        if self.stream._closed or self.stream._state.reset_code is not None or self.mux.dead:
+            raise trio.BrokenResourceError(self.stream._broken_reason())
+
     async def accept(self, headers: list[tuple[str, str]] = ()) -> TunnelStream:  # type: ignore[assignment]
+        self._check_open()
         self.mux.core.respond(self.stream.stream_id, 200, list(headers))
         self.mux.kick()
         await trio.lowlevel.checkpoint()
@@ -203,6 +209,7 @@ class IncomingRequest:
 
     async def respond(self, status: int, body: bytes, headers: list[tuple[str, str]] = ()) -> None:  # type: ignore[assignment]
         head = [("content-length", str(len(body))), *headers]
+        self._check_open()
         self.mux.core.respond(self.stream.stream_id, status, head)
         await self.stream.send_all(body)
         await self.stream.send_eof()
