@@ -17,9 +17,7 @@ Other commands (``port-forward --state-dir``) read the proxy settings back from 
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +26,7 @@ from urllib.parse import urlsplit
 
 from clusterproxy_protocol.config import ConfigError, parse_hostport
 from clusterproxy_protocol.errors import CLUSTER_HEADER
+from clusterproxy_protocol.files import write_atomic
 
 LOCAL_JSON = "local.json"
 DEFAULT_STATE_DIR = Path(".state") / "local"
@@ -96,16 +95,7 @@ def build_local_json(
 def write_local_json(state_dir: Path, doc: Mapping[str, Any]) -> Path:
     """Write ``state_dir/local.json`` atomically; returns its path."""
     path = Path(state_dir) / LOCAL_JSON
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".local.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode(), 0o600)
     return path
 
 

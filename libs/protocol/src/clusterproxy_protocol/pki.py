@@ -18,9 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import ipaddress
-import os
 import re
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +27,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from clusterproxy_protocol.files import write_atomic
 
 from .config import ConfigError
 
@@ -129,22 +129,6 @@ def peer_identity(der_cert: bytes) -> dict[str, object]:
 # --- files ---------------------------------------------------------------------------------------------
 
 
-def _write_atomic(path: Path, data: bytes, mode: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
@@ -230,8 +214,8 @@ class DevCA:
                 .sign(key, hashes.SHA256())
             )
             # Key first: a present ca.crt always has its key next to it.
-            _write_atomic(key_path, _key_pem(key), 0o600)
-            _write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+            write_atomic(key_path, _key_pem(key), 0o600)
+            write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
             return cls(directory, cert, key)
 
     @classmethod
@@ -308,8 +292,8 @@ class DevCA:
         cert = builder.sign(self._key, hashes.SHA256())
         directory = Path(directory)
         pair = PemPair(cert=directory / f"{stem}.crt", key=directory / f"{stem}.key")
-        _write_atomic(pair.key, _key_pem(key), 0o600)
-        _write_atomic(pair.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+        write_atomic(pair.key, _key_pem(key), 0o600)
+        write_atomic(pair.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
         return pair
 
     def issue_server(

@@ -21,13 +21,14 @@ import fcntl
 import json
 import os
 import re
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+
+from clusterproxy_protocol.files import write_atomic
 
 from .crypto import key_pem
 from .models import Authorities, AuthorityRecord, IssuedRecord, TokenRecord
@@ -36,22 +37,6 @@ from .store import CertStore, NotFound, StoreConflict, StoreError
 __all__ = ["FileStore"]
 
 _ID = re.compile(r"^[0-9a-f]{1,64}$")
-
-
-def write_atomic(path: Path, data: bytes, mode: int) -> None:
-    """Write ``data`` to ``path`` with ``mode`` via a temporary file and ``os.replace``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def _check_id(value: str, what: str) -> str:
