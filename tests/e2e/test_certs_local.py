@@ -14,7 +14,7 @@ import trio
 
 from clusterproxy_cli import _http
 from clusterproxy_cli.state import proxy_settings, read_local_json
-from clusterproxy_sdk import TLSFiles, open_tunnel
+from clusterproxy_sdk import ProxyConnectionError, TLSFiles, open_tunnel
 from tests.support.procs import BIN
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -157,8 +157,18 @@ async def test_local_up_bootstraps_renews_and_rotates_with_the_signer(tmp_path: 
             return st["phase"] == "stable" and {p["ca_id"] for p in st["parties"]} == set(new_ca)
 
         await until(on_new_ca_only, "the rotation to finish", 30)
+        # `status` counts a leaf as moved once the signer issued it; the server loads it at its next
+        # renewal tick, so a fresh handshake may briefly still meet the old chain (known window, see
+        # the issue note). Wait for the handshake to succeed, with a deadline, then check the answer.
         for cluster in ("cluster1", "cluster2"):
-            assert (await echo_through(local.state, cluster))["cluster"] == cluster
+
+            async def echo_works(cluster: str = cluster) -> bool:
+                try:
+                    return (await echo_through(local.state, cluster))["cluster"] == cluster
+                except ProxyConnectionError:
+                    return False
+
+            await until(echo_works, f"a fresh handshake to {cluster} after the rotation", 20)
         print(await certs(store, "status"))
         for agent in AGENTS:  # the tunnels lived through it all
             assert len(local.events(agent, "tunnel_connected")) == 1
