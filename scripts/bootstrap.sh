@@ -72,16 +72,21 @@ if [[ "$want_stamp" != "$have_stamp" || ! -x "$VENV/bin/task" ]]; then
     log "done"
 fi
 
-# 3. System tools the tests use for real.
-if ! command -v curl >/dev/null 2>&1; then
-    log "curl is missing; installing it with apt-get"
-    command -v apt-get >/dev/null 2>&1 || die "curl is required (the tests use the real curl); install it"
+# 3. System tools the tests use for real: command -> Debian package.
+declare -A system_tools=([curl]=curl [kubectl]=kubernetes-client)
+missing=()
+for tool in "${!system_tools[@]}"; do
+    command -v "$tool" >/dev/null 2>&1 || missing+=("${system_tools[$tool]}")
+done
+if ((${#missing[@]})); then
+    log "missing ${missing[*]}; installing with apt-get (the tests use the real programs)"
+    command -v apt-get >/dev/null 2>&1 || die "install ${missing[*]}: the tests use the real programs"
     SUDO=""
     if [[ "$(id -u)" != 0 ]]; then
-        command -v sudo >/dev/null 2>&1 || die "curl is required; run as root or install curl"
+        command -v sudo >/dev/null 2>&1 || die "install ${missing[*]}, or run as root"
         SUDO="sudo"
     fi
     export DEBIAN_FRONTEND=noninteractive
     $SUDO apt-get update -qq
-    $SUDO apt-get install -y -qq curl >/dev/null
+    $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi

@@ -5,6 +5,7 @@ The fast layer for the server: real TLS on loopback, real HTTP/2 and HTTP/1.1, n
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import json
@@ -179,3 +180,65 @@ async def test_client_connection_closing_ends_its_open_streams(nursery: trio.Nur
     await wait_for(lambda: server.open_relays == 0)
     tunnel = server.registry.tunnels("cluster1")[0]
     await wait_for(lambda: tunnel.mux.open_streams == 0)
+
+
+async def test_http1_connect_is_served_when_alpn_chose_h2(nursery: trio.Nursery, pki: PkiFiles) -> None:
+    """Go's transport (kubectl's ``proxy-url``) offers ALPN h2 to the proxy, then speaks HTTP/1.1."""
+    server, bound = await start_server(nursery, pki)
+    echo_port = await echo_target(nursery)
+    nursery.start_soon(run_wire_agent, bound.agent[1], pki, "cluster1", "agent-a")
+    await wait_for(lambda: server.registry.tunnels("cluster1"))
+
+    reply = await h1_connect(
+        bound.client[1],
+        client_context(pki, alpn=["h2", "http/1.1"]),
+        f"127.0.0.1:{echo_port}",
+        {"proxy-authorization": "Basic " + base64.b64encode(b"cluster1:").decode()},
+    )
+    assert reply.status == 200 and reply.stream is not None, reply.head
+    assert reply.stream.selected_alpn_protocol() == "h2"
+    payload = bytes(range(256)) * 64
+    await reply.stream.send_all(payload)
+    echoed = b""
+    while len(echoed) < len(payload):
+        echoed += await reply.stream.receive_some(65536)
+    assert hashlib.sha256(echoed).digest() == hashlib.sha256(payload).digest()
+    await reply.stream.aclose()
+
+
+async def test_http2_prior_knowledge_is_served_when_alpn_chose_http1(
+    nursery: trio.Nursery, pki: PkiFiles
+) -> None:
+    server, bound = await start_server(nursery, pki)
+    echo_port = await echo_target(nursery)
+    nursery.start_soon(run_wire_agent, bound.agent[1], pki, "cluster1", "agent-a")
+    await wait_for(lambda: server.registry.tunnels("cluster1"))
+
+    context = client_context(pki, alpn=["http/1.1"])
+    tcp = await trio.open_tcp_stream("127.0.0.1", bound.client[1])
+    transport = trio.SSLStream(tcp, context, server_hostname="localhost")
+    await transport.do_handshake()
+    assert transport.selected_alpn_protocol() == "http/1.1"
+    async with open_mux(transport, Role.OPENER) as mux:
+        stream = await mux.open_connect(f"127.0.0.1:{echo_port}", [("cluster-proxy-cluster", "cluster1")])
+        await stream.send_all(b"prior knowledge")
+        await stream.send_eof()
+        echoed = b""
+        while data := await stream.receive_some():
+            echoed += data
+    assert echoed == b"prior knowledge"
+
+
+async def test_client_silent_after_handshake_gets_408(nursery: trio.Nursery, pki: PkiFiles) -> None:
+    _, bound = await start_server(nursery, pki, handshake_timeout=0.5)
+    tcp = await trio.open_tcp_stream("127.0.0.1", bound.client[1])
+    stream = trio.SSLStream(tcp, client_context(pki, alpn=["h2"]), server_hostname="localhost")
+    await stream.do_handshake()
+    answer = b""
+    with trio.fail_after(10):
+        try:
+            while data := await stream.receive_some():
+                answer += data
+        except trio.BrokenResourceError:
+            pass
+    assert answer.startswith(b"HTTP/1.1 408 "), answer

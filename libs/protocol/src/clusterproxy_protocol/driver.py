@@ -232,8 +232,10 @@ class Mux:
         role: Role,
         settings: TunnelSettings | None,
         handler: RequestHandler | None,
+        received: bytes = b"",
     ) -> None:
         self.transport = transport
+        self._received = received
         self.core = TunnelCore(role, settings)
         self._handler = handler
         self._streams: dict[int, TunnelStream] = {}
@@ -455,6 +457,10 @@ class Mux:
             self._writer_done.set()
 
     async def _reader(self) -> None:
+        if self._received:
+            self._dispatch(self.core.receive_bytes(self._received))
+            self._received = b""
+            self.kick()
         while not self.dead:
             try:
                 data = await receive_batch(self.transport, RECEIVE_SIZE)
@@ -539,13 +545,15 @@ async def open_mux(
     settings: TunnelSettings | None = None,
     handler: RequestHandler | None = None,
     keepalive: tuple[float, float] | None = None,
+    received: bytes = b"",
 ) -> AsyncIterator[Mux]:
     """Run an HTTP/2 tunnel connection over ``transport`` for the duration of the block.
 
     ``keepalive`` is ``(interval, timeout)``: a PING every interval; a PING not answered within the
-    timeout declares the connection dead, which fails all its streams at once.
+    timeout declares the connection dead, which fails all its streams at once. ``received`` are bytes
+    the caller already read from ``transport`` (to tell the protocol apart); they are processed first.
     """
-    mux = Mux(transport, role, settings, handler)
+    mux = Mux(transport, role, settings, handler, received)
     async with trio.open_nursery() as nursery:
         await nursery.start(mux.run)
         if keepalive is not None:

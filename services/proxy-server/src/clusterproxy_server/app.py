@@ -30,7 +30,7 @@ from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.pki import agent_identity_from_cert
 from clusterproxy_protocol.relay import relay
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
-from clusterproxy_server import h1
+from clusterproxy_server import h1, sniff
 from clusterproxy_server.authz import ClientIdentity, PolicyFile
 from clusterproxy_server.metrics import ServerMetrics
 from clusterproxy_server.registry import AgentTunnel, Registry
@@ -272,12 +272,21 @@ class ProxyServer:
         if stream is None:
             return
         client = ClientIdentity.from_der(stream.getpeercert(binary_form=True))
-        if stream.selected_alpn_protocol() == "h2":
-            await self._serve_h2_client(stream, client)
+        try:
+            with trio.fail_after(self.config.handshake_timeout):
+                protocol, received = await sniff.client_protocol(stream)
+        except trio.TooSlowError:
+            await self._send_and_close(stream, h1.error_response(408, "request not received in time"))
+            return
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await trio.aclose_forcefully(stream)
+            return
+        if protocol == "h2":
+            await self._serve_h2_client(stream, client, received)
         else:
-            await self._serve_h1_client(stream, client)
+            await self._serve_h1_client(stream, client, received)
 
-    async def _serve_h2_client(self, stream: trio.SSLStream, client: ClientIdentity) -> None:
+    async def _serve_h2_client(self, stream: trio.SSLStream, client: ClientIdentity, received: bytes) -> None:
         async def handle(request: IncomingRequest) -> None:
             if request.method != "CONNECT":
                 await request.refuse(405, f"method {request.method} not served: open CONNECT streams here")
@@ -286,13 +295,15 @@ class ProxyServer:
                 "h2", client, request.authority, request.headers, request.accept, request.refuse
             )
 
-        async with open_mux(stream, Role.ACCEPTOR, settings=self.config.tunnel, handler=handle) as mux:
+        async with open_mux(
+            stream, Role.ACCEPTOR, settings=self.config.tunnel, handler=handle, received=received
+        ) as mux:
             await mux.closed.wait()
 
-    async def _serve_h1_client(self, stream: trio.SSLStream, client: ClientIdentity) -> None:
+    async def _serve_h1_client(self, stream: trio.SSLStream, client: ClientIdentity, received: bytes) -> None:
         try:
             with trio.fail_after(self.config.handshake_timeout):
-                request = await h1.read_request(stream)
+                request = await h1.read_request(stream, received)
         except trio.TooSlowError:
             await self._send_and_close(stream, h1.error_response(408, "request head not received in time"))
             return

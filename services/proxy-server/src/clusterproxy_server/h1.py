@@ -49,9 +49,12 @@ def forward_form(request: ConnectRequest) -> tuple[str, bytes]:
     return authority, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-async def read_request(stream: trio.abc.ReceiveStream) -> ConnectRequest | None:
-    """Read one request head; None when the client closed before sending anything."""
+async def read_request(stream: trio.abc.ReceiveStream, received: bytes = b"") -> ConnectRequest | None:
+    """Read one request head; None when the client closed before sending anything. ``received``:
+    bytes of the request already read from ``stream``."""
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_HEAD)
+    if received:  # h11 takes b"" for end of input
+        conn.receive_data(received)
     while True:
         try:
             event = conn.next_event()

@@ -1,0 +1,3 @@
+module clusterproxy.test/gopeers
+
+go 1.22
