@@ -38,7 +38,7 @@ from clusterproxy_protocol.config import (
     parse_port,
 )
 from clusterproxy_protocol.errors import TunnelError
-from clusterproxy_protocol.logs import configure_logging
+from clusterproxy_protocol.logs import configure_logging, get_logger
 from clusterproxy_sdk import TLSFiles, check_cluster
 
 from .state import DEFAULT_STATE_DIR, LOCAL_JSON, proxy_settings, read_local_json
@@ -142,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="forward a local port to HOST:PORT inside a cluster",
         description="Listen locally; every accepted connection becomes a stream to HOST:PORT inside "
         "CLUSTER over one shared HTTP/2 connection to the proxy-server. Proxy settings come from the "
-        "flags, else from --state-dir/local.json (default: the local mode's, if it is running).",
+        "flags, else from --state-dir/local.json (default: the local mode's, if it is running). The "
+        "certificate files are followed: when they are replaced (renewed), the next connection to the "
+        "proxy-server presents the new certificate.",
     )
     pf.add_argument("cluster", metavar="CLUSTER", type=parse_cluster, help="managed cluster name")
     pf.add_argument("target", metavar="HOST:PORT", type=parse_target, help="target inside the cluster")
@@ -214,11 +216,13 @@ def _port_forward(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from .portforward import run_port_forward
 
     pf = resolve_port_forward(args, parser)
+    configure_logging(args.log_level)
     try:
-        tls = pf.tls.context()  # type: ignore[union-attr]
+        # Followed, not loaded once: a renewer (local up, cert-manager) may replace the files while
+        # this runs, and the next dial must present the new certificate.
+        tls = pf.tls.reloading(log=get_logger("port-forward"))  # type: ignore[union-attr]
     except ConfigError as exc:
         parser.error(str(exc))
-    configure_logging(args.log_level)
     try:
         trio.run(partial(run_port_forward, replace(pf, tls=tls), stop_on_signals=True))
     except KeyboardInterrupt:

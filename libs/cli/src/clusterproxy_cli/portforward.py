@@ -3,22 +3,33 @@
 Every accepted local connection becomes one CONNECT stream over a single shared HTTP/2 connection
 to the proxy-server (re-dialed when it dies). A refused CONNECT is logged with its status and reason
 and the local connection is closed.
+
+The client certificate files are followed, not loaded once: each dial presents what the files hold
+then, so a port-forward outlives its certificate as long as something renews the files (in local mode
+``cluster-proxy local up`` renews the local admin files it points to; see docs/sdk.md).
 """
 
 from __future__ import annotations
 
 import signal
-import ssl
 import sys
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 import trio
 
 from clusterproxy_protocol.errors import ConnectRefused, TunnelError
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.relay import relay
-from clusterproxy_sdk import SharedTunnel, TLSFiles, format_authority, open_shared_tunnel
+from clusterproxy_sdk import (
+    ReloadingTLSFiles,
+    SharedTunnel,
+    TLSFiles,
+    TLSSource,
+    Tunnel,
+    format_authority,
+    open_shared_tunnel,
+)
 
 
 @dataclass(frozen=True)
@@ -29,7 +40,7 @@ class PortForward:
     listen_host: str
     listen_port: int
     proxy: tuple[str, int]
-    tls: TLSFiles | ssl.SSLContext
+    tls: TLSSource  # TLSFiles are followed: each dial presents the certificate the files hold then
     server_name: str | None = None
     connect_timeout: float = 10.0
 
@@ -60,7 +71,7 @@ async def _handle(
         await trio.aclose_forcefully(local)
         return
     except TunnelError as exc:  # ProxyConnectionError, TunnelClosed
-        log.error("tunnel_unavailable", error=str(exc))
+        log.error("tunnel_unavailable", error=str(exc), **_expiry_hint(shared.tls))
         await trio.aclose_forcefully(local)
         return
     except BaseException:
@@ -77,6 +88,29 @@ async def _handle(
     )
 
 
+def _expiry_hint(tls: TLSSource) -> dict[str, Any]:
+    """When the client certificate in use has expired, say so: the likely reason a dial failed."""
+    if not isinstance(tls, ReloadingTLSFiles) or not tls.loaded.expired():
+        return {}
+    not_after = tls.loaded.not_after
+    return {
+        "client_cert_expired": not_after.isoformat() if not_after else None,
+        "hint": f"the client certificate {tls.cert} has expired and was not replaced: renew it (in "
+        "local mode `cluster-proxy local up` renews it while it runs)",
+    }
+
+
+def _log_connected(log: Any, shared: SharedTunnel, tunnel: Tunnel) -> None:
+    cert = tunnel.client_certificate
+    log.info(
+        "tunnel_connected",
+        proxy=format_authority(*tunnel.address),
+        client_cert_serial=format(cert.serial_number, "x") if cert is not None else None,
+        client_cert_not_after=cert.not_valid_after_utc.isoformat() if cert is not None else None,
+        connections_made=shared.connections_made,
+    )
+
+
 async def run_port_forward(
     pf: PortForward,
     *,
@@ -90,8 +124,13 @@ async def run_port_forward(
     ends it (normally, returning)."""
     out = out or sys.stdout
     log = get_logger("port-forward")
+    tls = pf.tls.reloading(log=log) if isinstance(pf.tls, TLSFiles) else pf.tls
     async with open_shared_tunnel(
-        pf.proxy, pf.tls, server_hostname=pf.server_name, connect_timeout=pf.connect_timeout
+        pf.proxy,
+        tls,
+        server_hostname=pf.server_name,
+        connect_timeout=pf.connect_timeout,
+        on_connected=lambda tunnel: _log_connected(log, shared, tunnel),
     ) as shared:
         await shared.tunnel()
         listeners = await trio.open_tcp_listeners(pf.listen_port, host=pf.listen_host)

@@ -36,8 +36,10 @@ API:
   upstream convention ``CONNECT <cluster>:443`` without a cluster header.
 - ``open_shared_tunnel(...)`` - same arguments, yields a :class:`SharedTunnel` with the same
   ``connect`` methods, which dials lazily and replaces a dead or draining connection on demand (what
-  ``cluster-proxy port-forward`` uses).
-- ``TLSFiles(ca, cert, key)`` - PEM paths; ``.context()`` builds the TLS 1.3 client context.
+  ``cluster-proxy port-forward`` uses). Each dial presents the certificate in the files *now*.
+- ``TLSFiles(ca, cert, key)`` - PEM paths; ``.context()`` builds the TLS 1.3 client context,
+  ``.reloading()`` a :class:`ReloadingTLSFiles` that rebuilds it whenever the files change. ``tls``
+  may also be any callable returning the context for the next handshake.
 
 Errors (all subclasses of :class:`TunnelError`): a refused CONNECT raises a :class:`ConnectRefused`
 subclass carrying ``.status`` and ``.reason``: :class:`MalformedTarget` (400), :class:`Forbidden` (403),
@@ -64,11 +66,13 @@ from clusterproxy_protocol.errors import (
     UnknownCluster,
 )
 
+from ._reload import LoadedTLS, ReloadingTLSFiles
 from ._shared import SharedTunnel, open_shared_tunnel
 from ._tunnel import (
     ALPNError,
     ProxyConnectionError,
     TLSFiles,
+    TLSSource,
     Tunnel,
     check_cluster,
     format_authority,
@@ -82,12 +86,15 @@ __all__ = [
     "ConnectRefused",
     "DialTimeout",
     "Forbidden",
+    "LoadedTLS",
     "MalformedTarget",
     "NoAgentConnected",
     "ProxyConnectionError",
     "REASON_HEADER",
+    "ReloadingTLSFiles",
     "SharedTunnel",
     "TLSFiles",
+    "TLSSource",
     "TargetUnreachable",
     "Tunnel",
     "TunnelClosed",

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import trio
@@ -12,7 +11,15 @@ from clusterproxy_protocol.core import TunnelSettings
 from clusterproxy_protocol.driver import TunnelStream
 from clusterproxy_protocol.errors import TunnelClosed
 
-from ._tunnel import DEFAULT_KEEPALIVE, TLSFiles, Tunnel, open_tunnel, parse_address, single_exceptions
+from ._tunnel import (
+    DEFAULT_KEEPALIVE,
+    TLSFiles,
+    TLSSource,
+    Tunnel,
+    open_tunnel,
+    parse_address,
+    single_exceptions,
+)
 
 
 class SharedTunnel:
@@ -22,26 +29,33 @@ class SharedTunnel:
     (one dial at a time, however many callers wait); a draining connection is closed once its last
     stream ends. A CONNECT that fails because the connection died under it is retried once on a
     fresh connection.
+
+    Every dial takes the TLS context anew from ``tls``: ``TLSFiles`` are followed (a
+    :class:`ReloadingTLSFiles`), so a replaced certificate is presented at the next dial while the
+    live connection keeps its session; a callable is called at each dial; a plain ``ssl.SSLContext``
+    is used as it is.
     """
 
     def __init__(
         self,
         nursery: trio.Nursery,
         address: str | tuple[str, int],
-        tls: ssl.SSLContext | TLSFiles,
+        tls: TLSSource,
         *,
         server_hostname: str | None,
         connect_timeout: float,
         keepalive: tuple[float, float] | None,
         settings: TunnelSettings | None,
+        on_connected: Callable[[Tunnel], None] | None = None,
     ) -> None:
         self._nursery = nursery
         self.address = parse_address(address)
-        self._context = tls.context() if isinstance(tls, TLSFiles) else tls
+        self.tls = tls.reloading() if isinstance(tls, TLSFiles) else tls
         self._server_hostname = server_hostname
         self._connect_timeout = connect_timeout
         self._keepalive = keepalive
         self._settings = settings
+        self._on_connected = on_connected
         self._current: Tunnel | None = None
         self._lock = trio.Lock()
         self.connections_made = 0
@@ -63,6 +77,8 @@ class SharedTunnel:
             tunnel: Tunnel = await self._nursery.start(self._hold)
             self._current = tunnel
             self.connections_made += 1
+            if self._on_connected is not None:
+                self._on_connected(tunnel)
             if current is not None and current.is_alive:
                 self._nursery.start_soon(self._retire, current)
             return tunnel
@@ -70,7 +86,7 @@ class SharedTunnel:
     async def _hold(self, *, task_status: trio.TaskStatus[Tunnel]) -> None:
         async with open_tunnel(
             self.address,
-            self._context,
+            self.tls,
             server_hostname=self._server_hostname,
             connect_timeout=self._connect_timeout,
             keepalive=self._keepalive,
@@ -84,7 +100,7 @@ class SharedTunnel:
         await tunnel.mux.wait_idle()
         tunnel.close()
 
-    async def _with_retry(self, open_stream) -> TunnelStream:  # type: ignore[no-untyped-def]
+    async def _with_retry(self, open_stream: Callable[[Tunnel], Awaitable[TunnelStream]]) -> TunnelStream:
         tunnel = await self.tunnel()
         try:
             return await open_stream(tunnel)
@@ -110,16 +126,18 @@ class SharedTunnel:
 @asynccontextmanager
 async def open_shared_tunnel(
     address: str | tuple[str, int],
-    tls: ssl.SSLContext | TLSFiles,
+    tls: TLSSource,
     *,
     server_hostname: str | None = None,
     connect_timeout: float = 10.0,
     keepalive: tuple[float, float] | None = DEFAULT_KEEPALIVE,
     settings: TunnelSettings | None = None,
+    on_connected: Callable[[Tunnel], None] | None = None,
 ) -> AsyncIterator[SharedTunnel]:
     """A :class:`SharedTunnel` for the duration of the block; it dials lazily, on the first connect.
 
-    Arguments as for :func:`open_tunnel`. Bad TLS files fail here, at once.
+    Arguments as for :func:`open_tunnel`; ``TLSFiles`` are followed (see :class:`SharedTunnel`).
+    ``on_connected(tunnel)`` is called after each successful dial. Bad TLS files fail here, at once.
     """
     with single_exceptions():
         async with trio.open_nursery() as nursery:
@@ -131,6 +149,7 @@ async def open_shared_tunnel(
                 connect_timeout=connect_timeout,
                 keepalive=keepalive,
                 settings=settings,
+                on_connected=on_connected,
             )
             try:
                 yield shared

@@ -6,18 +6,22 @@ import errno
 import ipaddress
 import re
 import ssl
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
+from cryptography import x509
 
 from clusterproxy_protocol.config import ConfigError, parse_hostport
 from clusterproxy_protocol.core import Role, TunnelSettings
 from clusterproxy_protocol.driver import Mux, TunnelStream, open_mux
 from clusterproxy_protocol.errors import CLUSTER_HEADER, TunnelClosed, TunnelError
 from clusterproxy_protocol.tls import client_context
+
+from ._reload import LoadedTLS, ReloadingTLSFiles
 
 ALPN_H2 = "h2"
 DEFAULT_KEEPALIVE = (30.0, 10.0)
@@ -52,6 +56,35 @@ class TLSFiles:
             Path(self.ca),
             alpn=[ALPN_H2],
         )
+
+    def reloading(self, *, log: Any = None) -> ReloadingTLSFiles:
+        """A context that is rebuilt whenever these files change (for long-lived users: each new
+        handshake presents the current certificate). Raises ``ConfigError`` naming a bad file."""
+        return ReloadingTLSFiles(self.ca, self.cert, self.key, alpn=[ALPN_H2], log=log)
+
+
+TLSSource = ssl.SSLContext | TLSFiles | ReloadingTLSFiles | Callable[[], ssl.SSLContext]
+"""What ``open_tunnel`` and ``open_shared_tunnel`` accept as ``tls``: a fixed ``ssl.SSLContext``; PEM
+files (read at each dial); or a callable returning the context for the next handshake (e.g. a
+``clusterproxy_protocol.reloader.ReloadingContext`` kept fresh by a ``CertRenewer``)."""
+
+
+def resolve_tls(tls: TLSSource) -> tuple[ssl.SSLContext, x509.Certificate | None]:
+    """The context for one handshake, and the client certificate it presents when the SDK loaded it
+    from files (None for a context or callable of the caller's)."""
+    if isinstance(tls, ssl.SSLContext):
+        return tls, None
+    if isinstance(tls, TLSFiles | ReloadingTLSFiles):
+        loaded: LoadedTLS = tls.reloading().loaded if isinstance(tls, TLSFiles) else tls.current()
+        return loaded.context, loaded.certificate
+    if callable(tls):
+        context = tls()
+        if isinstance(context, ssl.SSLContext):
+            return context, None
+        raise TypeError(f"the tls callable returned {type(context).__name__}, not an ssl.SSLContext")
+    raise TypeError(
+        f"tls must be an ssl.SSLContext, TLSFiles or a callable returning one, not {type(tls).__name__}"
+    )
 
 
 def check_cluster(cluster: str) -> str:
@@ -124,11 +157,18 @@ def single_exceptions() -> Iterator[None]:
 
 
 class Tunnel:
-    """A live connection to a proxy-server; open proxied TCP streams with :meth:`connect`."""
+    """A live connection to a proxy-server; open proxied TCP streams with :meth:`connect`.
 
-    def __init__(self, mux: Mux, address: tuple[str, int]) -> None:
+    ``client_certificate`` is the certificate its handshake presented when the SDK loaded it from
+    files (``TLSFiles``, ``ReloadingTLSFiles``); None for an ``ssl.SSLContext`` or a callable of yours.
+    """
+
+    def __init__(
+        self, mux: Mux, address: tuple[str, int], client_certificate: x509.Certificate | None = None
+    ) -> None:
         self._mux = mux
         self.address = address
+        self.client_certificate = client_certificate
 
     @property
     def mux(self) -> Mux:
@@ -235,7 +275,7 @@ async def _connect_tls(
 @asynccontextmanager
 async def open_tunnel(
     address: str | tuple[str, int],
-    tls: ssl.SSLContext | TLSFiles,
+    tls: TLSSource,
     *,
     server_hostname: str | None = None,
     connect_timeout: float = 10.0,
@@ -245,26 +285,27 @@ async def open_tunnel(
     """Connect to the proxy-server's client port; one TLS connection, HTTP/2, many streams.
 
     ``address`` is ``"host:port"``, ``"[v6]:port"``, ``"https://host:port"`` or ``(host, port)``.
-    ``tls`` is a :class:`TLSFiles` or an ``ssl.SSLContext`` that offers ALPN ``h2``.
+    ``tls`` is a :class:`TLSFiles` (read now), a :class:`ReloadingTLSFiles`, an ``ssl.SSLContext``
+    that offers ALPN ``h2``, or a callable returning one (called once, for this handshake).
     ``server_hostname`` (default: the host of ``address``) is checked against the server certificate.
     ``keepalive`` is ``(interval, timeout)`` in seconds for HTTP/2 PINGs (``None``: off); a dead
     connection fails its streams at once.
     """
     host, port = parse_address(address)
-    context = tls.context() if isinstance(tls, TLSFiles) else tls
-    if not isinstance(context, ssl.SSLContext):
-        raise TypeError(f"tls must be an ssl.SSLContext or TLSFiles, not {type(tls).__name__}")
+    context, client_certificate = resolve_tls(tls)
     stream = await _connect_tls(host, port, context, server_hostname or host, connect_timeout)
     # open_mux runs a nursery around our caller's block: give them back their own exception.
     with single_exceptions():
         async with open_mux(stream, Role.OPENER, settings=settings, keepalive=keepalive) as mux:
-            yield Tunnel(mux, (host, port))
+            yield Tunnel(mux, (host, port), client_certificate)
 
 
 __all__ = [
     "ALPNError",
     "ProxyConnectionError",
+    "ReloadingTLSFiles",
     "TLSFiles",
+    "TLSSource",
     "Tunnel",
     "TunnelClosed",
     "check_cluster",

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
+from cryptography import x509
 
 from clusterproxy_protocol.core import Role, TunnelSettings
 from clusterproxy_protocol.driver import IncomingRequest, Mux, open_mux
@@ -74,6 +75,7 @@ class FakeProxy:
     requests: list[ReceivedConnect] = field(default_factory=list)
     connections: list[Mux] = field(default_factory=list)
     handler: Handler = echo_handler
+    client_certificates: list[x509.Certificate] = field(default_factory=list)  # per handshake, in order
 
     @property
     def client_tls(self) -> TLSFiles:
@@ -130,6 +132,7 @@ async def open_fake_proxy(
         except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError):
             await trio.aclose_forcefully(stream)
             return
+        fake.client_certificates.append(x509.load_der_x509_certificate(stream.getpeercert(binary_form=True)))
         if stream.selected_alpn_protocol() != "h2":
             # Like an HTTP/1.1 server that does not understand what follows: just hang up.
             await trio.aclose_forcefully(stream)
