@@ -247,6 +247,49 @@ async def test_rate_limit_per_ip_and_per_token(nursery: trio.Nursery, tmp_path: 
     assert statuses == [400, 400, 429]
 
 
+async def test_parties_behind_one_address_are_limited_per_certificate(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Many parties share an address (local mode: 127.0.0.1; agents behind one NAT): requests that
+    authenticate with a certificate draw on that certificate's bucket, not on the address's, so
+    their trust refreshes and renewals cannot starve each other (a proxy-server's certificate once
+    expired that way)."""
+    signer = await start_signer(
+        nursery, tmp_path / "limited", ip_burst=3, ip_rate=0.001, cert_burst=4, cert_rate=0.001
+    )
+    parties = []
+    for name in ("a", "b"):  # two bootstraps: two of the address's three
+        files = _files(tmp_path / name, name, signer.bundle)
+        await certclient.bootstrap_files(
+            signer.endpoint(), signer.client_token(name), files, lambda k, n=name: certclient.client_csr(k, n)
+        )
+        parties.append(files)
+    for files in parties:
+        for _ in range(4):
+            await certclient.fetch_trust_bundle(
+                signer.endpoint(files.ca), cert=files.cert, key=files.key, trusted=[]
+            )
+    with pytest.raises(SignerRequestError) as info:
+        await certclient.fetch_trust_bundle(
+            signer.endpoint(parties[0].ca), cert=parties[0].cert, key=parties[0].key, trusted=[]
+        )
+    assert (info.value.status, info.value.error) == (429, "rate_limited")
+    assert "CN=a" in info.value.reason
+    # a renewal draws on the certificate's bucket too: b has none left
+    b = parties[1]
+    cert = x509.load_pem_x509_certificate(b.cert.read_bytes())
+    with pytest.raises(SignerRequestError) as info:
+        await certclient.renew(
+            signer.endpoint(b.ca), b.cert, b.key, certclient.csr_like(cert, certclient.generate_key())
+        )
+    assert info.value.status == 429
+    # requests without a certificate still share the address's bucket: one left
+    await certclient.fetch_trust_bundle(signer.endpoint())
+    with pytest.raises(SignerRequestError) as info:
+        await certclient.fetch_trust_bundle(signer.endpoint())
+    assert info.value.status == 429 and "127.0.0.1" in info.value.reason
+
+
 # --- renewal -------------------------------------------------------------------------------------------
 
 
