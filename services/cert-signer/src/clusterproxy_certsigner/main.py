@@ -101,8 +101,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--ca-days", type=parse_positive_int, default=str(DEFAULT_CA_DAYS), help="lifetime of a new CA, days"
     )
     flag("--max-body", type=parse_size, default="64KiB", help="largest request body (413 above)")
-    flag("--ip-burst", type=_positive_float, default="20", help="requests per client IP at once")
-    flag("--ip-rate", type=_positive_float, default="2", help="requests per client IP per second, sustained")
+    flag(
+        "--ip-burst",
+        type=_positive_float,
+        default="20",
+        help="requests without a client certificate per client IP at once",
+    )
+    flag(
+        "--ip-rate",
+        type=_positive_float,
+        default="2",
+        help="requests without a client certificate per client IP per second, sustained",
+    )
+    flag(
+        "--cert-burst",
+        type=_positive_float,
+        default="20",
+        help="requests per client certificate (mTLS: renewals, trust reports) at once",
+    )
+    flag(
+        "--cert-rate",
+        type=_positive_float,
+        default="1",
+        help="requests per client certificate per second, sustained",
+    )
     flag("--token-burst", type=_positive_float, default="5", help="attempts per bootstrap token at once")
     flag(
         "--token-rate",
@@ -181,6 +203,8 @@ def config_from_args(args: argparse.Namespace) -> SignerConfig:
         limits=HttpLimits(max_body=args.max_body),
         ip_burst=args.ip_burst,
         ip_rate=args.ip_rate,
+        cert_burst=args.cert_burst,
+        cert_rate=args.cert_rate,
         token_burst=args.token_burst,
         token_rate=args.token_rate,
         store_poll=max(0.1, args.store_poll),

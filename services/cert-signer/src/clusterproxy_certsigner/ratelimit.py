@@ -1,4 +1,5 @@
-"""Token-bucket rate limiting, one bucket per key (client IP, bootstrap token id), bounded memory."""
+"""Token-bucket rate limiting, one bucket per key (client IP, client certificate, bootstrap token id),
+bounded memory."""
 
 from __future__ import annotations
 

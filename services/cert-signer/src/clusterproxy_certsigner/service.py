@@ -54,6 +54,8 @@ class SignerConfig:
     limits: HttpLimits = field(default_factory=HttpLimits)
     ip_burst: float = 20.0
     ip_rate: float = 2.0  # per second
+    cert_burst: float = 20.0
+    cert_rate: float = 1.0  # per second
     token_burst: float = 5.0
     token_rate: float = 1 / 60  # per second
     store_poll: float = 5.0
@@ -74,6 +76,7 @@ class SignerService:
         self.clock = clock
         self.monotonic = monotonic
         self.ip_limiter = RateLimiter(burst=config.ip_burst, rate=config.ip_rate)
+        self.cert_limiter = RateLimiter(burst=config.cert_burst, rate=config.cert_rate)
         self.token_limiter = RateLimiter(burst=config.token_burst, rate=config.token_rate)
         self.log = get_logger("cert-signer")
         self.files = certclient.CertFiles(
@@ -192,7 +195,17 @@ class SignerService:
                 (("allow", method),),
             )
         if request.path != "/healthz":
-            self._limit(self.ip_limiter, request.peer_ip, f"from {request.peer_ip}")
+            # A verified client certificate is the requester's identity: parties that share an
+            # address (loopback in local mode, a fleet behind one NAT) must not starve each other.
+            peer = request.peer_cert
+            if peer is not None:
+                self._limit(
+                    self.cert_limiter,
+                    format(peer.serial_number, "x"),
+                    f"with certificate {peer.subject.rfc4514_string()}",
+                )
+            else:
+                self._limit(self.ip_limiter, request.peer_ip, f"from {request.peer_ip}")
         try:
             result: Response = await fn(request)
         except SignerError as exc:
