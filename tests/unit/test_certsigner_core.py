@@ -10,7 +10,7 @@ import pytest
 from cryptography import x509
 
 from clusterproxy_certsigner.cli_commands import create_token
-from clusterproxy_certsigner.core import SignerCore, parse_trusted
+from clusterproxy_certsigner.core import SignerCore, parse_presenting, parse_trusted
 from clusterproxy_certsigner.errors import BadRequest, Conflict, Forbidden, Gone, SignerError, Unauthorized
 from clusterproxy_certsigner.filestore import FileStore
 from clusterproxy_certsigner.models import Binding
@@ -198,6 +198,56 @@ def test_trust_reports_are_recorded_for_known_certificates(core: SignerCore, clo
     record = core.store.get_issued(result.record.serial)
     assert record is not None and record.trusted == tuple(fp) and record.trust_reported_at == clock()
     assert core.trust_bundle(None, tuple(fp))["ca_bundle_pem"] == body["ca_bundle_pem"]
+
+
+def test_what_a_party_presents_is_recorded_with_its_trust(core: SignerCore, clock: Clock) -> None:
+    _, cert, result = _agent(core, clock)
+    fp = tuple(core.store.read_authorities().bundle_fingerprints())
+    serial = result.record.serial
+    core.trust_bundle(cert, fp, (serial,))
+    record = core.store.get_issued(serial)
+    assert record is not None and record.presenting == (serial,) and record.trust_reported_at == clock()
+    # a report without the presenting part (an older party) keeps what was recorded
+    clock.now += dt.timedelta(minutes=10)
+    core.trust_bundle(cert, fp)
+    record = core.store.get_issued(serial)
+    assert record is not None and record.presenting == (serial,) and record.trust_reported_at == clock()
+    # an unchanged report within minutes is not written again; a changed one is, at once
+    clock.now += dt.timedelta(seconds=5)
+    core.trust_bundle(cert, fp, (serial,))
+    assert core.store.get_issued(serial).trust_reported_at == clock() - dt.timedelta(seconds=5)
+    core.trust_bundle(cert, fp, (serial, "abc"))
+    assert core.store.get_issued(serial).presenting == (serial, "abc")
+
+
+def test_parse_presenting() -> None:
+    assert parse_presenting(None) is None
+    assert parse_presenting("") == ()
+    assert parse_presenting("1F, 1f,2a") == ("1f", "2a")
+    for bad in ("xyz", "1" * 41, ",".join(["1"] * 5), "-1"):
+        with pytest.raises(BadRequest):
+            parse_presenting(bad)
+
+
+def test_a_renewal_whose_answer_never_reached_its_holder_can_be_redone(
+    core: SignerCore, clock: Clock
+) -> None:
+    """The holder crashed after the signer issued a successor but before it wrote it (the key of the
+    successor is lost): the predecessor may renew again as long as nobody ever reported using the
+    successor, which stops counting as a party."""
+    _, cert, result = _agent(core, clock)
+    lost = core.renew(cert, certclient.csr_like(cert, certclient.generate_key())).record
+    redone = core.renew(cert, certclient.csr_like(cert, certclient.generate_key())).record
+    assert redone.serial != lost.serial and redone.predecessor == result.record.serial
+    assert core.store.get_issued(result.record.serial).successor == redone.serial
+    superseded = core.store.get_issued(lost.serial)
+    assert superseded is not None and not superseded.live(clock()) and superseded.superseded
+    # once the holder reported with the new certificate, the predecessor is done for good
+    redone_cert = x509.load_pem_x509_certificate(redone.cert_pem.encode())
+    core.trust_bundle(redone_cert, tuple(core.store.read_authorities().bundle_fingerprints()), ())
+    with pytest.raises(Conflict) as info:
+        core.renew(cert, certclient.csr_like(cert, certclient.generate_key()))
+    assert info.value.error == "already_renewed"
 
 
 def test_parse_trusted() -> None:

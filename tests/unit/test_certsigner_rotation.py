@@ -35,6 +35,7 @@ class Party:
             core.store, Binding(kind="agent", cluster=cluster), dt.timedelta(minutes=5), now=now
         )
         self.cert = self._load(core.bootstrap(token.token, certclient.agent_csr(key, cluster, "agent")))
+        self.loaded = self.cert  # what its TLS contexts present
 
     @staticmethod
     def _load(result) -> x509.Certificate:
@@ -46,9 +47,18 @@ class Party:
         self.core.trust_bundle(self.cert, fps)
 
     def renew(self) -> None:
+        """Get a new certificate (written to its files, not loaded into its contexts yet)."""
         self.cert = self._load(
             self.core.renew(self.cert, certclient.csr_like(self.cert, certclient.generate_key()))
         )
+
+    def load(self) -> None:
+        """Load the newest certificate into its contexts and report what it presents now."""
+        self.loaded = self.cert
+        self.report_presenting()
+
+    def report_presenting(self) -> None:
+        self.core.trust_bundle(self.cert, None, (format(self.loaded.serial_number, "x"),))
 
 
 @pytest.fixture
@@ -100,8 +110,9 @@ def test_full_rotation_with_overlap(core: SignerCore, now: dt.datetime) -> None:
     assert current.previous is not None and current.previous.id == old.id
     assert [r.id for r in current.bundle()] == [new.id, old.id]
 
-    # 3. leaves move at renewal; retirement waits for the last one
+    # 3. leaves move at renewal; retirement waits until every party presents a new-CA leaf
     parties[0].renew()
+    parties[0].load()
     assert parties[0].cert.issuer == current.active.cert.subject
     with pytest.raises(RotationBlocked) as info:
         retire_previous(store, now=now)
@@ -109,12 +120,87 @@ def test_full_rotation_with_overlap(core: SignerCore, now: dt.datetime) -> None:
     assert status(store, now=now)["phase"] == "moving-leaves"
     for p in parties[1:]:
         p.renew()
+    # issued is not enough: a party counts once it reports that it loaded the new leaf
+    with pytest.raises(RotationBlocked) as info:
+        retire_previous(store, now=now)
+    assert sorted(r.identity.cluster for r in info.value.parties) == ["cluster2", "cluster3"]
+    assert all("not reported presenting it" in reason for reason in info.value.reasons.values())
+    for p in parties[1:]:
+        p.load()
     retire_previous(store, now=now)
     current = store.read_authorities()
     assert [r.id for r in current.bundle()] == [new.id]
     assert current.get(old.id).state == "retired"
     assert not (Path(store.root) / "ca" / f"{old.id}.key").exists()
     assert status(store, now=now)["phase"] == "stable"
+
+
+def _activated(core: SignerCore, now: dt.datetime, *parties: Party) -> None:
+    start_rotation(core.store, now=now)
+    for p in parties:
+        p.refresh_trust()
+    activate_pending(core.store, now=now)
+
+
+def test_a_party_whose_contexts_still_present_the_old_leaf_holds_back_retire(
+    core: SignerCore, now: dt.datetime
+) -> None:
+    party = Party(core, "cluster1", now)
+    _activated(core, now, party)
+    old_serial = format(party.loaded.serial_number, "x")
+    party.renew()
+    party.report_presenting()  # e.g. the reload failed: its contexts still hold the old leaf
+    with pytest.raises(RotationBlocked) as info:
+        retire_previous(core.store, now=now)
+    (reason,) = info.value.reasons.values()
+    assert f"presents {old_serial[:12]}" in reason and "previous CA" in reason
+    st = status(core.store, now=now)
+    assert not st["ready_for_next_step"] and "agent:cluster1/agent" in st["next_step"]
+    (row,) = st["parties"]
+    assert row["presents_active_ca"] is False and row["presenting"][0]["serial"] == old_serial
+    assert "PRESENTS" in format_status(st)
+    party.load()
+    st = status(core.store, now=now)
+    assert st["ready_for_next_step"] and st["parties"][0]["presents_active_ca"] is True
+    retire_previous(core.store, now=now)
+
+
+def test_a_party_bootstrapped_on_the_new_ca_does_not_hold_back_retire(
+    core: SignerCore, now: dt.datetime
+) -> None:
+    """It can only present its new-CA leaf: there is no old one it might still hold."""
+    _activated(core, now)
+    Party(core, "cluster1", now)
+    assert status(core.store, now=now)["ready_for_next_step"]
+    retire_previous(core.store, now=now)
+
+
+def test_a_party_that_lost_its_renewal_answer_renews_again_and_unblocks_retire(
+    core: SignerCore, now: dt.datetime
+) -> None:
+    party = Party(core, "cluster1", now)
+    party.report_presenting()
+    _activated(core, now, party)
+    old = party.cert
+    party.renew()
+    party.cert = old  # it crashed before writing the answer: back on the old files
+    with pytest.raises(RotationBlocked):
+        retire_previous(core.store, now=now)
+    party.renew()  # its next attempt, with a new key
+    party.load()
+    retire_previous(core.store, now=now)
+
+
+def test_the_signers_own_certificate_on_the_previous_ca_holds_back_retire(
+    core: SignerCore, now: dt.datetime
+) -> None:
+    core.issue_self(certclient.generate_key().public_key(), "cert-signer", ("localhost",))
+    _activated(core, now)
+    with pytest.raises(RotationBlocked) as info:
+        retire_previous(core.store, now=now)
+    assert "the signer" in next(iter(info.value.reasons.values()))
+    core.issue_self(certclient.generate_key().public_key(), "cert-signer", ("localhost",))
+    retire_previous(core.store, now=now)
 
 
 def test_steps_out_of_order_are_refused(core: SignerCore, now: dt.datetime) -> None:
