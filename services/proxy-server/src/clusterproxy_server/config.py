@@ -1,0 +1,36 @@
+"""The proxy-server's settings (``main.py`` fills them from flags and their environment twins)."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from clusterproxy_protocol.core import TunnelSettings
+
+
+@dataclass
+class ServerConfig:
+    ca: Path
+    cert: Path
+    key: Path
+    agent_listen: tuple[str, int] = ("0.0.0.0", 8091)
+    client_listen: tuple[str, int] = ("0.0.0.0", 8090)
+    admin_listen: tuple[str, int] = ("0.0.0.0", 8092)
+    server_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+    server_count: int = 1
+    known_clusters: set[str] = field(default_factory=set)
+    dial_timeout: float = 30.0
+    handshake_timeout: float = 10.0
+    keepalive_interval: float = 10.0
+    keepalive_timeout: float = 20.0
+    drain_timeout: float = 30.0
+    tunnel: TunnelSettings = field(default_factory=TunnelSettings)
+    # cert-signer: bootstrap (``main.serve``) and renewal; None keeps the files as they are
+    signer: str | None = None
+    bootstrap_token: str | None = None
+    tls_hosts: tuple[str, ...] = ()
+    trust_refresh: float = 300.0
+    # which clients reach which clusters (authz.py); None: every client reaches every cluster
+    client_policy: Path | None = None

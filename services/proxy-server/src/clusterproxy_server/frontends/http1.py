@@ -1,0 +1,63 @@
+"""HTTP/1.1 frontend: ``CONNECT host:port`` (curl, kubectl, Go, Java) and plain-HTTP forward requests
+(``GET http://host/path``, curl ``-x`` without ``-p``), one request per connection."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import trio
+
+from clusterproxy_server.authz import ClientIdentity
+from clusterproxy_server.frontends import http1_messages as messages
+from clusterproxy_server.frontends.connection import ClientConnection, send_and_close
+
+
+@dataclass
+class Http1Request:
+    stream: trio.SSLStream
+    client: ClientIdentity
+    authority: str
+    headers: Mapping[str, str]
+    early_data: bytes
+    is_connect: bool
+    frontend: str = "http1"
+
+    async def accept(self) -> trio.abc.Stream:
+        if self.is_connect:
+            await self.stream.send_all(messages.established())
+        return self.stream
+
+    async def refuse(self, status: int, reason: str) -> None:
+        await send_and_close(self.stream, messages.error_response(status, reason))
+
+
+async def serve(connection: ClientConnection) -> None:
+    stream = connection.stream
+    try:
+        with trio.fail_after(connection.request_timeout):
+            request = await messages.read_request(stream, connection.received)
+    except trio.TooSlowError:
+        await send_and_close(stream, messages.error_response(408, "request head not received in time"))
+        return
+    except messages.BadRequest as exc:
+        await send_and_close(stream, messages.error_response(exc.status, exc.reason))
+        return
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        await trio.aclose_forcefully(stream)
+        return
+    if request is None:
+        await trio.aclose_forcefully(stream)
+        return
+    authority, early_data = request.target, request.early_data
+    is_connect = request.method == "CONNECT"
+    if not is_connect:
+        try:
+            authority, head = messages.forward_form(request)
+        except messages.BadRequest as exc:
+            await send_and_close(stream, messages.error_response(exc.status, exc.reason))
+            return
+        early_data = head + early_data
+    await connection.proxy(
+        Http1Request(stream, connection.client, authority, request.headers, early_data, is_connect)
+    )
