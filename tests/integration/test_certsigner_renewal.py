@@ -193,10 +193,11 @@ async def test_full_ca_rotation_without_dropping_a_tunnel(nursery: trio.Nursery,
 
 
 async def test_renewal_retries_with_backoff_until_it_succeeds(nursery: trio.Nursery, tmp_path: Path) -> None:
-    signer = await start_signer(nursery, tmp_path / "signer", ip_burst=2, ip_rate=4.0)
-    agent = await _agent_party(signer, tmp_path / "agent")  # uses up the burst but one request
+    signer = await start_signer(nursery, tmp_path / "signer", cert_burst=1, cert_rate=4.0)
+    agent = await _agent_party(signer, tmp_path / "agent")
     before = _serial(agent)
-    await certclient.fetch_trust_bundle(signer.endpoint())  # the bucket is empty now
+    # the certificate's bucket is empty now: the first renewal attempt gets 429
+    await certclient.fetch_trust_bundle(signer.endpoint(agent.ca), cert=agent.cert, key=agent.key)
     policy = RenewalPolicy(jitter=0.0, trust_refresh=0, retry_initial=0.01, retry_max=0.05)
     renewer = CertRenewer(signer.endpoint(agent.ca), agent, [], policy)
     await nursery.start(renewer.run)
