@@ -310,16 +310,23 @@ async def test_renewal_over_mtls(signer: RunningSigner, tmp_path: Path) -> None:
     assert renewed.cert.public_key() == new_key.public_key()
     record = signer.store.get_issued(first.serial)
     assert record is not None and record.successor == renewed.serial
-    # asking for another cluster with the current certificate is refused
+    # the holder installs the renewed certificate and reports with it (so it did arrive)...
+    renewed_files = _files(tmp_path / "agent-renewed", "agent", files.ca)
+    certclient.write_credentials(renewed_files, new_key, renewed)
+    await certclient.fetch_trust_bundle(
+        signer.endpoint(files.ca), cert=renewed_files.cert, key=renewed_files.key, presenting=[renewed.serial]
+    )
+    # ...and from then on the old certificate cannot renew again
     with pytest.raises(SignerRequestError) as info:
         await certclient.renew(
             signer.endpoint(files.ca),
             files.cert,
             files.key,
-            certclient.agent_csr(certclient.generate_key(), "cluster2", "agent-1"),
+            certclient.agent_csr(certclient.generate_key(), "cluster1", "agent-1"),
         )
-    assert info.value.status == 409  # this certificate was renewed already
-    certclient.write_credentials(files, new_key, renewed)
+    assert (info.value.status, info.value.error) == (409, "already_renewed")
+    files = renewed_files
+    # asking for another cluster with the current certificate is refused
     with pytest.raises(SignerRequestError) as info:
         await certclient.renew(
             signer.endpoint(files.ca),

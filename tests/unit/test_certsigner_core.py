@@ -157,6 +157,8 @@ def test_a_retried_renewal_gets_the_same_certificate_and_a_second_renewal_is_ref
     first = core.renew(cert, certclient.csr_like(cert, new_key))
     again = core.renew(cert, certclient.csr_like(cert, new_key))  # the answer was lost: retry
     assert again.record.serial == first.record.serial
+    renewed = x509.load_pem_x509_certificate(first.record.cert_pem.encode())
+    core.trust_bundle(renewed, None, (first.record.serial,))  # its holder uses it
     with pytest.raises(Conflict) as info:
         core.renew(cert, certclient.csr_like(cert, certclient.generate_key()))
     assert info.value.error == "already_renewed"
@@ -206,16 +208,16 @@ def test_what_a_party_presents_is_recorded_with_its_trust(core: SignerCore, cloc
     serial = result.record.serial
     core.trust_bundle(cert, fp, (serial,))
     record = core.store.get_issued(serial)
-    assert record is not None and record.presenting == (serial,) and record.trust_reported_at == clock()
+    assert record is not None and record.presenting == (serial,) and record.seen_at == clock()
     # a report without the presenting part (an older party) keeps what was recorded
     clock.now += dt.timedelta(minutes=10)
     core.trust_bundle(cert, fp)
     record = core.store.get_issued(serial)
-    assert record is not None and record.presenting == (serial,) and record.trust_reported_at == clock()
+    assert record is not None and record.presenting == (serial,) and record.seen_at == clock()
     # an unchanged report within minutes is not written again; a changed one is, at once
     clock.now += dt.timedelta(seconds=5)
     core.trust_bundle(cert, fp, (serial,))
-    assert core.store.get_issued(serial).trust_reported_at == clock() - dt.timedelta(seconds=5)
+    assert core.store.get_issued(serial).seen_at == clock() - dt.timedelta(seconds=5)
     core.trust_bundle(cert, fp, (serial, "abc"))
     assert core.store.get_issued(serial).presenting == (serial, "abc")
 

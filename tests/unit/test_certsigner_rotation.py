@@ -199,6 +199,7 @@ def test_the_signers_own_certificate_on_the_previous_ca_holds_back_retire(
     with pytest.raises(RotationBlocked) as info:
         retire_previous(core.store, now=now)
     assert "the signer" in next(iter(info.value.reasons.values()))
+    core.clock = lambda: now + dt.timedelta(seconds=5)  # its next store poll
     core.issue_self(certclient.generate_key().public_key(), "cert-signer", ("localhost",))
     retire_previous(core.store, now=now)
 

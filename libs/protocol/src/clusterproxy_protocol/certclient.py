@@ -4,8 +4,9 @@ The API (HTTPS, HTTP/1.1, JSON; errors are ``{"error": code, "reason": sentence}
 
     POST /v1/bootstrap     {"token", "csr_pem"}                 -> Issued
     POST /v1/renew  (mTLS) {"csr_pem", "trusted": [fp, ...]}    -> Issued
-    GET  /v1/trust-bundle  (mTLS optional; header cluster-proxy-trusted: fp,fp reports what the caller
-                           trusts)                              -> {"ca_bundle_pem", "cas": [...]}
+    GET  /v1/trust-bundle  (mTLS optional; headers cluster-proxy-trusted: fp,fp and
+                           cluster-proxy-presenting: serial,.. report what the caller's TLS
+                           contexts trust and present)          -> {"ca_bundle_pem", "cas": [...]}
 
 Keys are generated here (ECDSA P-256) and never leave the process except into the key file (mode
 0600). Files are replaced atomically; see :func:`write_credentials` for the order.
@@ -44,6 +45,7 @@ from .config import ConfigError, parse_hostport
 from .pki import AGENT_ORGANIZATION, agent_uri
 
 __all__ = [
+    "PRESENTING_HEADER",
     "TRUSTED_HEADER",
     "CertFiles",
     "Issued",
@@ -68,6 +70,7 @@ __all__ = [
 
 ALPN = "http/1.1"
 TRUSTED_HEADER = "cluster-proxy-trusted"
+PRESENTING_HEADER = "cluster-proxy-presenting"
 MAX_RESPONSE = 1 << 20
 
 
@@ -406,10 +409,18 @@ async def fetch_trust_bundle(
     cert: Path | None = None,
     key: Path | None = None,
     trusted: Sequence[str] | None = None,
+    presenting: Sequence[str] | None = None,
 ) -> TrustBundle:
-    """The current trust bundle. With ``cert``/``key`` and ``trusted``, the signer records what this
-    party trusts (``cluster-proxy certs status`` shows it; a CA rotation waits for it)."""
-    headers = [(TRUSTED_HEADER, ",".join(trusted))] if trusted is not None and cert is not None else []
+    """The current trust bundle. With ``cert``/``key``, the signer records what this party reports:
+    ``trusted``, the fingerprints of the CAs its TLS contexts trust (activating a new CA waits for
+    every party to trust it), and ``presenting``, the serials (hex) of the leaves its contexts present
+    (retiring the old CA waits for every party to present a leaf of the new one)."""
+    headers = []
+    if cert is not None:
+        if trusted is not None:
+            headers.append((TRUSTED_HEADER, ",".join(trusted)))
+        if presenting is not None:
+            headers.append((PRESENTING_HEADER, ",".join(presenting)))
     answer = await request_json(endpoint, "GET", "/v1/trust-bundle", cert=cert, key=key, headers=headers)
     try:
         pem = str(answer["ca_bundle_pem"])

@@ -137,8 +137,8 @@ def rotate_ca(
         record = activate_pending(store, now=now, force=force)
         return (
             f"step 2/3 done: CA {record.id} now signs every new certificate; the old CA stays trusted.\n"
-            "Next: leaves move at their renewal; when `certs status` shows none left on the previous CA, "
-            "run `rotate-ca retire`."
+            "Next: parties renew onto it soon after their next trust refresh; when `certs status` shows "
+            "every party presenting a certificate of the new CA, run `rotate-ca retire`."
         )
     if step == "retire":
         record = retire_previous(store, now=now, force=force)
@@ -162,17 +162,39 @@ def format_status(data: dict[str, Any]) -> str:
     lines += ["", f"parties (live certificates): {len(parties)}"]
     if parties:
         pending = data["phase"] == "new-ca-pending"
-        header = ("IDENTITY", "SERIAL", "CA", "RENEW DUE", "NOT AFTER", "TRUSTS")
+        moving = data["phase"] == "moving-leaves"
+        header = ("IDENTITY", "SERIAL", "CA", "PRESENTS", "RENEW DUE", "NOT AFTER", "TRUSTS")
         if pending:
             header = (*header, "TRUSTS NEW CA")
+        if moving:
+            header = (*header, "PRESENTS NEW CA")
         rows = [header]
         for p in parties:
             trusts = "unknown" if p["trusted_cas"] is None else ",".join(t[:16] for t in p["trusted_cas"])
-            row = (p["identity"], p["serial"][:12], p["ca_id"], p["renew_due"], p["not_after"], trusts)
+            presents = (
+                "unknown"
+                if p["presenting"] is None
+                else ",".join(x["ca_id"] or f"?{x['serial'][:12]}" for x in p["presenting"]) or "none"
+            )
+            row = (
+                p["identity"],
+                p["serial"][:12],
+                p["ca_id"],
+                presents,
+                p["renew_due"],
+                p["not_after"],
+                trusts,
+            )
             if pending:
                 row = (*row, {True: "yes", False: "NO", None: "unknown"}[p["trusts_pending"]])
+            if moving:
+                row = (*row, "NO" if p["waiting_for"] else "yes")
             rows.append(row)
         lines += _table(rows)
+        waiting = [p for p in parties if p["waiting_for"]]
+        if waiting:
+            lines += ["", "waiting for:"]
+            lines += [f"  {p['identity']}: {p['waiting_for']}" for p in waiting]
     t = data["tokens"]
     lines += ["", f"bootstrap tokens: {t['unused']} unused, {t['used']} used, {t['expired']} expired"]
     lines += [f"WARNING: {w}" for w in data["warnings"]]
@@ -270,7 +292,12 @@ def run_certs(
     except RotationBlocked as exc:
         print(f"refused: {exc}", file=sys.stderr)
         for party in exc.parties[:20]:
-            print(f"  {party.identity.key} (serial {party.serial[:12]}, CA {party.ca_id})", file=sys.stderr)
+            why = exc.reasons.get(party.serial)
+            print(
+                f"  {party.identity.key} (serial {party.serial[:12]}, CA {party.ca_id})"
+                + (f": {why}" if why else ""),
+                file=sys.stderr,
+            )
         return 1
     except (RotationError, StoreError, NotImplementedError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

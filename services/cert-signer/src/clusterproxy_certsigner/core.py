@@ -1,5 +1,6 @@
 """The signing logic, without I/O of its own: bootstrap with a token, renew with the current
-certificate, serve the trust bundle (and record what each party reports it trusts).
+certificate, serve the trust bundle (and record what each party reports: the CAs it trusts and the
+leaves it presents).
 
 Synchronous (the store may block): the HTTPS front end calls it from a worker thread. Every refusal
 is a :class:`~clusterproxy_certsigner.errors.SignerError` with a status and a clear reason.
@@ -7,6 +8,7 @@ is a :class:`~clusterproxy_certsigner.errors.SignerError` with a status and a cl
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import re
 from collections.abc import Callable, Sequence
@@ -23,13 +25,15 @@ from .models import Authorities, AuthorityRecord, Identity, IssuedRecord, TokenR
 from .store import CertStore, NotFound, StoreConflict
 from .tokens import parse_token, secret_matches
 
-__all__ = ["DEFAULT_CERT_TTL", "IssueResult", "SignerCore", "parse_trusted", "utc_now"]
+__all__ = ["DEFAULT_CERT_TTL", "IssueResult", "SignerCore", "parse_presenting", "parse_trusted", "utc_now"]
 
 DEFAULT_CERT_TTL = dt.timedelta(hours=24)
 TRUST_REPORT_REFRESH = dt.timedelta(minutes=5)
 PRUNE_AFTER = dt.timedelta(days=7)
 MAX_TRUSTED = 16
+MAX_PRESENTING = 4
 _FINGERPRINT = re.compile(r"^sha256:[0-9a-f]{64}$")
+_SERIAL = re.compile(r"^[0-9a-f]{1,40}$")
 
 
 def utc_now() -> dt.datetime:
@@ -56,6 +60,21 @@ def parse_trusted(value: object) -> tuple[str, ...] | None:
         if not isinstance(item, str) or not _FINGERPRINT.match(item):
             raise BadRequest(f"trusted: {item!r} is not a CA fingerprint like sha256:<64 hex digits>")
     return tuple(dict.fromkeys(value))
+
+
+def parse_presenting(value: object) -> tuple[str, ...] | None:
+    """The serials (hex) of the leaves a party reports its TLS contexts present, or None if absent."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise BadRequest("presenting must be a comma-separated list of certificate serials (hex)")
+    serials = [v.strip().lower() for v in value.split(",") if v.strip()]
+    if len(serials) > MAX_PRESENTING:
+        raise BadRequest(f"presenting: at most {MAX_PRESENTING} certificate serials")
+    for serial in serials:
+        if not _SERIAL.match(serial):
+            raise BadRequest(f"presenting: {serial!r} is not a certificate serial (1-40 hex digits)")
+    return tuple(dict.fromkeys(serials))
 
 
 @dataclass(frozen=True)
@@ -187,15 +206,20 @@ class SignerCore:
         current = self._known(peer)
         csr = parse_csr(csr_pem)
         new_key = public_key_sha256(csr.public_key())
+        lost: IssuedRecord | None = None
         if current.successor is not None:
             successor = self.store.get_issued(current.successor)
             if successor is not None and successor.public_key_sha256 == new_key:
                 return IssueResult(successor, self.store.read_authorities().bundle_pem())
-            raise Conflict(
-                f"certificate {current.serial} was already renewed (serial {current.successor}); "
-                "use the renewed certificate",
-                error="already_renewed",
-            )
+            if successor is None or successor.reached_holder:
+                raise Conflict(
+                    f"certificate {current.serial} was already renewed (serial {current.successor}); "
+                    "use the renewed certificate",
+                    error="already_renewed",
+                )
+            # Nobody ever used the successor: its holder lost the answer together with the new key
+            # (a crash before writing it). Without a new certificate it would need a new token.
+            lost = successor
         if new_key == current.public_key_sha256:
             raise BadRequest(
                 "the CSR reuses the current certificate's key: renew with a new key", error="key_reuse"
@@ -212,9 +236,10 @@ class SignerCore:
             trust_reported_at=now if trusted is not None else current.trust_reported_at,
         )
         self.store.put_issued(issued)
+        expected = None if lost is None else lost.serial
 
         def link(record: IssuedRecord) -> IssuedRecord:
-            if record.successor is not None:
+            if record.successor != expected:
                 raise Conflict(
                     f"certificate {record.serial} was renewed concurrently (serial {record.successor})",
                     error="already_renewed",
@@ -226,18 +251,26 @@ class SignerCore:
         except SignerError:
             self.store.delete_issued(issued.serial)
             raise
+        if lost is not None:
+            with contextlib.suppress(NotFound):
+                self.store.update_issued(lost.serial, lambda r: replace(r, superseded_by=issued.serial))
         return IssueResult(issued, bundle)
 
     # -- trust bundle ------------------------------------------------------------------------------------
 
     def trust_bundle(
-        self, peer: x509.Certificate | None = None, trusted: tuple[str, ...] | None = None
+        self,
+        peer: x509.Certificate | None = None,
+        trusted: tuple[str, ...] | None = None,
+        presenting: tuple[str, ...] | None = None,
     ) -> dict[str, Any]:
-        """The trust bundle; a caller with a client certificate that reports ``trusted`` has it
-        recorded (that is how ``status`` knows who trusts a pending CA)."""
+        """The trust bundle; a caller with a client certificate that reports ``trusted`` (the CAs its
+        TLS contexts trust) and/or ``presenting`` (the serials of the leaves they present) has them
+        recorded: that is how ``status`` knows who trusts a pending CA and who presents a leaf of the
+        active one."""
         current = self.store.read_authorities()
-        if peer is not None and trusted is not None:
-            self._record_trust(peer, trusted)
+        if peer is not None and (trusted is not None or presenting is not None):
+            self._record_report(peer, trusted, presenting)
         return {
             "ca_bundle_pem": current.bundle_pem(),
             "cas": [
@@ -251,16 +284,21 @@ class SignerCore:
             ],
         }
 
-    def _record_trust(self, peer: x509.Certificate, trusted: tuple[str, ...]) -> None:
+    def _record_report(
+        self, peer: x509.Certificate, trusted: tuple[str, ...] | None, presenting: tuple[str, ...] | None
+    ) -> None:
         record = self.store.get_issued(_serial(peer))
         if record is None or record.cert_pem.strip() != _pem(peer).strip():
             return
         now = self.clock()
-        fresh = record.trust_reported_at is not None and now - record.trust_reported_at < TRUST_REPORT_REFRESH
-        if record.trusted == trusted and fresh:
+        fresh = record.seen_at is not None and now - record.seen_at < TRUST_REPORT_REFRESH
+        unchanged = (trusted is None or record.trusted == trusted) and (
+            presenting is None or record.presenting == presenting
+        )
+        if unchanged and fresh:
             return
         try:
-            self.store.update_issued(record.serial, lambda r: r.with_trust(trusted, now))
+            self.store.update_issued(record.serial, lambda r: r.with_report(trusted, presenting, now))
         except (NotFound, StoreConflict):
             pass
 

@@ -5,8 +5,9 @@
 - :class:`Binding`: what a requester may become (a token's promise, or the identity of a certificate
   being renewed); :class:`Identity`: what a certificate was issued for.
 - :class:`TokenRecord`: a bootstrap token, kept as the SHA-256 of its secret only.
-- :class:`IssuedRecord`: every certificate the signer issued, with the trust bundle its holder last
-  reported (for the CA rotation's "every party has the new CA" check).
+- :class:`IssuedRecord`: every certificate the signer issued, with what its holder last reported:
+  the CAs it trusts and the leaves it presents (the CA rotation's "every party trusts the new CA" and
+  "every party presents a new-CA leaf" checks).
 """
 
 from __future__ import annotations
@@ -318,8 +319,11 @@ class IssuedRecord:
     """A certificate the signer issued (public data only: the holder's key never reaches the signer).
 
     ``via``: ``bootstrap`` (a token), ``renew`` (mTLS with ``predecessor``) or ``self`` (the signer's
-    own serving certificate). ``successor`` is set once the certificate has been renewed; ``trusted``
-    lists the CA fingerprints its holder last reported (None: never reported).
+    own serving certificate). ``successor`` is set once the certificate has been renewed. ``trusted``:
+    the CA fingerprints its holder last reported trusting (at ``trust_reported_at``; a renewal carries
+    them over). ``presenting``: the serials of the leaves its holder's TLS contexts present, as last
+    reported with this certificate (at ``seen_at``); None: never reported. ``superseded_by`` is set
+    when the predecessor renewed again because this certificate never reached its holder.
     """
 
     serial: str  # lower-case hex
@@ -336,14 +340,35 @@ class IssuedRecord:
     successor: str | None = None
     trusted: tuple[str, ...] | None = None
     trust_reported_at: dt.datetime | None = None
+    presenting: tuple[str, ...] | None = None
+    seen_at: dt.datetime | None = None
+    superseded_by: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def live(self, now: dt.datetime) -> bool:
         """Still valid and not replaced by a renewal: its holder counts as a party of the PKI."""
-        return self.successor is None and self.not_after > now
+        return self.successor is None and self.superseded_by is None and self.not_after > now
 
-    def with_trust(self, trusted: tuple[str, ...], now: dt.datetime) -> IssuedRecord:
-        return replace(self, trusted=trusted, trust_reported_at=now)
+    @property
+    def superseded(self) -> bool:
+        return self.superseded_by is not None
+
+    @property
+    def reached_holder(self) -> bool:
+        """Its holder has authenticated with it (a report or a renewal): it did receive it."""
+        return self.seen_at is not None or self.successor is not None
+
+    def with_report(
+        self, trusted: tuple[str, ...] | None, presenting: tuple[str, ...] | None, now: dt.datetime
+    ) -> IssuedRecord:
+        """What its holder reported now; a part left out (None) keeps its last value."""
+        return replace(
+            self,
+            trusted=self.trusted if trusted is None else trusted,
+            trust_reported_at=self.trust_reported_at if trusted is None else now,
+            presenting=self.presenting if presenting is None else presenting,
+            seen_at=now,
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -361,6 +386,9 @@ class IssuedRecord:
             "successor": self.successor,
             "trusted": None if self.trusted is None else list(self.trusted),
             "trust_reported_at": format_time(self.trust_reported_at),
+            "presenting": None if self.presenting is None else list(self.presenting),
+            "seen_at": format_time(self.seen_at),
+            "superseded_by": self.superseded_by,
             "extra": self.extra,
         }
 
@@ -370,6 +398,7 @@ class IssuedRecord:
         if via not in ("bootstrap", "renew", "self"):
             raise ValueError(f"unknown issuance {via!r}")
         trusted = data.get("trusted")
+        presenting = data.get("presenting")
         return cls(
             serial=str(data["serial"]),
             identity=Identity.from_json(data["identity"]),
@@ -385,5 +414,8 @@ class IssuedRecord:
             successor=data.get("successor"),
             trusted=None if trusted is None else tuple(str(t) for t in trusted),
             trust_reported_at=parse_time(data.get("trust_reported_at")),
+            presenting=None if presenting is None else tuple(str(p) for p in presenting),
+            seen_at=parse_time(data.get("seen_at")),
+            superseded_by=data.get("superseded_by"),
             extra=dict(data.get("extra") or {}),
         )

@@ -6,9 +6,11 @@ status in between (docs/certificates.md has the procedure):
 1. :func:`start_rotation`: a new CA enters the trust bundle as ``pending``. It signs nothing yet.
    Parties pick the new bundle up (trust refresh, or their next renewal) and report what they trust.
 2. :func:`activate_pending`: once every live party trusts the new CA, it becomes ``active`` (signs
-   every new certificate) and the old one ``previous`` (still trusted). Leaves move at their renewal.
-3. :func:`retire_previous`: once no live leaf is signed by the previous CA, it is ``retired``: it
-   leaves the bundle and its key is deleted.
+   every new certificate) and the old one ``previous`` (still trusted). Parties see the change at
+   their next trust refresh and renew early, onto the new CA.
+3. :func:`retire_previous`: once every live party *presents* a leaf of the new CA (it reports what
+   its TLS contexts loaded, not just what the signer issued), it is ``retired``: it leaves the bundle
+   and its key is deleted.
 
 Steps 2 and 3 refuse (:class:`RotationBlocked`, naming the parties in the way) unless ``force``.
 """
@@ -49,11 +51,15 @@ class RotationError(Exception):
 
 
 class RotationBlocked(RotationError):
-    """The step's precondition does not hold yet; ``parties`` are the records in the way."""
+    """The step's precondition does not hold yet; ``parties`` are the records in the way and
+    ``reasons`` says, by serial, why each one is."""
 
-    def __init__(self, reason: str, parties: list[IssuedRecord]) -> None:
+    def __init__(
+        self, reason: str, parties: list[IssuedRecord], reasons: dict[str, str] | None = None
+    ) -> None:
         super().__init__(reason)
         self.parties = parties
+        self.reasons = reasons or {}
 
 
 def _new_record(
@@ -158,10 +164,70 @@ def activate_pending(store: CertStore, *, now: dt.datetime, force: bool = False)
     return replace(pending, state="active", activated_at=now)
 
 
-def retire_blockers(store: CertStore, current: Authorities, now: dt.datetime) -> list[IssuedRecord]:
-    previous = current.previous
-    assert previous is not None
-    return [p for p in live_parties(store, now) if p.ca_id == previous.id]
+def _short(serial: str) -> str:
+    return serial[:12]
+
+
+def _retire_blocker(
+    p: IssuedRecord, previous: AuthorityRecord, active: AuthorityRecord, store: CertStore, now: dt.datetime
+) -> str | None:
+    """Why the holder of ``p`` might still present a leaf of the previous CA; None if it cannot."""
+    if p.ca_id == previous.id:
+        return f"its certificate {_short(p.serial)} is from the previous CA"
+    if p.presenting is not None:
+        for serial in p.presenting or (None,):
+            if serial is None:
+                return "it reports presenting no certificate"
+            record = store.get_issued(serial)
+            if record is None or record.identity.key != p.identity.key:
+                return f"it presents {_short(serial)}, a certificate the signer cannot match to it"
+            if record.ca_id != active.id:
+                state = "previous" if record.ca_id == previous.id else "another"
+                return f"it presents {_short(serial)}, from the {state} CA: its TLS contexts have not loaded {_short(p.serial)} yet"
+        return None
+    if p.predecessor is not None:
+        before = store.get_issued(p.predecessor)
+        if before is not None and before.ca_id == previous.id and before.not_after > now:
+            return (
+                f"it was renewed onto the new CA ({_short(p.serial)}) but has not reported presenting it"
+                f"; its last report{_seen(before)} was with {_short(before.serial)} from the previous CA"
+            )
+    return None  # bootstrapped (or renewed) on the new CA: it holds no previous-CA leaf
+
+
+def _seen(record: IssuedRecord) -> str:
+    return "" if record.seen_at is None else f" ({format_time(record.seen_at)})"
+
+
+def _signer_blocker(store: CertStore, active: AuthorityRecord) -> tuple[IssuedRecord, str] | None:
+    """The signer's newest serving certificate, when it is not from the active CA yet."""
+    own = [r for r in store.list_issued() if r.via == "self"]
+    if not own:
+        return None
+    newest = max(own, key=lambda r: r.issued_at)
+    if newest.ca_id == active.id:
+        return None
+    return (
+        newest,
+        "the signer still serves with a certificate from the previous CA (it re-issues it within --store-poll)",
+    )
+
+
+def retire_blockers(
+    store: CertStore, current: Authorities, now: dt.datetime
+) -> list[tuple[IssuedRecord, str]]:
+    """Every live party that may still present a leaf of the previous CA, with the reason."""
+    previous, active = current.previous, current.active
+    assert previous is not None and active is not None
+    found = []
+    for p in live_parties(store, now):
+        reason = _retire_blocker(p, previous, active, store, now)
+        if reason is not None:
+            found.append((p, reason))
+    signer = _signer_blocker(store, active)
+    if signer is not None:
+        found.append(signer)
+    return found
 
 
 def retire_previous(store: CertStore, *, now: dt.datetime, force: bool = False) -> AuthorityRecord:
@@ -172,10 +238,14 @@ def retire_previous(store: CertStore, *, now: dt.datetime, force: bool = False) 
         raise RotationError("no previous CA to retire (activate the pending CA first: rotate-ca activate)")
     blockers = retire_blockers(store, current, now)
     if blockers and not force:
+        n = len(blockers)
         raise RotationBlocked(
-            f"{len(blockers)} live certificate{' is' if len(blockers) == 1 else 's are'} still signed by "
-            f"CA {previous.id}; wait for their renewal (see status), or use --force to cut them off",
-            blockers,
+            f"{n} part{'y does' if n == 1 else 'ies do'} not present a certificate of the new CA yet "
+            f"(they would fail handshakes once CA {previous.id} leaves the bundles); parties renew onto "
+            "the new CA soon after their next trust refresh: wait (see status), or use --force to cut "
+            "them off",
+            [p for p, _ in blockers],
+            {p.serial: reason for p, reason in blockers},
         )
     records = [
         replace(r, state="retired", retired_at=now) if r.id == previous.id else r for r in current.records
@@ -191,20 +261,40 @@ def _renew_due(record: IssuedRecord) -> dt.datetime:
     return record.not_before + (record.not_after - record.not_before) * RENEW_FRACTION
 
 
-def _party_json(p: IssuedRecord, current: Authorities, now: dt.datetime) -> dict[str, Any]:
+def _presenting_json(p: IssuedRecord, store: CertStore) -> list[dict[str, Any]] | None:
+    if p.presenting is None:
+        return None
+    found = []
+    for serial in p.presenting:
+        record = p if serial == p.serial else store.get_issued(serial)
+        mine = record is not None and record.identity.key == p.identity.key
+        found.append({"serial": serial, "ca_id": record.ca_id if record is not None and mine else None})
+    return found
+
+
+def _party_json(
+    p: IssuedRecord, current: Authorities, store: CertStore, waiting_for: str | None
+) -> dict[str, Any]:
     by_fp = {r.fingerprint: r.id for r in current.records}
-    pending = current.pending
+    pending, active = current.pending, current.active
+    presenting = _presenting_json(p, store)
     return {
         "identity": p.identity.key,
         "kind": p.identity.kind,
         "serial": p.serial,
         "ca_id": p.ca_id,
-        "on_active_ca": current.active is not None and p.ca_id == current.active.id,
+        "on_active_ca": active is not None and p.ca_id == active.id,
         "not_after": format_time(p.not_after),
         "renew_due": format_time(_renew_due(p)),
         "trusted_cas": None if p.trusted is None else [by_fp.get(fp, fp) for fp in p.trusted],
         "trusts_pending": None if pending is None or p.trusted is None else pending.fingerprint in p.trusted,
         "trust_reported_at": format_time(p.trust_reported_at),
+        "presenting": presenting,
+        "presents_active_ca": None
+        if presenting is None or active is None
+        else bool(presenting) and all(x["ca_id"] == active.id for x in presenting),
+        "seen_at": format_time(p.seen_at),
+        "waiting_for": waiting_for,
     }
 
 
@@ -224,6 +314,7 @@ def status(store: CertStore, *, now: dt.datetime) -> dict[str, Any]:
     parties = live_parties(store, now)
     phase = _phase(current)
     warnings: list[str] = []
+    waiting: dict[str, str] = {}
     ready = False
     if phase == "no-ca":
         next_step = "create the CA: start the signer, or run `cluster-proxy-cert-signer init`"
@@ -243,13 +334,15 @@ def status(store: CertStore, *, now: dt.datetime) -> dict[str, Any]:
         )
     else:
         blockers = retire_blockers(store, current, now)
+        waiting = {p.serial: reason for p, reason in blockers}
         ready = not blockers
-        latest = max((_renew_due(p) for p in blockers), default=None)
+        names = [p.identity.key for p, _ in blockers]
         next_step = (
-            "every leaf is on the new CA: run rotate-ca retire"
+            "every party presents a certificate of the new CA: run rotate-ca retire"
             if ready
-            else f"wait: {len(blockers)} leaves are still on the previous CA (renewals due by "
-            f"{format_time(latest)})"
+            else f"wait: {len(blockers)} of {len(parties)} parties do not present a certificate of the "
+            f"new CA yet ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}); parties renew "
+            "onto it soon after their next trust refresh"
         )
     tokens = store.list_tokens()
     return {
@@ -272,7 +365,10 @@ def status(store: CertStore, *, now: dt.datetime) -> dict[str, Any]:
             }
             for r in current.records
         ],
-        "parties": [_party_json(p, current, now) for p in sorted(parties, key=lambda p: p.identity.key)],
+        "parties": [
+            _party_json(p, current, store, waiting.get(p.serial))
+            for p in sorted(parties, key=lambda p: p.identity.key)
+        ],
         "tokens": {
             "unused": sum(1 for t in tokens if t.used_at is None and not t.expired(now)),
             "used": sum(1 for t in tokens if t.used_at is not None),

@@ -4,7 +4,8 @@ Routes (JSON; errors ``{"error", "reason"}`` with 400/401/403/404/405/409/410/41
 
     POST /v1/bootstrap        {"token", "csr_pem"}                       no client certificate needed
     POST /v1/renew            {"csr_pem", "trusted"?}                    mTLS: the current certificate
-    GET  /v1/trust-bundle     header cluster-proxy-trusted: fp,fp        mTLS optional (records trust)
+    GET  /v1/trust-bundle     headers cluster-proxy-trusted: fp,fp       mTLS optional (records what
+                              and cluster-proxy-presenting: serial       the caller trusts and presents)
     GET  /healthz
 
 The signer serves with a certificate it issues itself from the active CA (re-issued when the active
@@ -31,7 +32,7 @@ from clusterproxy_protocol import certclient
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.reloader import ReloadingContext
 
-from .core import DEFAULT_CERT_TTL, IssueResult, SignerCore, parse_trusted, utc_now
+from .core import DEFAULT_CERT_TTL, IssueResult, SignerCore, parse_presenting, parse_trusted, utc_now
 from .errors import BadRequest, RateLimited, SignerError
 from .https import HttpLimits, Request, Response, serve_https
 from .ratelimit import RateLimiter
@@ -252,7 +253,10 @@ class SignerService:
     async def _trust_bundle(self, request: Request) -> Response:
         header = request.headers.get(certclient.TRUSTED_HEADER)
         trusted = parse_trusted(header) if header is not None else None
-        return Response.json(await self._in_thread(self.core.trust_bundle, request.peer_cert, trusted))
+        presenting = parse_presenting(request.headers.get(certclient.PRESENTING_HEADER))
+        return Response.json(
+            await self._in_thread(self.core.trust_bundle, request.peer_cert, trusted, presenting)
+        )
 
     async def _healthz(self, request: Request) -> Response:
         return Response.json({"status": "ok"})
