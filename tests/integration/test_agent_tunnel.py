@@ -18,9 +18,10 @@ import trio.testing
 from clusterproxy_agent.agent import Agent, AgentConfig
 from clusterproxy_agent.egress import EgressPolicy, parse_rule
 from clusterproxy_agent.main import AgentSettings, Service
-from clusterproxy_agent.tunnel import TunnelOptions, TunnelRunner, describe_error
+from clusterproxy_agent.tunnel import TunnelOptions, TunnelRunner
 from clusterproxy_protocol.core import Role
 from clusterproxy_protocol.driver import Mux, open_mux
+from clusterproxy_protocol.errors import describe_exception
 from clusterproxy_protocol.pki import DevCA, PemPair
 from clusterproxy_protocol.tls import server_context
 
@@ -59,7 +60,7 @@ class Hub:
         try:
             await stream.do_handshake()
         except trio.BrokenResourceError as exc:
-            self.handshake_errors.append(describe_error(exc))
+            self.handshake_errors.append(describe_exception(exc))
             return
         async with open_mux(stream, Role.OPENER) as mux:
             await self._send.send(mux)

@@ -7,7 +7,8 @@ import ssl
 import pytest
 import trio
 
-from clusterproxy_agent.tunnel import Backoff, describe_error
+from clusterproxy_agent.tunnel import Backoff
+from clusterproxy_protocol.errors import describe_exception
 
 
 def test_backoff_full_jitter_bounds() -> None:
@@ -20,12 +21,12 @@ def test_backoff_full_jitter_bounds() -> None:
         Backoff(2.0, 1.0)
 
 
-def test_describe_error_unwraps_ssl() -> None:
+def test_describe_exception_unwraps_ssl() -> None:
     try:
         raise trio.BrokenResourceError from ssl.SSLError(1, "[SSL: TLSV1_ALERT_UNKNOWN_CA] alert")
     except trio.BrokenResourceError as exc:
-        assert describe_error(exc).startswith("TLS handshake failed")
-    assert describe_error(ConnectionRefusedError(111, "Connection refused")) == "Connection refused"
+        assert describe_exception(exc).startswith("TLS handshake failed")
+    assert describe_exception(ConnectionRefusedError(111, "Connection refused")) == "Connection refused"
 
 
 def test_backoff_ceiling_doubles_up_to_the_max() -> None:
@@ -35,22 +36,22 @@ def test_backoff_ceiling_doubles_up_to_the_max() -> None:
         assert backoff.next() == 30.0
 
 
-def test_describe_error_for_certificate_verification() -> None:
+def test_describe_exception_for_certificate_verification() -> None:
     error = ssl.SSLCertVerificationError(1, "certificate verify failed")
     error.verify_message = "unable to get local issuer certificate"
     try:
         raise trio.BrokenResourceError from error
     except trio.BrokenResourceError as exc:
-        text = describe_error(exc)
+        text = describe_exception(exc)
     assert text == "TLS handshake failed: certificate verify failed: unable to get local issuer certificate"
 
 
-async def test_describe_error_shows_why_every_address_failed() -> None:
+async def test_describe_exception_shows_why_every_address_failed() -> None:
     with trio.socket.socket() as probe:
         await probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with pytest.raises(OSError) as info:
         await trio.open_tcp_stream("127.0.0.1", port)
-    text = describe_error(info.value)
+    text = describe_exception(info.value)
     assert f"127.0.0.1:{port}" in text
     assert "Connection refused" in text

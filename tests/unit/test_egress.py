@@ -296,7 +296,7 @@ def test_targets_parse(text: str, host: str, port: int, shown: str) -> None:
         ("host:65536", "port '65536'"),
         ("host:+80", "port '+80'"),
         ("::1:443", "brackets"),
-        ("[::1]443", "expected HOST:PORT"),
+        ("[::1]443", "expected [IPv6]:PORT"),
         ("[nothex]:443", "not an IPv6 address"),
         ("[fe80::1%eth0]:443", "zone ids"),
         ("a b:80", "not a valid host name"),

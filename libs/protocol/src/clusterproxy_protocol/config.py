@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from clusterproxy_protocol.wire import MalformedAddress, split_hostport
+
 __all__ = [
     "ConfigError",
     "InvalidValue",
@@ -77,25 +79,17 @@ def parse_hostport(text: str) -> tuple[str, int]:
     expected = "expected HOST:PORT, e.g. 127.0.0.1:8091, proxy.example.com:443 or [::1]:8091"
     raw = text
     text = text.strip()
+    try:
+        host, port_text = split_hostport(text)
+    except MalformedAddress as exc:
+        raise InvalidValue(f"invalid address {raw!r}: {exc}") from None
     if text.startswith("["):
-        end = text.find("]")
-        if end < 0 or text[end + 1 : end + 2] != ":":
-            raise InvalidValue(f"invalid address {raw!r}: {expected}")
-        host, port_text = text[1:end], text[end + 2 :]
         try:
             ipaddress.IPv6Address(host.split("%", 1)[0])
         except ValueError:
             raise InvalidValue(f"invalid address {raw!r}: {host!r} is not an IPv6 address") from None
-    else:
-        host, sep, port_text = text.rpartition(":")
-        if not sep or not host:
-            raise InvalidValue(f"invalid address {raw!r}: {expected}")
-        if ":" in host:
-            raise InvalidValue(
-                f"invalid address {raw!r}: put an IPv6 host in brackets, e.g. [{host}]:{port_text}"
-            )
-        if not _HOST_CHARS.match(host):
-            raise InvalidValue(f"invalid address {raw!r}: {host!r} is not a host name or IP address")
+    elif not _HOST_CHARS.match(host):
+        raise InvalidValue(f"invalid address {raw!r}: {host!r} is not a host name or IP address")
     if not port_text:
         raise InvalidValue(f"invalid address {raw!r}: {expected}")
     try:

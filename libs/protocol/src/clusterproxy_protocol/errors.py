@@ -6,10 +6,12 @@ HTTP/2, the body on HTTP/1.1), and the client side turns it back into one of the
 
 from __future__ import annotations
 
+import ssl
 from typing import ClassVar
 
-REASON_HEADER = "cluster-proxy-reason"
-CLUSTER_HEADER = "cluster-proxy-cluster"
+import trio
+
+from clusterproxy_protocol.wire import CLUSTER_HEADER, REASON_HEADER  # noqa: F401  TODO(issue 9): importers use wire
 
 
 class TunnelError(Exception):
@@ -89,3 +91,26 @@ def clean_reason(reason: str) -> str:
     """A reason safe to put in a header: one line, printable ASCII, bounded."""
     text = " ".join(reason.split())
     return text.encode("ascii", "replace").decode("ascii")[:300]
+
+
+def describe_exception(exc: BaseException) -> str:
+    """A one-line reason a person can act on for a failed connect, handshake or transfer: the TLS
+    cause of a broken stream, every address's error of a failed connect, an OS error's text."""
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(exc, trio.BrokenResourceError) and isinstance(cause, ssl.SSLError):
+        exc = cause
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS handshake failed: certificate verify failed: {exc.verify_message}"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS handshake failed: {getattr(exc, 'reason', None) or exc}"
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(describe_exception(e) for e in exc.exceptions)
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror if not exc.filename else f"{exc.strerror}: {exc.filename}"
+    text = str(exc) or (repr(cause) if cause is not None and cause is not exc else "") or type(exc).__name__
+    if isinstance(exc, OSError) and isinstance(cause, BaseException) and cause is not exc:
+        # trio.open_tcp_stream: "all attempts to connect to H:P failed" from a group of the real errors
+        detail = describe_exception(cause)
+        if detail and detail not in text:
+            text = f"{text}: {detail}"
+    return text

@@ -18,12 +18,15 @@ INFO_PATH = "/v1/info"
 ALPN_H2 = "h2"
 ALPN_HTTP1 = "http/1.1"
 
-# A cluster name: a DNS-1123 subdomain, as Kubernetes names a ManagedCluster.
-CLUSTER_NAME = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
+# A cluster name: a DNS-1123 subdomain (as Kubernetes names a ManagedCluster), at most 253 characters.
+CLUSTER_NAME = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+EXPECTED_HOSTPORT = "expected HOST:PORT, e.g. 10.0.0.1:443, kubernetes.default.svc:443 or [fd00::1]:443"
 
 
 class MalformedAddress(ValueError):
-    """``HOST:PORT`` text that cannot be read; the message says why, quoting the text."""
+    """``HOST:PORT`` text that cannot be read; the message says why, without the text itself."""
 
 
 def format_authority(host: str, port: int) -> str:
@@ -36,19 +39,25 @@ def format_address(sock_name: tuple[str, int] | tuple[str, int, int, int]) -> st
     return format_authority(sock_name[0], sock_name[1])
 
 
-def parse_authority(text: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` -> (host, port) with the brackets removed."""
+def split_hostport(text: str) -> tuple[str, str]:
+    """``host:port`` or ``[v6]:port`` -> (host without brackets, port text), neither checked further.
+    Raises :class:`MalformedAddress` whose message is the reason alone (callers quote the text)."""
     if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep or not rest.startswith(":"):
-            raise MalformedAddress(f"malformed address {text!r}: expected [IPv6]:PORT")
-        port_text = rest[1:]
-    else:
-        host, sep, port_text = text.rpartition(":")
-        if not sep or ":" in host:
-            raise MalformedAddress(f"malformed address {text!r}: expected HOST:PORT")
-    if not host:
-        raise MalformedAddress(f"malformed address {text!r}: empty host")
+        end = text.find("]")
+        if end < 0 or text[end + 1 : end + 2] != ":":
+            raise MalformedAddress("expected [IPv6]:PORT, e.g. [fd00::1]:443")
+        return text[1:end], text[end + 2 :]
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise MalformedAddress(EXPECTED_HOSTPORT)
+    if ":" in host:
+        raise MalformedAddress(f"put an IPv6 address in brackets, e.g. [{host}]:{port_text or 443}")
+    return host, port_text
+
+
+def parse_authority(text: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` with a port 1-65535 -> (host without brackets, port)."""
+    host, port_text = split_hostport(text)
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise MalformedAddress(f"malformed address {text!r}: port must be 1-65535")
+        raise MalformedAddress(f"port must be 1-65535, not {port_text!r}")
     return host, int(port_text)

@@ -21,13 +21,11 @@ from clusterproxy_agent.metrics import AgentMetrics
 from clusterproxy_protocol.driver import IncomingRequest, Mux
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.relay import relay
+from clusterproxy_protocol.wire import INFO_PATH, SERVER_COUNT_HEADER, SERVER_ID_HEADER, format_authority
 
 __all__ = ["CAPABILITIES", "Agent", "AgentConfig", "ServerIdentity", "agent_version"]
 
 CAPABILITIES = ("connect", "half-close")
-SERVER_ID_HEADER = "cluster-proxy-server-id"
-SERVER_COUNT_HEADER = "cluster-proxy-server-count"
-INFO_PATH = "/v1/info"
 
 
 def agent_version() -> str:
@@ -88,7 +86,7 @@ class Agent:
         self.metrics = metrics or AgentMetrics(self.byte_totals)
         self.last_error: str | None = None
         self.log = get_logger("clusterproxy_agent", cluster=config.cluster, agent_id=config.agent_id)
-        self._kube_target = parse_target(_authority(*config.kube_apiserver))
+        self._kube_target = parse_target(format_authority(*config.kube_apiserver))
 
     # -- state ---------------------------------------------------------------------------------------
 
@@ -277,10 +275,6 @@ class Agent:
             dials.labels("timeout").inc()
             return 504, f"dial to {target} timed out after {_seconds(timeout)} ({phase})", None
         return 0, "", stream
-
-
-def _authority(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _int_or_none(text: str | None) -> int | None:

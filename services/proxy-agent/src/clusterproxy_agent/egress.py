@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from clusterproxy_protocol.config import InvalidValue
+from clusterproxy_protocol.wire import EXPECTED_HOSTPORT, MalformedAddress, format_authority, split_hostport
 
 __all__ = [
     "BUILTIN_DENY",
@@ -269,21 +270,19 @@ class Target:
     ip: IPAddress | None = None
 
     def __str__(self) -> str:
-        host = f"[{self.host}]" if self.ip is not None and self.ip.version == 6 else self.host
-        return f"{host}:{self.port}"
+        return format_authority(self.host, self.port)
 
 
 def parse_target(authority: str) -> Target:
     """``host:port`` or ``[ipv6]:port`` -> :class:`Target`; raises :class:`TargetError` with the reason."""
     shown = repr(authority[:300])
-    expected = "expected HOST:PORT, e.g. kubernetes.default.svc:443, 10.0.0.1:8080 or [fd00::1]:443"
     if not authority:
-        raise TargetError(f"empty target: {expected}")
+        raise TargetError(f"empty target: {EXPECTED_HOSTPORT}")
+    try:
+        host, port_text = split_hostport(authority)
+    except MalformedAddress as exc:
+        raise TargetError(f"malformed target {shown}: {exc}") from None
     if authority.startswith("["):
-        end = authority.find("]")
-        if end < 0 or authority[end + 1 : end + 2] != ":":
-            raise TargetError(f"malformed target {shown}: {expected}")
-        host, port_text = authority[1:end], authority[end + 2 :]
         if "%" in host:
             raise TargetError(f"malformed target {shown}: IPv6 zone ids are not supported")
         try:
@@ -291,11 +290,6 @@ def parse_target(authority: str) -> Target:
         except ValueError:
             raise TargetError(f"malformed target {shown}: {host!r} is not an IPv6 address") from None
     else:
-        host, colon, port_text = authority.rpartition(":")
-        if not colon or not host:
-            raise TargetError(f"malformed target {shown}: {expected}")
-        if ":" in host:
-            raise TargetError(f"malformed target {shown}: put an IPv6 address in brackets, e.g. [{host}]:443")
         try:
             ip = ipaddress.IPv4Address(host)
         except ValueError:
@@ -337,10 +331,9 @@ def default_allow_rules(kube_apiserver: tuple[str, int]) -> tuple[Rule, ...]:
     """The allow rules used when no ``--allow`` is given: the kube-apiserver and in-cluster services."""
     host, port = kube_apiserver
     try:
-        ip = ipaddress.ip_address(host)
-        text = f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+        text = format_authority(str(ipaddress.ip_address(host)), port)
     except ValueError:
-        text = f"{host}:{port}"
+        text = format_authority(host, port)
     return (
         parse_rule(text).with_label(f"default allow rule kube-apiserver {text}"),
         parse_rule("*.svc").with_label("default allow rule *.svc"),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import signal
 import socket
 import ssl
@@ -34,13 +33,13 @@ from clusterproxy_protocol.logs import configure_logging, get_logger
 from clusterproxy_protocol.pki import agent_uri
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
 from clusterproxy_protocol.tls import client_context
+from clusterproxy_protocol.wire import CLUSTER_NAME, format_authority
 
 __all__ = ["AgentSettings", "build_parser", "main", "parse_settings", "serve"]
 
 ENV_PREFIX = "CLUSTER_PROXY_AGENT_"
 PROG = "cluster-proxy-agent"
 BOOTSTRAP_PATIENCE = 60.0  # seconds to keep retrying a signer that does not answer (or answers 429/5xx)
-_CLUSTER = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 # --- converters -----------------------------------------------------------------------------------------
@@ -49,7 +48,7 @@ _CLUSTER = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z
 def cluster_name(text: str) -> str:
     """A Kubernetes object name (RFC 1123 subdomain): lower-case letters, digits, '-' and '.'."""
     name = text.strip()
-    if not name or len(name) > 253 or not _CLUSTER.match(name):
+    if not name or len(name) > 253 or not CLUSTER_NAME.match(name):
         raise InvalidValue(
             f"invalid cluster name {text!r}: use lower-case letters, digits, '-' and '.', starting and "
             "ending with a letter or digit (a Kubernetes object name, at most 253 characters)"
@@ -157,16 +156,16 @@ class AgentSettings:
     def summary(self) -> dict[str, object]:
         """The effective configuration for the startup log (paths only, never key material)."""
         return {
-            "server": _hostport(self.server),
+            "server": format_authority(*self.server),
             "server_name": self.server_name,
-            "kube_apiserver": _hostport(self.kube_apiserver),
+            "kube_apiserver": format_authority(*self.kube_apiserver),
             "ca": str(self.ca),
             "cert": str(self.cert),
             "key": str(self.key),
             "dial_timeout": self.dial_timeout,
             "egress": self.policy().describe(),
             "default_deny": self.default_deny,
-            "admin_listen": _hostport(self.admin_listen),
+            "admin_listen": format_authority(*self.admin_listen),
             "connect_timeout": self.connect_timeout,
             "backoff_initial": self.backoff_initial,
             "backoff_max": self.backoff_max,
@@ -177,11 +176,6 @@ class AgentSettings:
             "trust_refresh": self.trust_refresh if self.signer else None,
             "version": agent_version(),
         }
-
-
-def _hostport(hp: tuple[str, int]) -> str:
-    host, port = hp
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -465,10 +459,12 @@ class Service:
             return Reply.text("not ready: shutting down", 503)
         connected = self.agent.connected
         if connected:
-            return Reply.text(f"ok: {connected} tunnel(s) connected to {_hostport(self.settings.server)}")
+            return Reply.text(
+                f"ok: {connected} tunnel(s) connected to {format_authority(*self.settings.server)}"
+            )
         last = self.agent.last_error or "still connecting"
         return Reply.text(
-            f"not ready: no tunnel connected to {_hostport(self.settings.server)} ({last})", 503
+            f"not ready: no tunnel connected to {format_authority(*self.settings.server)} ({last})", 503
         )
 
     def metrics(self) -> Reply:
@@ -479,10 +475,10 @@ class Service:
         try:
             listeners = await trio.open_tcp_listeners(port, host=host or None)
         except OSError as exc:
-            where = _hostport(self.settings.admin_listen)
+            where = format_authority(*self.settings.admin_listen)
             raise ConfigError(f"cannot listen on --admin-listen {where}: {exc.strerror or exc}") from None
         sockname = listeners[0].socket.getsockname()
-        self.admin_address = _hostport((str(sockname[0]), int(sockname[1])))
+        self.admin_address = format_authority(str(sockname[0]), int(sockname[1]))
         async with trio.open_nursery() as nursery:
             await nursery.start(
                 serve_admin,
@@ -493,7 +489,7 @@ class Service:
                 await nursery.start(self.renewer.run)
             await nursery.start(self.runner.run)
             self.log.info(
-                "agent_started", admin_port=self.admin_address, server=_hostport(self.settings.server)
+                "agent_started", admin_port=self.admin_address, server=format_authority(*self.settings.server)
             )
             task_status.started(self)
             await self.stop_requested.wait()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from clusterproxy_protocol.renewal_metrics import RenewerCollector, RenewerCounters
 
 PREFIX = "cluster_proxy_agent_"
 DIAL_RESULTS = ("ok", "refused", "timeout", "forbidden", "bad_target")
@@ -34,35 +35,6 @@ class _ByteCounters(Collector):
         )
 
 
-class _RenewerCollector(Collector):
-    """The certificate renewer's counters (a ``CertRenewer``), read when scraped."""
-
-    def __init__(self, renewer: Any) -> None:
-        self._renewer = renewer
-
-    def describe(self) -> Iterator[Metric]:
-        return iter(())
-
-    def collect(self) -> Iterator[Metric]:
-        r = self._renewer
-        yield CounterMetricFamily(PREFIX + "cert_renewals", "Certificate renewals done", value=r.renewals)
-        yield CounterMetricFamily(
-            PREFIX + "cert_renewal_failures", "Failed renewal attempts", value=r.failures
-        )
-        yield CounterMetricFamily(
-            PREFIX + "trust_bundle_updates", "Trust bundle changes loaded", value=r.trust_updates
-        )
-        try:
-            not_after = r.certificate.not_valid_after_utc.timestamp()
-        except Exception:  # the file is being replaced: skip this scrape's value
-            return
-        yield GaugeMetricFamily(
-            PREFIX + "cert_not_after_seconds",
-            "Expiry of the current certificate (Unix time)",
-            value=not_after,
-        )
-
-
 class AgentMetrics:
     def __init__(self, byte_totals: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -86,6 +58,6 @@ class AgentMetrics:
         )
         r.register(_ByteCounters(byte_totals))
 
-    def watch_renewer(self, renewer: Any) -> None:
+    def watch_renewer(self, renewer: RenewerCounters) -> None:
         """Export a :class:`~clusterproxy_protocol.reloader.CertRenewer`'s counters."""
-        self.registry.register(_RenewerCollector(renewer))
+        self.registry.register(RenewerCollector(renewer, PREFIX))

@@ -16,6 +16,8 @@ import trio
 from clusterproxy_agent.agent import Agent
 from clusterproxy_protocol.core import Role, TunnelSettings
 from clusterproxy_protocol.driver import open_mux
+from clusterproxy_protocol.errors import describe_exception
+from clusterproxy_protocol.wire import format_authority
 
 __all__ = [
     "Backoff",
@@ -23,7 +25,6 @@ __all__ = [
     "Opener",
     "TunnelOptions",
     "TunnelRunner",
-    "describe_error",
     "tls_opener",
 ]
 
@@ -48,8 +49,7 @@ class TunnelOptions:
 
     @property
     def address(self) -> str:
-        host, port = self.server
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return format_authority(*self.server)
 
 
 class Backoff:
@@ -100,28 +100,6 @@ def tls_opener(
         return tls
 
     return open_tls
-
-
-def describe_error(exc: BaseException) -> str:
-    """A one-line reason for a failed connect or handshake (the SSL cause of a BrokenResourceError)."""
-    cause = exc.__cause__ or exc.__context__
-    if isinstance(exc, trio.BrokenResourceError) and isinstance(cause, ssl.SSLError):
-        exc = cause
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return f"TLS handshake failed: certificate verify failed: {exc.verify_message}"
-    if isinstance(exc, ssl.SSLError):
-        return f"TLS handshake failed: {getattr(exc, 'reason', None) or exc}"
-    if isinstance(exc, BaseExceptionGroup):
-        return "; ".join(describe_error(e) for e in exc.exceptions)
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror if not exc.filename else f"{exc.strerror}: {exc.filename}"
-    text = str(exc) or type(exc).__name__
-    if isinstance(exc, OSError) and isinstance(cause, BaseException) and cause is not exc:
-        # trio.open_tcp_stream: "all attempts to connect to H:P failed" from a group of the real errors
-        detail = describe_error(cause)
-        if detail and detail not in text:
-            text = f"{text}: {detail}"
-    return text
 
 
 class TunnelRunner:
@@ -187,7 +165,7 @@ class TunnelRunner:
             except trio.TooSlowError:
                 error = f"connect to {self.options.address} timed out after {timeout:g}s"
             except (OSError, trio.BrokenResourceError, ssl.SSLError, HandshakeError) as exc:
-                error = describe_error(exc)
+                error = describe_exception(exc)
         self._wait_scope = None
         if error is not None:
             self.agent.last_error = error
@@ -218,7 +196,7 @@ class TunnelRunner:
                     await mux.closed.wait()
                 reason = mux.dead_reason or reason
         except Exception as exc:
-            reason = f"tunnel failed: {describe_error(exc)}"
+            reason = f"tunnel failed: {describe_exception(exc)}"
             self.log.exception("tunnel_error", error=reason)
         lived = trio.current_time() - started
         self.agent.last_error = f"tunnel disconnected: {reason}"

@@ -2,38 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-
-class _RenewerCollector(Collector):
-    """The certificate renewer's counters, read when scraped."""
-
-    def __init__(self, renewer: Any, prefix: str) -> None:
-        self._renewer = renewer
-        self._prefix = prefix
-
-    def describe(self) -> Iterator[Metric]:
-        return iter(())
-
-    def collect(self) -> Iterator[Metric]:
-        r, p = self._renewer, self._prefix
-        yield CounterMetricFamily(p + "cert_renewals", "Certificate renewals done", value=r.renewals)
-        yield CounterMetricFamily(p + "cert_renewal_failures", "Failed renewal attempts", value=r.failures)
-        yield CounterMetricFamily(
-            p + "trust_bundle_updates", "Trust bundle changes loaded", value=r.trust_updates
-        )
-        try:
-            not_after = r.certificate.not_valid_after_utc.timestamp()
-        except Exception:  # a file being replaced: skip this scrape's value
-            return
-        yield GaugeMetricFamily(
-            p + "cert_not_after_seconds", "Expiry of the current certificate (Unix time)", value=not_after
-        )
+from clusterproxy_protocol.renewal_metrics import RenewerCollector, RenewerCounters
 
 
 class ServerMetrics:
@@ -68,6 +39,6 @@ class ServerMetrics:
             "cluster_proxy_server_dial_seconds", "Time from CONNECT to the agent's answer", registry=r
         )
 
-    def watch_renewer(self, renewer: Any) -> None:
+    def watch_renewer(self, renewer: RenewerCounters) -> None:
         """Export a :class:`~clusterproxy_protocol.reloader.CertRenewer`'s counters."""
-        self.registry.register(_RenewerCollector(renewer, "cluster_proxy_server_"))
+        self.registry.register(RenewerCollector(renewer, "cluster_proxy_server_"))

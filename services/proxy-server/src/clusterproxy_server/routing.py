@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import re
 from dataclasses import dataclass
 
-from clusterproxy_protocol.errors import CLUSTER_HEADER, MalformedTarget
-
-CLUSTER_NAME = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
+from clusterproxy_protocol.errors import MalformedTarget
+from clusterproxy_protocol.wire import CLUSTER_HEADER, CLUSTER_NAME, MalformedAddress, parse_authority
 
 
 @dataclass(frozen=True)
@@ -26,24 +24,6 @@ class Route:
     cluster: str
     authority: str  # host:port as the agent should see it
     named_by: str  # "header", "proxy-user" or "bare-cluster-name"
-
-
-def split_authority(authority: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` -> (host, port); raises MalformedTarget with a reason."""
-    if authority.startswith("["):
-        host, sep, rest = authority[1:].partition("]")
-        if not sep or not rest.startswith(":"):
-            raise MalformedTarget(f"malformed target {authority!r}: expected [IPv6]:PORT")
-        port_text = rest[1:]
-    else:
-        host, sep, port_text = authority.rpartition(":")
-        if not sep or ":" in host:
-            raise MalformedTarget(f"malformed target {authority!r}: expected HOST:PORT")
-    if not host:
-        raise MalformedTarget(f"malformed target {authority!r}: empty host")
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise MalformedTarget(f"malformed target {authority!r}: port must be 1-65535")
-    return host, int(port_text)
 
 
 def cluster_from_proxy_authorization(value: str | None) -> str | None:
@@ -62,7 +42,10 @@ def cluster_from_proxy_authorization(value: str | None) -> str | None:
 
 def resolve(authority: str, headers: dict[str, str], known_clusters: set[str]) -> Route:
     """Decide the route of a CONNECT; raises MalformedTarget (400) when no cluster is named."""
-    host, _ = split_authority(authority)
+    try:
+        host, _ = parse_authority(authority)
+    except MalformedAddress as exc:
+        raise MalformedTarget(f"malformed target {authority!r}: {exc}") from None
     cluster = headers.get(CLUSTER_HEADER, "").strip()
     named_by = "header"
     if not cluster:
@@ -76,5 +59,7 @@ def resolve(authority: str, headers: dict[str, str], known_clusters: set[str]) -
             "https://NAME@HUB:PORT, or CONNECT NAME:PORT to reach the cluster's kube-apiserver"
         )
     if not CLUSTER_NAME.match(cluster):
-        raise MalformedTarget(f"invalid cluster name {cluster!r}: expected a DNS name")
+        raise MalformedTarget(
+            f"invalid cluster name {cluster!r}: expected a DNS-1123 name (lower case, digits, - and .)"
+        )
     return Route(cluster, authority, named_by)

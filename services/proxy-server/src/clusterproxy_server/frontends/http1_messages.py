@@ -8,7 +8,8 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
-from clusterproxy_protocol.errors import REASON_HEADER, STATUS_PHRASES, clean_reason
+from clusterproxy_protocol.errors import STATUS_PHRASES, clean_reason
+from clusterproxy_protocol.wire import REASON_HEADER, format_authority
 
 MAX_REQUEST_HEAD = 16 << 10
 
@@ -38,8 +39,7 @@ def forward_form(request: ConnectRequest) -> tuple[str, bytes]:
     url = urlsplit(request.target)
     if url.scheme != "http" or not url.hostname:
         raise BadRequest(400, f"cannot proxy {request.target!r}: use CONNECT, or an absolute http:// URL")
-    host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
-    authority = f"{host}:{url.port or 80}"
+    authority = format_authority(url.hostname, url.port or 80)
     path = url.path or "/"
     if url.query:
         path += "?" + url.query
