@@ -19,7 +19,8 @@ from clusterproxy_agent.egress import EgressPolicy, Rule, parse_rule
 from clusterproxy_agent.tunnel import TunnelOptions, TunnelRunner, tls_opener
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.admin import Reply, serve_admin
-from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint, SignerRequestError
+from clusterproxy_protocol.bootstrap import bootstrap_with_retry
+from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
 from clusterproxy_protocol.config import (
     ConfigError,
     InvalidValue,
@@ -39,7 +40,6 @@ __all__ = ["AgentSettings", "build_parser", "main", "parse_settings", "serve"]
 
 ENV_PREFIX = "CLUSTER_PROXY_AGENT_"
 PROG = "cluster-proxy-agent"
-BOOTSTRAP_PATIENCE = 60.0  # seconds to keep retrying a signer that does not answer (or answers 429/5xx)
 
 
 # --- converters -----------------------------------------------------------------------------------------
@@ -383,30 +383,16 @@ def parse_settings(
 async def bootstrap(settings: AgentSettings) -> None:
     """With a signer: trade the bootstrap token for a first certificate when the files hold no valid
     one. A refused token (used, expired, for another cluster) is final: ConfigError with the signer's
-    reason. A signer that does not answer yet is retried for up to BOOTSTRAP_PATIENCE seconds."""
+    reason. A signer that does not answer yet is retried (``bootstrap_with_retry``)."""
     if not settings.signer:
         return
-    endpoint = settings.signer_endpoint()
-    log = get_logger("clusterproxy_agent", cluster=settings.cluster, agent_id=settings.agent_id)
-    deadline = trio.current_time() + BOOTSTRAP_PATIENCE
-    delay = 0.5
-    while True:
-        try:
-            issued = await certclient.ensure_bootstrapped(
-                endpoint,
-                settings.cert_files(),
-                settings.bootstrap_token,
-                lambda key: certclient.agent_csr(key, settings.cluster, settings.agent_id),
-            )
-            break
-        except SignerRequestError as exc:
-            if not exc.retryable or trio.current_time() + delay > deadline:
-                raise ConfigError(f"bootstrap with the cert-signer at {endpoint.url} failed: {exc}") from None
-            log.warning("cert_bootstrap_retry", error=str(exc), retry_in=delay)
-            await trio.sleep(delay)
-            delay = min(2 * delay, 10.0)
-    if issued is not None:
-        log.info("cert_bootstrapped", serial=issued.serial, not_after=issued.not_after.isoformat())
+    await bootstrap_with_retry(
+        settings.signer_endpoint(),
+        settings.cert_files(),
+        settings.bootstrap_token,
+        lambda key: certclient.agent_csr(key, settings.cluster, settings.agent_id),
+        get_logger("clusterproxy_agent", cluster=settings.cluster, agent_id=settings.agent_id),
+    )
 
 
 # --- running ---------------------------------------------------------------------------------------------

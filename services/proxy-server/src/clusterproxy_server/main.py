@@ -10,7 +10,8 @@ from pathlib import Path
 import trio
 
 from clusterproxy_protocol import certclient
-from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint, SignerRequestError
+from clusterproxy_protocol.bootstrap import bootstrap_with_retry
+from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
 from clusterproxy_protocol.config import (
     ConfigError,
     InvalidValue,
@@ -24,13 +25,12 @@ from clusterproxy_protocol.config import (
 )
 from clusterproxy_protocol.core import TunnelSettings
 from clusterproxy_protocol.logs import configure_logging, get_logger
+from clusterproxy_protocol.wire import CLUSTER_NAME
 from clusterproxy_server.app import ProxyServer, ServerConfig
 from clusterproxy_server.authz import load_policy
-from clusterproxy_server.routing import CLUSTER_NAME
 
 ENV = "CLUSTER_PROXY_SERVER_"
 SERVER_CERT_NAME = "proxy-server"  # CN of a certificate from the signer (bootstrap tokens name it)
-BOOTSTRAP_PATIENCE = 60.0  # seconds to keep retrying a signer that does not answer (or answers 429/5xx)
 
 
 def _cluster_names(text: str) -> list[str]:
@@ -232,29 +232,13 @@ async def bootstrap(config: ServerConfig) -> None:
     if certclient.usable_credentials(files) is None and config.bootstrap_token and not config.tls_hosts:
         raise ConfigError("bootstrapping a server certificate needs --tls-host (the names clients dial)")
     hosts = list(config.tls_hosts)
-    log = get_logger("proxy-server")
-    deadline = trio.current_time() + BOOTSTRAP_PATIENCE
-    delay = 0.5
-    while True:
-        try:
-            issued = await certclient.ensure_bootstrapped(
-                endpoint,
-                files,
-                config.bootstrap_token,
-                lambda key: certclient.server_csr(key, SERVER_CERT_NAME, hosts),
-            )
-            break
-        except SignerRequestError as exc:
-            # A refusal (used, expired or foreign token) is final; a signer not up yet is worth a wait.
-            if not exc.retryable or trio.current_time() + delay > deadline:
-                raise ConfigError(f"bootstrap with the cert-signer at {endpoint.url} failed: {exc}") from None
-            log.warning("cert_bootstrap_retry", error=str(exc), retry_in=delay)
-            await trio.sleep(delay)
-            delay = min(2 * delay, 10.0)
-    if issued is not None:
-        log.info(
-            "cert_bootstrapped", serial=issued.serial, not_after=issued.not_after.isoformat(), hosts=hosts
-        )
+    await bootstrap_with_retry(
+        endpoint,
+        files,
+        config.bootstrap_token,
+        lambda key: certclient.server_csr(key, SERVER_CERT_NAME, hosts),
+        get_logger("proxy-server", hosts=hosts),
+    )
 
 
 async def serve(config: ServerConfig) -> None:
