@@ -11,6 +11,7 @@ then, so a port-forward outlives its certificate as long as something renews the
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 from dataclasses import dataclass
@@ -125,32 +126,39 @@ async def run_port_forward(
     out = out or sys.stdout
     log = get_logger("port-forward")
     tls = pf.tls.reloading(log=log) if isinstance(pf.tls, TLSFiles) else pf.tls
-    async with open_shared_tunnel(
-        pf.proxy,
-        tls,
-        server_hostname=pf.server_name,
-        connect_timeout=pf.connect_timeout,
-        on_connected=lambda tunnel: _log_connected(log, shared, tunnel),
-    ) as shared:
-        await shared.tunnel()
-        listeners = await trio.open_tcp_listeners(pf.listen_port, host=pf.listen_host)
-        bound = [listener.socket.getsockname()[:2] for listener in listeners]
-        for address in bound:
-            print(
-                f"Forwarding from {_format_sockaddr(address)} -> {pf.cluster}/{pf.target}",
-                file=out,
-                flush=True,
-            )
-        counter = [0]
+    with contextlib.ExitStack() as stack:
+        # Open before the Forwarding line: a signal sent as soon as it shows must stop us cleanly
+        # (exit status 0), not kill us; one that arrives during the first dial waits for its end.
+        signals = (
+            stack.enter_context(trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM))
+            if stop_on_signals
+            else None
+        )
+        async with open_shared_tunnel(
+            pf.proxy,
+            tls,
+            server_hostname=pf.server_name,
+            connect_timeout=pf.connect_timeout,
+            on_connected=lambda tunnel: _log_connected(log, shared, tunnel),
+        ) as shared:
+            await shared.tunnel()
+            listeners = await trio.open_tcp_listeners(pf.listen_port, host=pf.listen_host)
+            bound = [listener.socket.getsockname()[:2] for listener in listeners]
+            for address in bound:
+                print(
+                    f"Forwarding from {_format_sockaddr(address)} -> {pf.cluster}/{pf.target}",
+                    file=out,
+                    flush=True,
+                )
+            counter = [0]
 
-        async def handle(local: trio.SocketStream) -> None:
-            await _handle(pf, shared, local, log, counter)
+            async def handle(local: trio.SocketStream) -> None:
+                await _handle(pf, shared, local, log, counter)
 
-        async with trio.open_nursery() as nursery:
-            await nursery.start(trio.serve_listeners, handle, listeners)
-            task_status.started([(h, p) for h, p in bound])
-            if stop_on_signals:
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(trio.serve_listeners, handle, listeners)
+                task_status.started([(h, p) for h, p in bound])
+                if signals is not None:
                     async for signum in signals:
                         log.info("stopping", signal=signal.Signals(signum).name)
                         nursery.cancel_scope.cancel()
