@@ -18,7 +18,6 @@ import socket
 import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import partial
 
 import pytest
 import trio
@@ -36,6 +35,12 @@ from clusterproxy_protocol.errors import (
     MalformedTarget,
     TargetUnreachable,
 )
+from tests.support.targets import serve_echo
+
+
+def dials(agent: Agent, result: str) -> float | None:
+    return agent.metrics.registry.get_sample_value("cluster_proxy_agent_dials_total", {"result": result})
+
 
 LOOPBACK_ONLY = EgressPolicy.build(["127.0.0.0/8"])
 
@@ -69,23 +74,6 @@ async def hub_side(agent: Agent) -> AsyncIterator[Mux]:
         async with open_mux(left, Role.OPENER) as opener:
             yield opener
         nursery.cancel_scope.cancel()
-
-
-async def serve_echo(nursery: trio.Nursery) -> int:
-    """A TCP echo target on 127.0.0.1 that echoes until EOF, then half-closes."""
-
-    async def echo(stream: trio.SocketStream) -> None:
-        try:
-            while data := await stream.receive_some(1 << 16):
-                await stream.send_all(data)
-            await stream.send_eof()
-        except trio.BrokenResourceError:
-            pass
-        finally:
-            await stream.aclose()
-
-    listeners = await nursery.start(partial(trio.serve_tcp, echo, 0, host="127.0.0.1"))
-    return listeners[0].socket.getsockname()[1]
 
 
 async def round_trip(stream: trio.abc.HalfCloseableStream, size: int) -> None:
@@ -150,26 +138,26 @@ class Blackhole:
 
 
 async def test_connect_round_trips_data_with_half_close(nursery: trio.Nursery) -> None:
-    port = await serve_echo(nursery)
+    port = (await serve_echo(nursery)).port
     agent = make_agent()
     async with hub_side(agent) as hub:
         stream = await hub.open_connect(f"127.0.0.1:{port}")
-        assert agent.metrics.open_streams._value.get() == 1
+        assert agent.metrics.registry.get_sample_value("cluster_proxy_agent_open_streams") == 1
         await round_trip(stream, 3 * 1024 * 1024 + 17)
         with trio.fail_after(5):
             await hub.wait_idle()
-    assert agent.metrics.dials.labels("ok")._value.get() == 1
+    assert dials(agent, "ok") == 1
     assert agent.metrics.registry.get_sample_value("cluster_proxy_agent_bytes_in_total") >= 3 * 1024 * 1024
     assert agent.metrics.registry.get_sample_value("cluster_proxy_agent_bytes_out_total") >= 3 * 1024 * 1024
 
 
 async def test_many_concurrent_streams(nursery: trio.Nursery) -> None:
-    port = await serve_echo(nursery)
+    port = (await serve_echo(nursery)).port
     agent = make_agent()
     async with hub_side(agent) as hub, trio.open_nursery() as streams:
         for _ in range(20):
             streams.start_soon(_one, hub, port)
-    assert agent.metrics.dials.labels("ok")._value.get() == 20
+    assert dials(agent, "ok") == 20
 
 
 async def _one(hub: Mux, port: int) -> None:
@@ -187,7 +175,7 @@ async def test_metadata_address_is_forbidden_with_the_rule_named() -> None:
     assert info.value.status == 403
     assert "169.254.169.254:80" in info.value.reason
     assert "built-in rule link-local 169.254.0.0/16" in info.value.reason
-    assert agent.metrics.dials.labels("forbidden")._value.get() == 1
+    assert dials(agent, "forbidden") == 1
 
 
 async def test_name_resolving_to_metadata_is_forbidden() -> None:
@@ -207,7 +195,7 @@ async def test_name_resolving_to_metadata_is_forbidden() -> None:
 
 
 async def test_target_outside_allow_rules_is_forbidden_without_dialling(nursery: trio.Nursery) -> None:
-    port = await serve_echo(nursery)
+    port = (await serve_echo(nursery)).port
     agent = make_agent(EgressPolicy.build([f"127.0.0.1:{port + 1}"]))
     async with hub_side(agent) as hub:
         with pytest.raises(Forbidden) as info:
@@ -227,7 +215,7 @@ async def test_closed_port_is_502_with_the_os_error() -> None:
     assert info.value.status == 502
     assert f"127.0.0.1:{port}" in info.value.reason
     assert "Connection refused" in info.value.reason
-    assert agent.metrics.dials.labels("refused")._value.get() == 1
+    assert dials(agent, "refused") == 1
 
 
 async def test_unresolvable_name_is_502() -> None:
@@ -252,7 +240,7 @@ async def test_blackholed_target_is_504_after_the_dial_timeout() -> None:
     assert info.value.status == 504
     assert info.value.reason == f"dial to 127.0.0.1:{hole.port} timed out after 0.5s (connecting)"
     assert 0.5 <= elapsed < 3
-    assert agent.metrics.dials.labels("timeout")._value.get() == 1
+    assert dials(agent, "timeout") == 1
 
 
 async def test_slow_resolver_counts_against_the_dial_timeout() -> None:
@@ -271,7 +259,7 @@ async def test_slow_resolver_counts_against_the_dial_timeout() -> None:
 
 
 async def test_bare_cluster_name_reaches_the_kube_apiserver(nursery: trio.Nursery) -> None:
-    port = await serve_echo(nursery)
+    port = (await serve_echo(nursery)).port
     # No --allow: the default allow rules, which include the configured kube-apiserver.
     policy = EgressPolicy.build(kube_apiserver=("127.0.0.1", port))
     agent = make_agent(policy, kube_apiserver=("127.0.0.1", port))
@@ -325,11 +313,11 @@ async def test_malformed_target_is_400(authority: str) -> None:
         with pytest.raises(MalformedTarget) as info:
             await hub.open_connect(authority)
     assert info.value.status == 400
-    assert agent.metrics.dials.labels("bad_target")._value.get() == 1
+    assert dials(agent, "bad_target") == 1
 
 
 async def test_a_failing_stream_does_not_take_the_tunnel_down(nursery: trio.Nursery) -> None:
-    port = await serve_echo(nursery)
+    port = (await serve_echo(nursery)).port
 
     async def broken_connector(addresses, port):
         raise RuntimeError("bug in a dialer")
@@ -346,7 +334,7 @@ async def test_a_failing_stream_does_not_take_the_tunnel_down(nursery: trio.Nurs
 
 
 async def test_drain_lets_open_streams_finish(nursery: trio.Nursery) -> None:
-    port = await serve_echo(nursery)
+    port = (await serve_echo(nursery)).port
     agent = make_agent()
     async with hub_side(agent) as hub:
         stream = await hub.open_connect(f"127.0.0.1:{port}")
@@ -363,7 +351,7 @@ async def test_drain_lets_open_streams_finish(nursery: trio.Nursery) -> None:
 async def test_hub_giving_up_during_the_dial_closes_the_target(nursery: trio.Nursery) -> None:
     """The hub drops its pending CONNECT while the agent dials: the late target connection is closed
     again (the relay sees the hub's end of stream) and the tunnel lives on."""
-    port = await serve_echo(nursery)
+    port = (await serve_echo(nursery)).port
     dialling = trio.Event()
     release = trio.Event()
     connected: list[trio.SocketStream] = []
@@ -386,7 +374,7 @@ async def test_hub_giving_up_during_the_dial_closes_the_target(nursery: trio.Nur
         release.set()
         with trio.fail_after(5):
             await agent.wait_idle()
-            while agent.metrics.open_streams._value.get():
+            while agent.metrics.registry.get_sample_value("cluster_proxy_agent_open_streams"):
                 await trio.sleep(0.01)
         assert len(connected) == 1
         with pytest.raises(trio.ClosedResourceError):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable
 from functools import partial
 
 import pytest
@@ -24,6 +23,8 @@ from clusterproxy_protocol.driver import Mux, open_mux
 from clusterproxy_protocol.errors import describe_exception
 from clusterproxy_protocol.pki import DevCA, PemPair
 from clusterproxy_protocol.tls import server_context
+from tests.support.targets import serve_echo
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -103,26 +104,6 @@ async def admin_get(address: str, path: str) -> tuple[int, str]:
     return int(head.split()[1]), body.decode()
 
 
-async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    with trio.fail_after(timeout):
-        while not condition():
-            await trio.sleep(0.01)
-
-
-async def serve_echo(nursery: trio.Nursery) -> int:
-    async def echo(stream: trio.SocketStream) -> None:
-        async with stream:
-            try:
-                while data := await stream.receive_some():
-                    await stream.send_all(data)
-                await stream.send_eof()
-            except trio.BrokenResourceError:
-                pass
-
-    listeners = await nursery.start(partial(trio.serve_tcp, echo, 0, host="127.0.0.1"))
-    return listeners[0].socket.getsockname()[1]
-
-
 async def echo_once(mux: Mux, port: int, payload: bytes) -> bytes:
     stream = await mux.open_connect(f"127.0.0.1:{port}")
     async with stream:
@@ -140,7 +121,7 @@ def metric(service: Service, name: str, **labels: str) -> float | None:
 
 async def test_connects_identifies_relays_reconnects_and_drains(tunnel_pki, nursery: trio.Nursery) -> None:
     hub = await Hub(tunnel_pki).start(nursery)
-    echo_port = await serve_echo(nursery)
+    echo_port = (await serve_echo(nursery)).port
     service = Service(agent_settings(tunnel_pki, hub.port))
     done = trio.Event()
 
@@ -198,7 +179,7 @@ async def test_connects_identifies_relays_reconnects_and_drains(tunnel_pki, nurs
 
 async def test_drain_timeout_cuts_streams_that_do_not_finish(tunnel_pki, nursery: trio.Nursery) -> None:
     hub = await Hub(tunnel_pki).start(nursery)
-    echo_port = await serve_echo(nursery)
+    echo_port = (await serve_echo(nursery)).port
     service = Service(agent_settings(tunnel_pki, hub.port, drain_timeout=0.3))
     done = trio.Event()
 
@@ -264,7 +245,7 @@ async def test_backoff_grows_and_resets_after_a_stable_tunnel(autojump_clock: tr
         gaps = [round(b - a, 3) for a, b in itertools.pairwise(attempts)]
         assert gaps == [1.0, 2.0, 4.0, 8.0, 8.0]
         assert agent.last_error == "Connection refused"
-        assert agent.metrics.tunnel_reconnects._value.get() == 5
+        assert agent.metrics.registry.get_sample_value("cluster_proxy_agent_tunnel_reconnects_total") == 5
 
         fail = False
         await wait_until(lambda: agent.connected == 1, timeout=100)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,8 @@ from clusterproxy_sdk import Forbidden, open_tunnel
 from clusterproxy_server.app import ProxyServer, ServerConfig
 from tests.support.clients import h1_connect
 from tests.support.pki import PkiFiles
+from tests.support.targets import serve_echo
+from tests.support.waiting import wait_until
 
 POLICY = {
     "rules": [
@@ -55,26 +56,6 @@ class Clients:
         return client_context(pair.cert, pair.key, self.ca, alpn=alpn)
 
 
-async def serve_echo(nursery: trio.Nursery) -> int:
-    async def echo(stream: trio.SocketStream) -> None:
-        async with stream:
-            try:
-                while data := await stream.receive_some():
-                    await stream.send_all(data)
-                await stream.send_eof()
-            except trio.BrokenResourceError:
-                pass
-
-    listeners = await nursery.start(partial(trio.serve_tcp, echo, 0, host="127.0.0.1"))
-    return listeners[0].socket.getsockname()[1]
-
-
-async def wait_until(condition, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    with trio.fail_after(timeout):
-        while not condition():
-            await trio.sleep(0.02)
-
-
 async def start_hub(
     nursery: trio.Nursery, pki: PkiFiles, policy: Path | None
 ) -> tuple[ProxyServer, int, int]:
@@ -105,7 +86,7 @@ async def start_hub(
         )
         await nursery.start(Service(settings).run)
     await wait_until(lambda: server.registry.tunnels("cluster1") and server.registry.tunnels("cluster2"))
-    echo = await serve_echo(nursery)
+    echo = (await serve_echo(nursery)).port
     return server, bound.client[1], echo
 
 

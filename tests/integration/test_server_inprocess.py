@@ -21,6 +21,8 @@ from clusterproxy_sdk import TLSFiles, open_tunnel
 from clusterproxy_server.app import ProxyServer, ServerConfig
 from tests.support.clients import client_context, h1_connect
 from tests.support.pki import PkiFiles
+from tests.support.targets import serve_echo
+from tests.support.waiting import wait_until
 
 
 async def start_server(nursery: trio.Nursery, pki: PkiFiles, **overrides) -> tuple[ProxyServer, object]:
@@ -68,31 +70,11 @@ async def run_wire_agent(
         await mux.closed.wait()
 
 
-async def echo_target(nursery: trio.Nursery) -> int:
-    async def echo(stream: trio.SocketStream) -> None:
-        async with stream:
-            try:
-                while data := await stream.receive_some():
-                    await stream.send_all(data)
-            except trio.BrokenResourceError:
-                pass  # the client side was aborted (RST): nothing to echo any more
-
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    await nursery.start(trio.serve_listeners, echo, listeners)
-    return listeners[0].socket.getsockname()[1]
-
-
-async def wait_for(condition, timeout: float = 10.0) -> None:
-    with trio.fail_after(timeout):
-        while not condition():
-            await trio.sleep(0.01)
-
-
 async def test_both_frontends_reach_a_target_through_an_agent(nursery: trio.Nursery, pki: PkiFiles) -> None:
     server, bound = await start_server(nursery, pki)
-    echo_port = await echo_target(nursery)
+    echo_port = (await serve_echo(nursery)).port
     nursery.start_soon(run_wire_agent, bound.agent[1], pki, "cluster1", "agent-a")
-    await wait_for(lambda: server.registry.tunnels("cluster1"))
+    await wait_until(lambda: server.registry.tunnels("cluster1"))
 
     payload = bytes(range(256)) * 1000
     async with open_tunnel(
@@ -146,10 +128,10 @@ async def test_agent_whose_certificate_names_another_cluster_is_refused(
 
 async def test_streams_go_to_the_least_loaded_tunnel(nursery: trio.Nursery, pki: PkiFiles) -> None:
     server, bound = await start_server(nursery, pki)
-    echo_port = await echo_target(nursery)
+    echo_port = (await serve_echo(nursery)).port
     nursery.start_soon(run_wire_agent, bound.agent[1], pki, "cluster1", "agent-a")
     nursery.start_soon(run_wire_agent, bound.agent[1], pki, "cluster1", "agent-b")
-    await wait_for(lambda: len(server.registry.tunnels("cluster1")) == 2)
+    await wait_until(lambda: len(server.registry.tunnels("cluster1")) == 2)
     async with open_tunnel(
         f"127.0.0.1:{bound.client[1]}",
         TLSFiles(pki.ca, pki.client.cert, pki.client.key),
@@ -164,9 +146,9 @@ async def test_streams_go_to_the_least_loaded_tunnel(nursery: trio.Nursery, pki:
 
 async def test_client_connection_closing_ends_its_open_streams(nursery: trio.Nursery, pki: PkiFiles) -> None:
     server, bound = await start_server(nursery, pki)
-    echo_port = await echo_target(nursery)
+    echo_port = (await serve_echo(nursery)).port
     nursery.start_soon(run_wire_agent, bound.agent[1], pki, "cluster1", "agent-a")
-    await wait_for(lambda: server.registry.tunnels("cluster1"))
+    await wait_until(lambda: server.registry.tunnels("cluster1"))
     for _ in range(3):
         async with open_tunnel(
             f"127.0.0.1:{bound.client[1]}",
@@ -177,17 +159,17 @@ async def test_client_connection_closing_ends_its_open_streams(nursery: trio.Nur
             await stream.send_all(b"ping")
             assert await stream.receive_some() == b"ping"
         # leaving the block with the stream still open
-    await wait_for(lambda: server.open_relays == 0)
+    await wait_until(lambda: server.open_relays == 0)
     tunnel = server.registry.tunnels("cluster1")[0]
-    await wait_for(lambda: tunnel.mux.open_streams == 0)
+    await wait_until(lambda: tunnel.mux.open_streams == 0)
 
 
 async def test_http1_connect_is_served_when_alpn_chose_h2(nursery: trio.Nursery, pki: PkiFiles) -> None:
     """Go's transport (kubectl's ``proxy-url``) offers ALPN h2 to the proxy, then speaks HTTP/1.1."""
     server, bound = await start_server(nursery, pki)
-    echo_port = await echo_target(nursery)
+    echo_port = (await serve_echo(nursery)).port
     nursery.start_soon(run_wire_agent, bound.agent[1], pki, "cluster1", "agent-a")
-    await wait_for(lambda: server.registry.tunnels("cluster1"))
+    await wait_until(lambda: server.registry.tunnels("cluster1"))
 
     reply = await h1_connect(
         bound.client[1],
@@ -210,9 +192,9 @@ async def test_http2_prior_knowledge_is_served_when_alpn_chose_http1(
     nursery: trio.Nursery, pki: PkiFiles
 ) -> None:
     server, bound = await start_server(nursery, pki)
-    echo_port = await echo_target(nursery)
+    echo_port = (await serve_echo(nursery)).port
     nursery.start_soon(run_wire_agent, bound.agent[1], pki, "cluster1", "agent-a")
-    await wait_for(lambda: server.registry.tunnels("cluster1"))
+    await wait_until(lambda: server.registry.tunnels("cluster1"))
 
     context = client_context(pki, alpn=["http/1.1"])
     tcp = await trio.open_tcp_stream("127.0.0.1", bound.client[1])

@@ -104,6 +104,17 @@ async def _digest(stream: trio.SocketStream, target: Target) -> None:
         inner.start_soon(receive)
 
 
+async def _echo(stream: trio.SocketStream, target: Target) -> None:
+    while data := await stream.receive_some(CHUNK):
+        await stream.send_all(data)
+    await stream.send_eof()
+
+
+async def serve_echo(nursery: trio.Nursery) -> Target:
+    """Echoes every byte until EOF, then half-closes."""
+    return await serve(nursery, _echo)
+
+
 async def serve_digest(nursery: trio.Nursery) -> Target:
     return await serve(nursery, _digest)
 
