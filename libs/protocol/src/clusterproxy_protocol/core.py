@@ -30,41 +30,10 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
-import hyperframe.frame
 
 from clusterproxy_protocol import events as ev
 from clusterproxy_protocol.errors import REASON_HEADER, clean_reason
-
-
-def _cheap_data_frame_repr(frame: hyperframe.frame.DataFrame) -> str:
-    # hyperframe's DataFrame repr serializes and hexlifies the whole body to show its first 10 bytes,
-    # and h2 builds that repr for every received frame even with logging off: ~20 % of a receiver's CPU
-    # in a bulk transfer (py-spy). Same text for unpadded frames, from the first 11 bytes only.
-    return hyperframe.frame._raw_data_repr(frame.data[:11])
-
-
-hyperframe.frame.DataFrame._body_repr = _cheap_data_frame_repr  # type: ignore[method-assign]
-
-
-class _H2Connection(h2.connection.H2Connection):
-    """h2 counts open streams, for every new stream, by walking all of them (dropping closed ones as it
-    goes): O(n) per stream, so 10k streams cost O(n^2) (15 % of the server's CPU at 3k streams, py-spy).
-
-    Here the count is exact only when it could matter: the number of known streams is an upper bound,
-    and while it is below every stream limit it is returned as is. Closed streams are swept once the
-    table has doubled since the last sweep, which keeps the cost amortized O(1)."""
-
-    _swept_size = 0
-
-    def _open_streams(self, remainder: int) -> int:
-        bound = len(self.streams)
-        limit = min(self.local_settings.max_concurrent_streams, self.remote_settings.max_concurrent_streams)
-        if bound < limit and bound < 2 * self._swept_size + 64:
-            return bound
-        count = super()._open_streams(remainder)
-        self._swept_size = len(self.streams)
-        return count
-
+from clusterproxy_protocol.workarounds import LazyCountingH2Connection
 
 CANCEL = h2.errors.ErrorCodes.CANCEL
 NO_ERROR = h2.errors.ErrorCodes.NO_ERROR
@@ -118,7 +87,7 @@ class TunnelCore:
         self.role = role
         self.settings = settings or TunnelSettings()
         config = h2.config.H2Configuration(client_side=role is Role.OPENER, header_encoding="utf-8")
-        self._conn = _H2Connection(config=config)
+        self._conn = LazyCountingH2Connection(config=config)
         self._streams: dict[int, StreamState] = {}
         self._conn_unacked = 0
         self._pending_out = 0

@@ -12,14 +12,16 @@ import ssl
 
 import trio
 
+from clusterproxy_protocol.workarounds import ssl_object_of
+
 
 async def receive_batch(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes | bytearray:
     data = await stream.receive_some(max_bytes)
     if not data or not isinstance(stream, trio.SSLStream):
         return data
-    # trio keeps its SSLObject private; reading from it here is safe because we are the stream's only
-    # reader and we never touch the socket: records already in its buffer are all we take.
-    ssl_object: ssl.SSLObject = stream._ssl_object  # type: ignore[attr-defined]
+    # Reading from trio's SSLObject here is safe because we are the stream's only reader and we never
+    # touch the socket: records already in its buffer are all we take.
+    ssl_object = ssl_object_of(stream)
     parts = [data]
     total = len(data)
     while total < max_bytes:

@@ -1,0 +1,149 @@
+"""The third-party internals the tunnel relies on for speed are there, with the shape it relies on, in
+the installed (pinned) versions; a change fails loudly, naming the library, version and attribute."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import ssl
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+
+import h2.connection
+import hyperframe.frame
+import pytest
+import trio
+import trio.testing
+
+from clusterproxy_protocol import workarounds
+from clusterproxy_protocol.core import Role, TunnelCore
+from clusterproxy_protocol.workarounds import InternalChanged
+
+CHECKS: dict[str, Callable[[], None]] = {
+    "hyperframe": workarounds.check_hyperframe_body_repr,
+    "h2": workarounds.check_h2_open_streams,
+    "trio": workarounds.check_trio_ssl_object,
+}
+
+
+@pytest.mark.parametrize("library", CHECKS)
+def test_the_installed_version_has_the_internal_with_the_expected_shape(library: str) -> None:
+    # When this fails after a version bump, the message names what moved: adapt the workaround (or
+    # drop it, if the library fixed the slowness) before raising the bound in libs/protocol/pyproject.toml.
+    CHECKS[library]()
+
+
+@pytest.fixture
+def h2_check_not_cached() -> Iterator[None]:
+    workarounds._check_h2_open_streams_once.cache_clear()
+    yield
+    workarounds._check_h2_open_streams_once.cache_clear()
+
+
+@pytest.fixture
+def hyperframe_unpatched() -> Iterator[None]:
+    """Run with hyperframe as shipped, and leave it as the test found it."""
+    data_frame = hyperframe.frame.DataFrame
+    found = data_frame.__dict__.get("_body_repr")
+    if found is not None:
+        del data_frame._body_repr
+    yield
+    if "_body_repr" in data_frame.__dict__:
+        del data_frame._body_repr
+    if found is not None:
+        data_frame._body_repr = found  # type: ignore[method-assign]
+
+
+def _assert_names(error: InternalChanged, library: str, attribute: str) -> None:
+    text = str(error)
+    assert error.library == library and error.attribute == attribute
+    assert f"{library} {importlib.metadata.version(library)}: {attribute}" in text
+    assert f"declares {library}<" in text  # the range this package was checked with
+
+
+def test_a_missing_h2_internal_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch, h2_check_not_cached: None
+) -> None:
+    monkeypatch.delattr(h2.connection.H2Connection, "_open_streams")
+    with pytest.raises(InternalChanged) as info:
+        workarounds.check_h2_open_streams()
+    _assert_names(info.value, "h2", "H2Connection._open_streams")
+    with pytest.raises(InternalChanged):
+        TunnelCore(Role.OPENER)  # at use: the first connection made
+
+
+def test_an_h2_internal_of_another_shape_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(h2.connection.H2Connection, "_open_streams", lambda self: 0)
+    with pytest.raises(InternalChanged) as info:
+        workarounds.check_h2_open_streams()
+    _assert_names(info.value, "h2", "H2Connection._open_streams")
+
+
+def test_h2_counting_streams_another_way_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(h2.connection.H2Connection, "open_outbound_streams", property(lambda self: 0))
+    with pytest.raises(InternalChanged) as info:
+        workarounds.check_h2_open_streams()
+    _assert_names(info.value, "h2", "H2Connection.open_outbound_streams")
+
+
+def test_hyperframe_showing_another_text_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch, hyperframe_unpatched: None
+) -> None:
+    monkeypatch.setattr(
+        hyperframe.frame.Frame, "_body_repr", lambda self: f"length={len(self.serialize_body())}"
+    )
+    with pytest.raises(InternalChanged) as info:
+        workarounds.apply()
+    _assert_names(info.value, "hyperframe", "Frame._body_repr")
+    assert "_body_repr" not in hyperframe.frame.DataFrame.__dict__  # nothing patched
+
+
+def test_hyperframe_without_the_helper_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch, hyperframe_unpatched: None
+) -> None:
+    monkeypatch.delattr(hyperframe.frame, "_raw_data_repr")
+    with pytest.raises(InternalChanged) as info:
+        workarounds.check_hyperframe_body_repr()
+    _assert_names(info.value, "hyperframe", "frame._raw_data_repr")
+
+
+async def test_a_tls_stream_without_its_ssl_object_fails_loudly() -> None:
+    left, _ = trio.testing.memory_stream_pair()
+    stream = trio.SSLStream(left, ssl.create_default_context(), server_hostname="x")
+    assert isinstance(workarounds.ssl_object_of(stream), ssl.SSLObject)
+    stream._ssl_object = None  # type: ignore[attr-defined]  # as if trio renamed it
+    with pytest.raises(InternalChanged) as info:
+        workarounds.ssl_object_of(stream)
+    _assert_names(info.value, "trio", "SSLStream._ssl_object")
+
+
+@pytest.mark.parametrize("size", [0, 1, 5, 10, 11, 12, 100, 16384])
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_cheap_data_frame_repr_is_hyperframes_text(
+    size: int, padded: bool, hyperframe_unpatched: None
+) -> None:
+    options = {"flags": ["PADDED"], "pad_length": 7} if padded else {}
+    data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    expected = repr(hyperframe.frame.DataFrame(3, data, **options))
+    workarounds.apply()
+    assert repr(hyperframe.frame.DataFrame(3, data, **options)) == expected
+    assert repr(hyperframe.frame.DataFrame(3, memoryview(data), **options)) == expected
+
+
+def test_apply_patches_only_the_data_frame_and_is_idempotent(hyperframe_unpatched: None) -> None:
+    frame_body_repr = hyperframe.frame.Frame.__dict__["_body_repr"]
+    headers_body_repr = hyperframe.frame.HeadersFrame.__dict__["_body_repr"]
+    workarounds.apply()
+    patched = hyperframe.frame.DataFrame.__dict__["_body_repr"]
+    workarounds.apply()
+    assert hyperframe.frame.DataFrame.__dict__["_body_repr"] is patched
+    assert hyperframe.frame.Frame.__dict__["_body_repr"] is frame_body_repr
+    assert hyperframe.frame.HeadersFrame.__dict__["_body_repr"] is headers_body_repr
+
+
+def test_importing_the_protocol_patches_nothing() -> None:
+    program = (
+        "import clusterproxy_protocol.driver, clusterproxy_protocol.relay, hyperframe.frame\n"
+        "assert '_body_repr' not in hyperframe.frame.DataFrame.__dict__\n"
+    )
+    subprocess.run([sys.executable, "-c", program], check=True)
