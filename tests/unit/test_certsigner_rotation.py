@@ -194,13 +194,31 @@ def test_a_party_that_lost_its_renewal_answer_renews_again_and_unblocks_retire(
 def test_the_signers_own_certificate_on_the_previous_ca_holds_back_retire(
     core: SignerCore, now: dt.datetime
 ) -> None:
-    core.issue_self(certclient.generate_key().public_key(), "cert-signer", ("localhost",))
-    _activated(core, now)
+    """The signer is a party too: activate waits until its context trusts the new CA, retire until
+    it serves with a certificate of the new CA (it reports both at each store poll)."""
+
+    def signer_reports(serial: str) -> None:
+        cert = x509.load_pem_x509_certificate(core.store.get_issued(serial).cert_pem.encode())
+        core.trust_bundle(cert, tuple(core.store.read_authorities().bundle_fingerprints()), (serial,))
+
+    own = core.issue_self(certclient.generate_key().public_key(), "cert-signer", ("localhost",)).record
+    signer_reports(own.serial)
+    start_rotation(core.store, now=now)
+    with pytest.raises(RotationBlocked) as info:
+        activate_pending(core.store, now=now)
+    assert "the signer has not loaded the new CA" in info.value.reasons[own.serial]
+    signer_reports(own.serial)  # its next store poll
+    activate_pending(core.store, now=now)
     with pytest.raises(RotationBlocked) as info:
         retire_previous(core.store, now=now)
-    assert "the signer" in next(iter(info.value.reasons.values()))
-    core.clock = lambda: now + dt.timedelta(seconds=5)  # its next store poll
-    core.issue_self(certclient.generate_key().public_key(), "cert-signer", ("localhost",))
+    assert "the signer" in info.value.reasons[own.serial]
+    assert "server:cert-signer" in status(core.store, now=now)["next_step"]
+    renewed = core.issue_self(  # its next store poll re-issues it...
+        certclient.generate_key().public_key(), "cert-signer", ("localhost",), predecessor=own.serial
+    ).record
+    with pytest.raises(RotationBlocked):  # ...which counts once it serves with it
+        retire_previous(core.store, now=now)
+    signer_reports(renewed.serial)
     retire_previous(core.store, now=now)
 
 

@@ -191,10 +191,9 @@ def format_status(data: dict[str, Any]) -> str:
                 row = (*row, "NO" if p["waiting_for"] else "yes")
             rows.append(row)
         lines += _table(rows)
-        waiting = [p for p in parties if p["waiting_for"]]
-        if waiting:
-            lines += ["", "waiting for:"]
-            lines += [f"  {p['identity']}: {p['waiting_for']}" for p in waiting]
+    if data["waiting_for"]:
+        lines += ["", "waiting for:"]
+        lines += [f"  {w['identity']} ({w['serial'][:12]}): {w['reason']}" for w in data["waiting_for"]]
     t = data["tokens"]
     lines += ["", f"bootstrap tokens: {t['unused']} unused, {t['used']} used, {t['expired']} expired"]
     lines += [f"WARNING: {w}" for w in data["warnings"]]

@@ -304,11 +304,18 @@ class SignerCore:
 
     # -- the signer's own certificate and housekeeping ---------------------------------------------------
 
-    def issue_self(self, public_key: object, name: str, hosts: Sequence[str]) -> IssueResult:
-        """The signer's own serving certificate (recorded, but not a party of rotations)."""
+    def issue_self(
+        self, public_key: object, name: str, hosts: Sequence[str], *, predecessor: str | None = None
+    ) -> IssueResult:
+        """The signer's own serving certificate, replacing ``predecessor`` (the serial of the one it
+        served with until now, if any). Not a party of ``status``; ``retire`` waits for it to be
+        from the active CA."""
         identity = Identity(kind="server", name=name, hosts=tuple(hosts))
-        issued, bundle = self._issue(identity, public_key, self.clock(), via="self")
+        issued, bundle = self._issue(identity, public_key, self.clock(), via="self", predecessor=predecessor)
         self.store.put_issued(issued)
+        if predecessor is not None:
+            with contextlib.suppress(NotFound):
+                self.store.update_issued(predecessor, lambda r: replace(r, successor=issued.serial))
         return IssueResult(issued, bundle)
 
     def prune(self) -> int:

@@ -105,6 +105,12 @@ def live_parties(store: CertStore, now: dt.datetime) -> list[IssuedRecord]:
     return [r for r in store.list_issued() if r.live(now) and r.via != "self"]
 
 
+def signer_certificates(store: CertStore, now: dt.datetime) -> list[IssuedRecord]:
+    """The certificates the signer serves with (one per signer process; each replaces the one before):
+    it reports what its TLS context trusts and presents like any party, at every store poll."""
+    return [r for r in store.list_issued() if r.live(now) and r.via == "self"]
+
+
 def _write(store: CertStore, current: Authorities, records: list[AuthorityRecord], **kw: Any) -> Authorities:
     try:
         return store.write_authorities(records, expected_version=current.version, **kw)
@@ -132,11 +138,24 @@ def start_rotation(store: CertStore, *, now: dt.datetime, days: int = DEFAULT_CA
     return record
 
 
-def activate_blockers(store: CertStore, current: Authorities, now: dt.datetime) -> list[IssuedRecord]:
+def activate_blockers(
+    store: CertStore, current: Authorities, now: dt.datetime
+) -> list[tuple[IssuedRecord, str]]:
+    """Every live party (and signer) whose TLS contexts do not trust the pending CA yet, with why."""
     pending = current.pending
     assert pending is not None
     fp = pending.fingerprint
-    return [p for p in live_parties(store, now) if p.trusted is None or fp not in p.trusted]
+    found = [
+        (p, "it has not reported what it trusts" if p.trusted is None else "it does not trust the new CA yet")
+        for p in live_parties(store, now)
+        if p.trusted is None or fp not in p.trusted
+    ]
+    found += [
+        (r, "the signer has not loaded the new CA yet (it does within --store-poll)")
+        for r in signer_certificates(store, now)
+        if r.trusted is None or fp not in r.trusted
+    ]
+    return found
 
 
 def activate_pending(store: CertStore, *, now: dt.datetime, force: bool = False) -> AuthorityRecord:
@@ -151,7 +170,8 @@ def activate_pending(store: CertStore, *, now: dt.datetime, force: bool = False)
             f"{len(blockers)} part{'y does' if len(blockers) == 1 else 'ies do'} not trust the new CA "
             f"{pending.id} yet; wait for their trust refresh (see status), or use --force to accept "
             "that they fail to verify peers with new certificates",
-            blockers,
+            [p for p, _ in blockers],
+            {p.serial: reason for p, reason in blockers},
         )
     records = []
     for r in current.records:
@@ -199,20 +219,6 @@ def _seen(record: IssuedRecord) -> str:
     return "" if record.seen_at is None else f" ({format_time(record.seen_at)})"
 
 
-def _signer_blocker(store: CertStore, active: AuthorityRecord) -> tuple[IssuedRecord, str] | None:
-    """The signer's newest serving certificate, when it is not from the active CA yet."""
-    own = [r for r in store.list_issued() if r.via == "self"]
-    if not own:
-        return None
-    newest = max(own, key=lambda r: r.issued_at)
-    if newest.ca_id == active.id:
-        return None
-    return (
-        newest,
-        "the signer still serves with a certificate from the previous CA (it re-issues it within --store-poll)",
-    )
-
-
 def retire_blockers(
     store: CertStore, current: Authorities, now: dt.datetime
 ) -> list[tuple[IssuedRecord, str]]:
@@ -224,9 +230,10 @@ def retire_blockers(
         reason = _retire_blocker(p, previous, active, store, now)
         if reason is not None:
             found.append((p, reason))
-    signer = _signer_blocker(store, active)
-    if signer is not None:
-        found.append(signer)
+    for own in signer_certificates(store, now):
+        reason = _retire_blocker(own, previous, active, store, now)
+        if reason is not None:
+            found.append((own, f"the signer (it re-issues its certificate within --store-poll): {reason}"))
     return found
 
 
@@ -308,12 +315,17 @@ def _phase(current: Authorities) -> str:
     return "stable"
 
 
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
 def status(store: CertStore, *, now: dt.datetime) -> dict[str, Any]:
     """Everything an operator needs to judge the PKI and the next rotation step, as JSON-able data."""
     current = store.read_authorities()
     parties = live_parties(store, now)
     phase = _phase(current)
     warnings: list[str] = []
+    blockers: list[tuple[IssuedRecord, str]] = []
     waiting: dict[str, str] = {}
     ready = False
     if phase == "no-ca":
@@ -326,11 +338,13 @@ def status(store: CertStore, *, now: dt.datetime) -> dict[str, Any]:
             warnings.append(f"the active CA expires at {format_time(expires)}: start a rotation now")
     elif phase == "new-ca-pending":
         blockers = activate_blockers(store, current, now)
+        waiting = {p.serial: reason for p, reason in blockers}
         ready = not blockers
+        names = [p.identity.key for p, _ in blockers]
         next_step = (
             "every party trusts the new CA: run rotate-ca activate"
             if ready
-            else f"wait: {len(blockers)} of {len(parties)} parties do not trust the new CA yet"
+            else f"wait: {len(blockers)} parties do not trust the new CA yet ({_names(names)})"
         )
     else:
         blockers = retire_blockers(store, current, now)
@@ -340,9 +354,8 @@ def status(store: CertStore, *, now: dt.datetime) -> dict[str, Any]:
         next_step = (
             "every party presents a certificate of the new CA: run rotate-ca retire"
             if ready
-            else f"wait: {len(blockers)} of {len(parties)} parties do not present a certificate of the "
-            f"new CA yet ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}); parties renew "
-            "onto it soon after their next trust refresh"
+            else f"wait: {len(blockers)} parties do not present a certificate of the new CA yet "
+            f"({_names(names)}); parties renew onto it soon after their next trust refresh"
         )
     tokens = store.list_tokens()
     return {
@@ -368,6 +381,9 @@ def status(store: CertStore, *, now: dt.datetime) -> dict[str, Any]:
         "parties": [
             _party_json(p, current, store, waiting.get(p.serial))
             for p in sorted(parties, key=lambda p: p.identity.key)
+        ],
+        "waiting_for": [
+            {"identity": p.identity.key, "serial": p.serial, "reason": reason} for p, reason in blockers
         ],
         "tokens": {
             "unused": sum(1 for t in tokens if t.used_at is None and not t.expired(now)),

@@ -16,6 +16,7 @@ another process apply without a restart.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import time
@@ -102,6 +103,7 @@ class SignerService:
         self.tls = ReloadingContext.server(
             self.files.cert, self.files.key, self.files.ca, alpn=[certclient.ALPN], require_client_cert=False
         )
+        await self._in_thread(self._report_own)
         listeners = await trio.open_tcp_listeners(cfg.listen[1], host=cfg.listen[0] or None)
         sockname = listeners[0].socket.getsockname()
         bound = (str(sockname[0]), int(sockname[1]))
@@ -122,8 +124,17 @@ class SignerService:
 
     def _issue_own(self) -> None:
         self.config.tls_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        previous = self._own
+        if previous is None:  # a restart: the certificate the last run served with, if any
+            with contextlib.suppress(OSError, ValueError):
+                previous = x509.load_pem_x509_certificate(self.files.cert.read_bytes())
         key = certclient.generate_key()
-        result = self.core.issue_self(key.public_key(), SELF_NAME, self.config.tls_hosts)
+        result = self.core.issue_self(
+            key.public_key(),
+            SELF_NAME,
+            self.config.tls_hosts,
+            predecessor=None if previous is None else format(previous.serial_number, "x"),
+        )
         certclient.write_credentials(self.files, key, certclient.Issued.from_json(result.body()))
         self._own = x509.load_pem_x509_certificate(result.record.cert_pem.encode())
 
@@ -162,8 +173,17 @@ class SignerService:
             if await self._in_thread(self._refresh_tls) and self.tls is not None:
                 how = self.tls.reload()
                 self.log.info("signer_tls_reloaded", how=how, trusted=len(self.tls.trusted))
+            await self._in_thread(self._report_own)
         except Exception as exc:
             self.log.warning("signer_tls_refresh_failed", error=str(exc))
+
+    def _report_own(self) -> None:
+        """Record what our TLS context trusts and presents, as every party reports its own: a rotation
+        activates only once we trust the new CA and retires the old one once we present a new leaf."""
+        if self.tls is None or self._own is None:
+            return
+        presenting = self.tls.presenting
+        self.core.trust_bundle(self._own, self.tls.trusted, (presenting,) if presenting else ())
 
     # -- requests ----------------------------------------------------------------------------------------
 
