@@ -13,13 +13,23 @@ from cryptography import x509
 
 from clusterproxy_certsigner.cli_commands import rotate_ca
 from clusterproxy_certsigner.core import SignerCore
-from clusterproxy_certsigner.rotation import status
+from clusterproxy_certsigner.rotation import RotationBlocked, status
 from clusterproxy_certsigner.testing import EchoClient, RunningSigner, serve_tls_echo, start_signer
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy, renewal_time
 from clusterproxy_protocol.tls import client_context
+
+
+# hour-long leaves (only the rotation moves them); trust refreshes every 0.1 s need a bucket that
+# size, and the signer follows the store within 0.2 s
+ROTATION_SIGNER = {
+    "cert_ttl": dt.timedelta(hours=1),
+    "store_poll": 0.2,
+    "cert_burst": 100.0,
+    "cert_rate": 50.0,
+}
 
 
 def _files(directory: Path, bundle: Path) -> CertFiles:
@@ -110,7 +120,7 @@ async def _until(predicate, what: str, timeout: float = 20.0) -> None:
 
 
 async def test_full_ca_rotation_without_dropping_a_tunnel(nursery: trio.Nursery, tmp_path: Path) -> None:
-    signer = await start_signer(nursery, tmp_path / "signer", cert_ttl=dt.timedelta(hours=1))
+    signer = await start_signer(nursery, tmp_path / "signer", **ROTATION_SIGNER)
     store = signer.store
     old_ca = store.read_authorities().active
     assert old_ca is not None
@@ -144,19 +154,24 @@ async def test_full_ca_rotation_without_dropping_a_tunnel(nursery: trio.Nursery,
     assert new_ca.fingerprint in server_tls.trusted and new_ca.fingerprint in agent_tls.trusted
     assert await tunnel.echo(b"after step 1") == b"after step 1"
 
-    # step 2: sign with the new CA; the signer moves its own certificate; leaves move on renewal
+    # step 2: sign with the new CA; the signer moves its own certificate; every party sees the
+    # activation at its next trust refresh and renews early (its hour-long leaf is far from 80%)
+    assert all(r.renewals == 0 for r in renewers)
     assert "step 2/3" in rotate_ca(store, "activate")
     await signer.service.refresh()
-    for renewer in renewers:
-        await renewer.renew_once()
-    for files in (server, agent):
+    await _until(
+        lambda: status(store, now=dt.datetime.now(dt.UTC))["ready_for_next_step"],
+        "every party to present a leaf of the new CA",
+    )
+    assert [(r.renewals, r.early_renewals) for r in renewers] == [(1, 1), (1, 1)]
+    for files, ctx in ((server, server_tls), (agent, agent_tls)):
         leaf = x509.load_pem_x509_certificate(files.cert.read_bytes())
-        assert leaf.issuer == new_ca.cert.subject
+        assert leaf.issuer == new_ca.cert.subject and ctx.presenting == format(leaf.serial_number, "x")
     moved = await EchoClient.connect(port, agent_tls())
     assert moved.peer.issuer == new_ca.cert.subject
     assert await tunnel.echo(b"after step 2") == b"after step 2"
     st = status(store, now=dt.datetime.now(dt.UTC))
-    assert st["phase"] == "moving-leaves" and st["ready_for_next_step"]
+    assert st["phase"] == "moving-leaves" and all(p["presents_active_ca"] for p in st["parties"])
 
     # step 3: retire the old CA; bundles shrink, contexts are rebuilt; the old tunnel lives on
     assert "step 3/3" in rotate_ca(store, "retire")
@@ -190,6 +205,55 @@ async def test_full_ca_rotation_without_dropping_a_tunnel(nursery: trio.Nursery,
     assert bundle.fingerprints == (new_ca.fingerprint,)
     for client in (tunnel, moved, again):
         await client.aclose()
+
+
+async def test_a_context_that_did_not_load_the_new_leaf_holds_back_retire(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """What counts is what the contexts present, not what was written: a context still on the old
+    leaf is reported, holds back `retire`, and is reloaded at the next trust refresh."""
+    signer = await start_signer(nursery, tmp_path / "signer", **ROTATION_SIGNER)
+    store = signer.store
+    agent = await _agent_party(signer, tmp_path / "agent")
+    live = ReloadingContext.client(agent.cert, agent.key, agent.ca, alpn=[])
+    # a context that reads its own copy of the certificate and key: the renewer's writes do not
+    # reach it (its trust bundle is the party's)
+    copy = _files(tmp_path / "copy", agent.ca)
+    for name in ("cert", "key"):
+        getattr(copy, name).write_bytes(getattr(agent, name).read_bytes())
+    behind = ReloadingContext.client(copy.cert, copy.key, agent.ca, alpn=[])
+    old_serial = behind.presenting
+    assert old_serial == format(_serial(agent), "x")
+    renewer = CertRenewer(
+        signer.endpoint(agent.ca), agent, [live, behind], RenewalPolicy(jitter=0.0, trust_refresh=0.1)
+    )
+    await nursery.start(renewer.run)
+    rotate_ca(store, "start")
+    await _until(lambda: status(store, now=dt.datetime.now(dt.UTC))["ready_for_next_step"], "trust")
+    rotate_ca(store, "activate")
+    await _until(lambda: renewer.renewals == 1, "the early renewal")
+    new_serial = format(_serial(agent), "x")
+    assert renewer.presenting == (new_serial, old_serial)
+    await _until(
+        lambda: (
+            status(store, now=dt.datetime.now(dt.UTC))["parties"][0]["presenting"] is not None
+            and len(status(store, now=dt.datetime.now(dt.UTC))["parties"][0]["presenting"]) == 2
+        ),
+        "the report of both leaves",
+    )
+    (party,) = status(store, now=dt.datetime.now(dt.UTC))["parties"]
+    assert party["serial"] == new_serial and party["presents_active_ca"] is False
+    assert f"presents {old_serial[:12]}" in party["waiting_for"]
+    with pytest.raises(RotationBlocked):
+        rotate_ca(store, "retire")
+    # the copy catches up; the next trust refresh reloads the context and reports it
+    for name in ("cert", "key"):
+        getattr(copy, name).write_bytes(getattr(agent, name).read_bytes())
+    await _until(
+        lambda: status(store, now=dt.datetime.now(dt.UTC))["ready_for_next_step"], "the context to catch up"
+    )
+    assert renewer.presenting == (new_serial,) and renewer.renewals == 1
+    assert "step 3/3" in rotate_ca(store, "retire")
 
 
 async def test_renewal_retries_with_backoff_until_it_succeeds(nursery: trio.Nursery, tmp_path: Path) -> None:

@@ -19,7 +19,13 @@ from cryptography.x509.oid import NameOID
 
 from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.pki import DevCA
-from clusterproxy_protocol.reloader import ReloadingContext, RenewalPolicy, backoff_delay, renewal_time
+from clusterproxy_protocol.reloader import (
+    ReloadingContext,
+    RenewalPolicy,
+    backoff_delay,
+    early_renewal_delay,
+    renewal_time,
+)
 
 
 def _cert(not_before: dt.datetime, hours: int) -> x509.Certificate:
@@ -58,9 +64,17 @@ def test_backoff_grows_is_capped_and_jittered() -> None:
 
 def test_policy_validation() -> None:
     for kwargs in ({"fraction": 1.0}, {"fraction": 0.5, "jitter": 0.5}, {"retry_initial": 0}, {"retry_max": 0.5},
-                   {"trust_refresh": -1}):  # fmt: skip
+                   {"trust_refresh": -1}, {"early_jitter": 1.5}, {"early_jitter": -0.1}):  # fmt: skip
         with pytest.raises(ValueError):
             RenewalPolicy(**kwargs)
+
+
+def test_early_renewal_comes_within_a_jittered_fraction_of_the_trust_refresh() -> None:
+    policy = RenewalPolicy(trust_refresh=300.0, early_jitter=0.5)
+    assert early_renewal_delay(policy, 0.0) == 0.0
+    assert early_renewal_delay(policy, 0.5) == 75.0
+    delays = [early_renewal_delay(policy, random.Random(i).random()) for i in range(200)]
+    assert all(0 <= d < 150 for d in delays) and max(delays) - min(delays) > 100  # spread out
 
 
 class Pki:
@@ -148,6 +162,40 @@ async def test_added_ca_in_place_removed_ca_rebuilds(tmp_path: Path) -> None:
     old_ctx.load_verify_locations(cafile=str(pki.ca2.ca_path))
     with pytest.raises(Refused):  # CA one is forgotten: its client is refused
         await _handshake(reloading(), old_ctx)
+
+
+async def test_the_context_knows_which_certificate_it_presents(tmp_path: Path) -> None:
+    """``presenting`` is the serial of the certificate loaded, in place or by a rebuild; a failed
+    reload keeps the old one (that is what a party reports to the signer)."""
+
+    def on_disk() -> str:
+        return format(x509.load_pem_x509_certificate(pki.server.cert.read_bytes()).serial_number, "x")
+
+    pki = Pki(tmp_path)
+    pki.set_bundle(pki.ca1, pki.ca2)
+    reloading = ReloadingContext.server(pki.server.cert, pki.server.key, pki.bundle, alpn=[])
+    first = on_disk()
+    assert reloading.presenting == first
+    pki.ca1.issue_server("server", ["localhost"], tmp_path / "live", stem="server")
+    assert reloading.presenting == first  # written is not loaded
+    assert reloading.reload() == "reloaded" and reloading.presenting == on_disk() != first
+    second = on_disk()
+    client = pki.ca1.issue_client("c", tmp_path / "c")
+    client_ctx = ssl.create_default_context(cafile=str(pki.bundle))
+    client_ctx.load_cert_chain(client.cert, client.key)
+    assert format(_serial(await _handshake(reloading(), client_ctx)), "x") == second
+    pki.ca2.issue_server("server", ["localhost"], tmp_path / "live", stem="server")
+    pki.set_bundle(pki.ca2)
+    assert reloading.reload() == "rebuilt" and reloading.presenting == on_disk() != second
+    third = on_disk()
+    other = pki.ca2.issue_server("other", ["localhost"], tmp_path / "other")
+    pki.ca2.issue_server("server", ["localhost"], tmp_path / "live", stem="server")
+    shutil.copy(other.key, pki.server.key)
+    with pytest.raises(ConfigError):
+        reloading.reload()
+    assert reloading.presenting == third
+    no_cert = ReloadingContext.client(None, None, pki.bundle, alpn=[])
+    assert no_cert.presenting is None
 
 
 async def test_a_bad_file_keeps_the_old_context(tmp_path: Path) -> None:

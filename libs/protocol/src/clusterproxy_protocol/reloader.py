@@ -11,7 +11,11 @@ the object: ``ReloadingContext`` is a ``Callable[[], ssl.SSLContext]``).
 
 :class:`CertRenewer` is the trio task: renew at 80% of the certificate's lifetime (minus a random
 jitter so that a fleet does not renew at once), retry failures with capped exponential backoff (with
-jitter), refresh the trust bundle periodically and report to the signer what this party trusts.
+jitter), refresh the trust bundle periodically and report to the signer what this party's contexts
+trust and which leaf they present (as loaded, not as written: a CA rotation retires the old CA only
+once every party presents a leaf of the new one). When the trust bundle says another CA is active
+than the one that signed this party's leaf (a rotation was activated), it renews early: within a
+jittered fraction of the trust refresh interval instead of at 80% of the lifetime.
 """
 
 from __future__ import annotations
@@ -22,22 +26,37 @@ import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 
 from . import certclient, tls
 from .config import ConfigError
 from .logs import get_logger
+
+_T = TypeVar("_T")
 
 __all__ = [
     "CertRenewer",
     "ReloadingContext",
     "RenewalPolicy",
     "backoff_delay",
+    "early_renewal_delay",
     "renewal_time",
 ]
+
+
+def _serial(cert: x509.Certificate) -> str:
+    return format(cert.serial_number, "x")
+
+
+def _file_serial(path: Path) -> str | None:
+    try:
+        return _serial(x509.load_pem_x509_certificate(Path(path).read_bytes()))
+    except (OSError, ValueError):
+        return None
 
 
 def _bundle(path: Path) -> tuple[str, ...]:
@@ -62,9 +81,25 @@ class ReloadingContext:
         self._build = build
         self.cert, self.key, self.ca = cert, key, ca
         self._trusted = _bundle(ca)
-        self._ctx = build()
+        self._presenting: str | None = None
+        self._ctx = self._loading_cert(build)
         self.generation = 0
         self.rebuilds = 0
+
+    def _loading_cert(self, load: Callable[[], _T]) -> _T:
+        """``load()``, noting the serial of the certificate it read from ``cert``. The file is read
+        again afterwards: a change in between (another writer) means we cannot tell, so load again."""
+        if self.cert is None:
+            return load()
+        for _ in range(3):
+            before = _file_serial(self.cert)
+            result = load()
+            after = _file_serial(self.cert)
+            if before == after:
+                self._presenting = after
+                return result
+        self._presenting = None
+        return result
 
     @classmethod
     def server(
@@ -101,19 +136,26 @@ class ReloadingContext:
         """Fingerprints (``sha256:<hex>``) of the CAs the context trusts (as of the last load)."""
         return self._trusted
 
+    @property
+    def presenting(self) -> str | None:
+        """The serial (hex) of the certificate new handshakes present (as of the last load); None
+        without a certificate of its own, or when it could not be told."""
+        return self._presenting
+
     def reload(self) -> str:
         """Load the files again: ``"reloaded"`` (same context object, new certificate / added CAs) or
         ``"rebuilt"`` (a CA left the bundle: a new context object). On a bad file this raises
         :class:`ConfigError` and the context keeps serving what it had."""
         trusted = _bundle(self.ca)
         if set(self._trusted) - set(trusted):
-            ctx = self._build()
+            ctx = self._loading_cert(self._build)
             self._ctx, self._trusted = ctx, trusted
             self.rebuilds += 1
             self.generation += 1
             return "rebuilt"
-        if self.cert is not None and self.key is not None:
-            tls.load_cert_chain(self._ctx, self.cert, self.key)
+        cert, key = self.cert, self.key
+        if cert is not None and key is not None:
+            self._loading_cert(lambda: tls.load_cert_chain(self._ctx, cert, key))
         if set(trusted) - set(self._trusted):
             tls.load_trust(self._ctx, self.ca)
         self._trusted = trusted
@@ -133,12 +175,22 @@ class RenewalPolicy:
     retry_initial: float = 1.0
     retry_max: float = 300.0
     trust_refresh: float = 300.0  # seconds between trust-bundle fetches; 0 turns them off
+    # a leaf not from the active CA renews within this fraction of trust_refresh, at random
+    early_jitter: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0 < self.fraction < 1 or not 0 <= self.jitter < self.fraction:
             raise ValueError("renewal needs 0 < fraction < 1 and 0 <= jitter < fraction")
         if self.retry_initial <= 0 or self.retry_max < self.retry_initial or self.trust_refresh < 0:
             raise ValueError("renewal needs 0 < retry_initial <= retry_max and trust_refresh >= 0")
+        if not 0 <= self.early_jitter <= 1:
+            raise ValueError("renewal needs 0 <= early_jitter <= 1")
+
+
+def early_renewal_delay(policy: RenewalPolicy, sample: float) -> float:
+    """Seconds until a leaf that is not from the active CA renews: ``trust_refresh * early_jitter *
+    sample`` for ``sample`` in [0, 1) (a fleet that learns of an activation together spreads out)."""
+    return policy.trust_refresh * policy.early_jitter * sample
 
 
 def renewal_time(cert: x509.Certificate, policy: RenewalPolicy, sample: float) -> dt.datetime:
@@ -170,13 +222,19 @@ class CertRenewer:
     """Keeps ``files`` fresh and ``contexts`` loaded with them.
 
     - renews at :func:`renewal_time` (via :func:`certclient.renew`, mTLS with the current
-      certificate, a new key each time), writes the files, reloads every context;
-    - fetches the trust bundle every ``policy.trust_refresh`` seconds (and at start), installs a
-      changed one, reloads, and fetches once more so the signer records the new trust;
+      certificate, a new key each time), writes the files, reloads every context, then reports to
+      the signer what the contexts present now;
+    - fetches the trust bundle every ``policy.trust_refresh`` seconds (and at start), reporting what
+      the contexts trust and present; installs a changed bundle, reloads, and reports again;
+    - renews early (:func:`early_renewal_delay`) when the bundle names an active CA that did not sign
+      this party's leaf: after a rotation's ``activate``, every party moves within about one trust
+      refresh interval, whatever the leaf lifetime;
     - retries failures with :func:`backoff_delay`, never giving up (an expired certificate is logged
       as such: it needs a new bootstrap token).
 
-    ``endpoint.ca`` should be ``files.ca`` (the signer is verified with the current bundle).
+    Without ``contexts`` the files are what the party presents (tools that read them at each
+    connection). ``endpoint.ca`` should be ``files.ca`` (the signer is verified with the current
+    bundle).
     """
 
     def __init__(
@@ -199,13 +257,16 @@ class CertRenewer:
         self.clock = clock
         self.on_renewed = on_renewed
         self.renewals = 0
+        self.early_renewals = 0
         self.failures = 0
         self.trust_updates = 0
         self.last_error: str | None = None
         self.next_renewal: dt.datetime | None = None
+        self.early_renewal_at: dt.datetime | None = None
         self._pending_key: Any = None
-        self._wake = trio.Event()
+        self._rescheduled = trio.Event()
         self._renewed = trio.Event()
+        self._trust_lock = trio.Lock()
         cert = _load_cert(files.cert)
         self.log = log or get_logger("cert-renewer", subject=cert.subject.rfc4514_string())
 
@@ -215,9 +276,28 @@ class CertRenewer:
     def certificate(self) -> x509.Certificate:
         return _load_cert(self.files.cert)
 
+    @property
+    def presenting(self) -> tuple[str, ...]:
+        """Serials (hex) of the leaves new handshakes present: what the contexts loaded (the files'
+        certificate when there are none). More than one only while a context failed to reload."""
+        loaded = [c.presenting for c in self.contexts if c.cert is not None]
+        if not loaded:
+            return (_serial(self.certificate),)
+        return tuple(dict.fromkeys(serial for serial in loaded if serial is not None))
+
+    @property
+    def trusted(self) -> tuple[str, ...]:
+        """Fingerprints of the CAs every context trusts (the files' bundle when there are none)."""
+        in_file = _bundle(self.files.ca)
+        if not self.contexts:
+            return in_file
+        common = set.intersection(*(set(c.trusted) for c in self.contexts))
+        ordered = [fp for fp in in_file if fp in common]
+        return tuple(ordered + sorted(common - set(ordered)))
+
     def request_renewal(self) -> None:
         """Renew now instead of at the scheduled time (e.g. an operator's request)."""
-        self._wake.set()
+        self._schedule_early(self.clock())
 
     async def wait_renewed(self) -> None:
         """Until the next successful renewal."""
@@ -232,7 +312,8 @@ class CertRenewer:
 
     async def renew_once(self) -> certclient.Issued:
         """One renewal attempt: CSR for a new key (the same key across retries of one renewal, so a
-        retry after a lost answer gets the same certificate), renew, write the files, reload."""
+        retry after a lost answer gets the same certificate), renew, write the files, reload, report
+        what the contexts present now (best effort: the trust refresh reports again)."""
         current = self.certificate
         if self._pending_key is None:
             self._pending_key = certclient.generate_key()
@@ -242,60 +323,136 @@ class CertRenewer:
             self.files.cert,
             self.files.key,
             certclient.csr_like(current, key),
-            trusted=_bundle(self.files.ca),
+            trusted=self.trusted,
         )
         certclient.write_credentials(self.files, key, issued)
         self._pending_key = None
-        self._reload_all()
+        self._reload_all()  # a failure leaves a context behind: the trust refresh tries again
         self.renewals += 1
         self.last_error = None
+        if self.early_renewal_at is not None:
+            self.early_renewals += 1
+            self.early_renewal_at = None
         self.log.info(
             "cert_renewed",
             serial=issued.serial,
             not_after=issued.not_after.isoformat(),
             renewals=self.renewals,
+            presenting=list(self.presenting),
         )
         if self.on_renewed is not None:
             self.on_renewed(issued)
         self._renewed.set()
         self._renewed = trio.Event()
+        try:
+            await self.refresh_trust_once()
+        except (certclient.SignerRequestError, ConfigError, OSError, ValueError) as exc:
+            self.log.warning("trust_report_failed", error=str(exc), hint="the next trust refresh reports")
         return issued
 
     async def refresh_trust_once(self) -> bool:
-        """Fetch the trust bundle (reporting what we trust); install and reload if it changed, then
-        report again. True when the bundle changed."""
-        bundle = await self._fetch_trust()
-        if bundle.fingerprints == _bundle(self.files.ca):
-            return False
-        certclient.write_bundle(self.files.ca, bundle.pem)
-        self._reload_all()
-        self.trust_updates += 1
-        self.log.info("trust_bundle_updated", cas=[c.get("id") for c in bundle.cas])
-        await self._fetch_trust()  # the signer now records the bundle we actually use
-        return True
+        """Fetch the trust bundle (reporting what we trust and present); install and reload if it
+        changed, then report again; schedule an early renewal if our leaf is not from the active CA.
+        True when the bundle changed."""
+        async with self._trust_lock:
+            bundle = await self._fetch_trust()
+            changed = bundle.fingerprints != _bundle(self.files.ca)
+            if changed:
+                certclient.write_bundle(self.files.ca, bundle.pem)
+            if changed or self._contexts_behind():
+                reported = (self.trusted, self.presenting)
+                self._reload_all()
+                if changed:
+                    self.trust_updates += 1
+                    self.log.info("trust_bundle_updated", cas=[c.get("id") for c in bundle.cas])
+                if (self.trusted, self.presenting) != reported:
+                    await self._fetch_trust()  # the signer now records what the contexts hold
+            self._follow_active_ca(bundle)
+            return changed
 
     # -- internals ---------------------------------------------------------------------------------------
 
     async def _fetch_trust(self) -> certclient.TrustBundle:
         return await certclient.fetch_trust_bundle(
-            self.endpoint, cert=self.files.cert, key=self.files.key, trusted=_bundle(self.files.ca)
+            self.endpoint,
+            cert=self.files.cert,
+            key=self.files.key,
+            trusted=self.trusted,
+            presenting=self.presenting,
+        )
+
+    def _follow_active_ca(self, bundle: certclient.TrustBundle) -> None:
+        active = next((c for c in bundle.cas if c.get("state") == "active"), None)
+        if active is None or self.policy.trust_refresh <= 0:
+            return
+        by_fingerprint = dict(
+            zip(bundle.fingerprints, x509.load_pem_x509_certificates(bundle.pem.encode()), strict=False)
+        )
+        active_cert = by_fingerprint.get(str(active.get("fingerprint")))
+        if active_cert is None:
+            return
+        leaf = self.certificate
+        try:
+            leaf.verify_directly_issued_by(active_cert)
+            return
+        except (ValueError, TypeError, InvalidSignature):
+            pass
+        if self.early_renewal_at is not None:
+            return
+        delay = early_renewal_delay(self.policy, self.rng.random())
+        self.log.info(
+            "cert_early_renewal_scheduled",
+            serial=_serial(leaf),
+            active_ca=active.get("id"),
+            renew_in=round(delay, 2),
+            reason="the certificate is not from the active CA (a rotation was activated)",
+        )
+        self._schedule_early(self.clock() + dt.timedelta(seconds=delay))
+
+    def _schedule_early(self, at: dt.datetime) -> None:
+        if self.early_renewal_at is None or at < self.early_renewal_at:
+            self.early_renewal_at = at
+        self._rescheduled.set()
+
+    def _contexts_behind(self) -> bool:
+        """A context does not hold what the files do (an earlier reload failed)."""
+        if not self.contexts:
+            return False
+        serial, trusted = _serial(self.certificate), set(_bundle(self.files.ca))
+        return any(
+            (c.cert is not None and c.presenting != serial) or set(c.trusted) != trusted
+            for c in self.contexts
         )
 
     def _reload_all(self) -> None:
+        """Reload every context; one that fails keeps what it had (and says so in ``presenting``)."""
         for ctx in self.contexts:
-            ctx.reload()
+            try:
+                ctx.reload()
+            except ConfigError as exc:
+                self.log.error("cert_reload_failed", error=str(exc), presenting=ctx.presenting)
 
-    async def _sleep_or_wake(self, seconds: float) -> None:
-        with trio.move_on_after(max(0.0, seconds)):
-            await self._wake.wait()
-        if self._wake.is_set():
-            self._wake = trio.Event()
+    async def _sleep_until(self, when: dt.datetime) -> bool:
+        """Sleep until ``when``; False if rescheduled before."""
+        with trio.move_on_after(max(0.0, (when - self.clock()).total_seconds())):
+            await self._rescheduled.wait()
+        if self._rescheduled.is_set():
+            self._rescheduled = trio.Event()
+            return False
+        return True
 
     async def _renew_loop(self) -> None:
+        sample: tuple[str, float] | None = None  # one jitter draw per certificate
         while True:
             cert = self.certificate
-            self.next_renewal = renewal_time(cert, self.policy, self.rng.random())
-            await self._sleep_or_wake((self.next_renewal - self.clock()).total_seconds())
+            if sample is None or sample[0] != _serial(cert):
+                sample = (_serial(cert), self.rng.random())
+            due = renewal_time(cert, self.policy, sample[1])
+            if self.early_renewal_at is not None:
+                due = min(due, self.early_renewal_at)
+            self.next_renewal = due
+            if not await self._sleep_until(due):
+                continue  # rescheduled (an early renewal, a request): work the time out again
             attempt = 0
             while True:
                 try:
@@ -321,7 +478,9 @@ class CertRenewer:
                         if expired
                         else None,
                     )
-                    await self._sleep_or_wake(delay)
+                    with trio.move_on_after(delay):
+                        await self._rescheduled.wait()
+                    self._rescheduled = trio.Event()
 
     async def _trust_loop(self) -> None:
         attempt = 0
