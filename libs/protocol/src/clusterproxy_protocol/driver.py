@@ -3,11 +3,12 @@
 One :class:`Mux` per HTTP/2 connection. It owns the transport: one reader task feeds the core, one
 writer task is the only one that ever writes (it sends whatever the core has queued, so many small
 operations coalesce into one ``send_all``). Every proxied connection is a :class:`TunnelStream`, a
-``trio.abc.HalfCloseableStream``.
+``trio.abc.HalfCloseableStream``. A Mux's life is one :class:`MuxState`.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -147,7 +148,7 @@ class TunnelStream(trio.abc.HalfCloseableStream):
                 await self._receive_lot.park()
 
     async def aclose(self) -> None:
-        self._close()
+        self.close()
         await trio.lowlevel.checkpoint()
 
     def abort(self) -> None:
@@ -155,13 +156,49 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         if not self._closed and not self._mux.dead:
             self._mux.core.reset(self.stream_id)
             self._mux.kick()
-        self._close()
+        self.close()
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """:meth:`aclose` without its checkpoint, for clean-up that cannot wait (like a socket's close)."""
         if self._closed:
             return
         self._closed = True
         self._mux.forget(self)
+        self._wake()
+
+    @property
+    def answerable(self) -> bool:
+        """Not closed here, not reset by the peer, its connection alive: a response can still go out."""
+        return not self._closed and self._state.reset_code is None and not self._mux.dead
+
+    def raise_unless_answerable(self) -> None:
+        if not self.answerable:
+            raise trio.BrokenResourceError(self._broken_reason())
+
+    async def wait_response(self) -> None:
+        """Wait for the peer's response head; raises TunnelClosed if the stream broke first."""
+        await self._response.wait()
+        if self.status == 0:
+            raise TunnelClosed(self._broken_reason())
+
+    # -- called by the Mux as the peer's frames arrive ---------------------------------------------
+
+    def on_response(self, status: int, headers: dict[str, str]) -> None:
+        self.status = status
+        self.response_headers = headers
+        self._response.set()
+
+    def on_readable(self) -> None:
+        """Data or the peer's end of data arrived."""
+        self._receive_lot.unpark_all()
+
+    def on_writable(self) -> None:
+        """A flow-control window opened."""
+        self._send_lot.unpark_all()
+
+    def on_broken(self) -> None:
+        """Reset by the peer, or the connection died: every waiter wakes up to fail."""
+        self._response.set()
         self._wake()
 
     def _wake(self) -> None:
@@ -189,27 +226,23 @@ class IncomingRequest:
     stream: TunnelStream
     mux: Mux
 
-    def _check_open(self) -> None:
-        # The peer may have reset the stream, or the connection died, while we were working on it.
-        if self.stream._closed or self.stream._state.reset_code is not None or self.mux.dead:
-            raise trio.BrokenResourceError(self.stream._broken_reason())
-
     async def accept(self, headers: list[tuple[str, str]] = ()) -> TunnelStream:  # type: ignore[assignment]
-        self._check_open()
+        # The peer may have reset the stream, or the connection died, while we were working on it.
+        self.stream.raise_unless_answerable()
         self.mux.core.respond(self.stream.stream_id, 200, list(headers))
         self.mux.kick()
         await trio.lowlevel.checkpoint()
         return self.stream
 
     async def refuse(self, status: int, reason: str) -> None:
-        if not self.stream._closed and self.stream._state.reset_code is None and not self.mux.dead:
+        if self.stream.answerable:
             self.mux.core.refuse(self.stream.stream_id, status, reason)
             self.mux.kick()
         await self.stream.aclose()
 
     async def respond(self, status: int, body: bytes, headers: list[tuple[str, str]] = ()) -> None:  # type: ignore[assignment]
         head = [("content-length", str(len(body))), *headers]
-        self._check_open()
+        self.stream.raise_unless_answerable()
         self.mux.core.respond(self.stream.stream_id, status, head)
         await self.stream.send_all(body)
         await self.stream.send_eof()
@@ -221,6 +254,36 @@ class Response:
     status: int
     headers: dict[str, str]
     body: bytes
+
+
+class MuxState(enum.Enum):
+    """The life of a :class:`Mux`. It only moves forward, along :data:`NEXT_STATES`, and only in
+    ``Mux._enter``; leaving ``OPEN`` fails every stream and waiter at once.
+
+    * ``OPEN``: streams work.
+    * ``CLOSING``: dead, ended on this side (``close()``, a failed write); at the end the peer gets a
+      moment to read our GOAWAY and close first.
+    * ``PEER_CLOSED``: dead, ended from the peer's side (EOF, its GOAWAY, a failed read, a protocol
+      error): nothing to wait for. Also reached from ``CLOSING`` when a read already under way brings
+      the peer's close.
+    * ``STOPPED``: reader, writer and stream handlers have stopped; ``Mux.closed`` is set.
+    * ``FINISHED``: the last bytes are flushed and the transport is closed; ``Mux.finished`` is set.
+    """
+
+    OPEN = "open"
+    CLOSING = "closing"
+    PEER_CLOSED = "peer-closed"
+    STOPPED = "stopped"
+    FINISHED = "finished"
+
+
+NEXT_STATES: dict[MuxState, frozenset[MuxState]] = {
+    MuxState.OPEN: frozenset({MuxState.CLOSING, MuxState.PEER_CLOSED}),
+    MuxState.CLOSING: frozenset({MuxState.PEER_CLOSED, MuxState.STOPPED}),
+    MuxState.PEER_CLOSED: frozenset({MuxState.STOPPED}),
+    MuxState.STOPPED: frozenset({MuxState.FINISHED}),
+    MuxState.FINISHED: frozenset(),
+}
 
 
 class Mux:
@@ -243,18 +306,22 @@ class Mux:
         self._drained_lot = trio.lowlevel.ParkingLot()
         self._idle_lot = trio.lowlevel.ParkingLot()
         self._pings: dict[bytes, trio.Event] = {}
-        self.closed = trio.Event()  # the connection is dead (streams fail from now on)
-        self.finished = trio.Event()  # ... and run() has flushed and closed the transport
-        self.dead = False
-        self.dead_reason = ""
+        self.state = MuxState.OPEN
+        self.dead_reason = ""  # why it left OPEN
+        self.closed = trio.Event()  # set on entering STOPPED
+        self.finished = trio.Event()  # set on entering FINISHED
         self.last_rtt: float | None = None
         self.peer_draining = False
         self._nursery: trio.Nursery | None = None
         self._reader_scope = trio.CancelScope()
-        self._peer_closed = False
-        self._writer_done = trio.Event()
+        self._writer_scope = trio.CancelScope()
 
     # -- public -----------------------------------------------------------------------------------
+
+    @property
+    def dead(self) -> bool:
+        """The connection is gone: every stream fails from now on (``dead_reason`` says why)."""
+        return self.state is not MuxState.OPEN
 
     @property
     def open_streams(self) -> int:
@@ -276,7 +343,7 @@ class Mux:
         """Open a CONNECT stream; returns it once the peer answered 200, else raises ConnectRefused."""
         stream = self._open(lambda: self.core.open_connect(authority, list(headers)))
         try:
-            await self._wait_response(stream)
+            await stream.wait_response()
             if stream.status == 200:
                 return stream
             reason = (
@@ -286,7 +353,7 @@ class Mux:
         except BaseException:
             stream.abort()  # cancelled or failed while the peer may still be dialing: tell it to stop
             raise
-        stream._close()
+        stream.close()
         raise refusal(stream.status, reason or f"status {stream.status}")
 
     async def request(
@@ -301,11 +368,11 @@ class Mux:
         """A control request on its own stream (for example ``GET /v1/info``)."""
         stream = self._open(lambda: self.core.open_request(method, path, authority, list(headers), body))
         try:
-            await self._wait_response(stream)
+            await stream.wait_response()
             data = await stream.read_body(MAX_CONTROL_BODY)
             return Response(stream.status, stream.response_headers, data)
         finally:
-            stream._close()
+            stream.close()
 
     async def ping(self) -> float:
         """Round-trip time of one HTTP/2 PING, in seconds."""
@@ -374,25 +441,37 @@ class Mux:
         self.kick()
         return stream
 
-    async def _wait_response(self, stream: TunnelStream) -> None:
-        await stream._response.wait()
-        if stream.status == 0:
-            raise TunnelClosed(stream._broken_reason())
+    # -- life -------------------------------------------------------------------------------------
 
-    def _die(self, reason: str) -> None:
-        if self.dead:
-            return
-        self.dead = True
-        self.dead_reason = reason
-        for stream in list(self._streams.values()):
-            stream._response.set()
-            stream._wake()
-        for event in self._pings.values():
-            event.set()
-        self._drained_lot.unpark_all()
-        self._idle_lot.unpark_all()
-        self._reader_scope.cancel()
-        self.kick()  # the writer sends what is queued (a GOAWAY, resets) and stops
+    def _die(self, reason: str, *, peer_closed: bool = False) -> None:
+        """The connection is dead from now on; the first reason stays. ``peer_closed``: the peer's side
+        is closed too, so there is no point waiting for it to read our GOAWAY."""
+        if self.state is MuxState.OPEN:
+            self.dead_reason = reason
+            self._enter(MuxState.PEER_CLOSED if peer_closed else MuxState.CLOSING)
+        elif peer_closed and self.state is MuxState.CLOSING:
+            self._enter(MuxState.PEER_CLOSED)
+
+    def _enter(self, state: MuxState) -> None:
+        if state not in NEXT_STATES[self.state]:
+            raise RuntimeError(f"a mux cannot go from {self.state.name} to {state.name}")
+        leaving_open = self.state is MuxState.OPEN
+        self.state = state
+        if leaving_open:
+            for stream in list(self._streams.values()):
+                stream.on_broken()
+            for event in self._pings.values():
+                event.set()
+            self._drained_lot.unpark_all()
+            self._idle_lot.unpark_all()
+            self._reader_scope.cancel()
+            # The writer sends what is queued (a GOAWAY, resets) and stops, given this long to do it.
+            self._writer_scope.deadline = trio.current_time() + CLOSE_GRACE
+            self.kick()
+        if state is MuxState.STOPPED:
+            self.closed.set()
+        elif state is MuxState.FINISHED:
+            self.finished.set()
 
     # -- tasks ------------------------------------------------------------------------------------
 
@@ -401,24 +480,21 @@ class Mux:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                nursery.start_soon(self._writer)
+                nursery.start_soon(self._reader)
                 task_status.started()
-                with self._reader_scope:
-                    await self._reader()
-                self._die("connection closed")
-                with trio.move_on_after(CLOSE_GRACE):
-                    await self._writer_done.wait()
+                await self._writer()  # returns once the connection is dead
                 nursery.cancel_scope.cancel()  # handlers still running have broken streams by now
         finally:
             self._die("connection closed")
-            self.closed.set()
+            peer_closed = self.state is MuxState.PEER_CLOSED
+            self._enter(MuxState.STOPPED)
             with trio.CancelScope(shield=True):
                 with trio.move_on_after(CLOSE_GRACE):
                     await self._flush()
-                    if not self._peer_closed:
+                    if not peer_closed:
                         await self._wait_peer_close()
                 await trio.aclose_forcefully(self.transport)
-            self.finished.set()
+            self._enter(MuxState.FINISHED)
 
     async def _wait_peer_close(self) -> None:
         # Closing a socket with unread input makes the kernel send RST, which can destroy our GOAWAY
@@ -439,7 +515,7 @@ class Mux:
                 pass
 
     async def _writer(self) -> None:
-        try:
+        with self._writer_scope:
             while True:
                 await self._write_wanted.wait()
                 self._write_wanted = trio.Event()
@@ -453,23 +529,21 @@ class Mux:
                         return
                 if self.dead:
                     return
-        finally:
-            self._writer_done.set()
 
     async def _reader(self) -> None:
-        if self._received:
-            self._dispatch(self.core.receive_bytes(self._received))
-            self._received = b""
-            self.kick()
-        while not self.dead:
-            try:
-                data = await receive_batch(self.transport, RECEIVE_SIZE)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                self._peer_closed = True
-                self._die(f"read failed: {_describe(exc)}")
-                return
-            self._dispatch(self.core.receive_bytes(data))
-            self.kick()
+        with self._reader_scope:
+            if self._received:
+                self._dispatch(self.core.receive_bytes(self._received))
+                self._received = b""
+                self.kick()
+            while not self.dead:
+                try:
+                    data = await receive_batch(self.transport, RECEIVE_SIZE)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    self._die(f"read failed: {_describe(exc)}", peer_closed=True)
+                    return
+                self._dispatch(self.core.receive_bytes(data))
+                self.kick()
 
     def _dispatch(self, events: list[ev.Event]) -> None:
         for event in events:
@@ -477,27 +551,24 @@ class Mux:
                 case ev.DataArrived(stream_id=sid) | ev.RemoteEnded(stream_id=sid):
                     stream = self._streams.get(sid)
                     if stream is not None:
-                        stream._receive_lot.unpark_all()
+                        stream.on_readable()
                 case ev.WindowOpened(stream_id=0) | ev.PeerSettingsChanged():
                     if isinstance(event, ev.PeerSettingsChanged):
                         self.peer_draining = event.max_concurrent_streams == 0
                     for stream in self._streams.values():
-                        stream._send_lot.unpark_all()
+                        stream.on_writable()
                 case ev.WindowOpened(stream_id=sid):
                     stream = self._streams.get(sid)
                     if stream is not None:
-                        stream._send_lot.unpark_all()
+                        stream.on_writable()
                 case ev.ResponseReceived(stream_id=sid, status=status, headers=headers):
                     stream = self._streams.get(sid)
                     if stream is not None:
-                        stream.status = status
-                        stream.response_headers = headers
-                        stream._response.set()
+                        stream.on_response(status, headers)
                 case ev.StreamReset(stream_id=sid):
                     stream = self._streams.get(sid)
                     if stream is not None:
-                        stream._response.set()
-                        stream._wake()
+                        stream.on_broken()
                 case ev.RequestReceived():
                     self._start_handler(event)
                 case ev.PingAcked(payload=payload):
@@ -505,8 +576,7 @@ class Mux:
                     if waiter is not None:
                         waiter.set()
                 case ev.ConnectionEnded(reason=reason):
-                    self._peer_closed = not self.core.closed_by_us
-                    self._die(reason)
+                    self._die(reason, peer_closed=not self.core.closed_by_us)
 
     def _start_handler(self, event: ev.RequestReceived) -> None:
         state = self.core.stream(event.stream_id)
@@ -515,7 +585,7 @@ class Mux:
         self._streams[event.stream_id] = stream
         if self._handler is None or self._nursery is None:
             self.core.refuse(event.stream_id, 405, "this side of the tunnel accepts no streams")
-            stream._close()
+            stream.close()
             return
         request = IncomingRequest(event.method, event.authority, event.path, event.headers, stream, self)
         self._nursery.start_soon(self._run_handler, request)
@@ -528,7 +598,7 @@ class Mux:
             _log.exception("stream_handler_failed", stream_id=request.stream.stream_id)
             request.stream.abort()
         finally:
-            request.stream._close()
+            request.stream.close()
 
 
 def _describe(exc: BaseException) -> str:
