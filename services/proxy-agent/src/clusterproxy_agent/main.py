@@ -17,7 +17,7 @@ import trio
 from clusterproxy_agent.agent import Agent, AgentConfig, agent_version
 from clusterproxy_agent.egress import EgressPolicy, Rule, parse_rule
 from clusterproxy_agent.tunnel import TunnelOptions, TunnelRunner, tls_opener
-from clusterproxy_protocol import certclient
+from clusterproxy_protocol import certclient, workarounds
 from clusterproxy_protocol.admin import Reply, serve_admin
 from clusterproxy_protocol.bootstrap import bootstrap_with_retry
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
@@ -527,6 +527,7 @@ async def serve(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    workarounds.apply()  # the third-party speed-ups; services only, never on import
     settings = parse_settings(argv)
     json_logs = {"auto": None, "json": True, "console": False}[settings.log_format]
     configure_logging(settings.log_level, json=json_logs)

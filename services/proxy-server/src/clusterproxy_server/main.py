@@ -9,7 +9,7 @@ from pathlib import Path
 
 import trio
 
-from clusterproxy_protocol import certclient
+from clusterproxy_protocol import certclient, workarounds
 from clusterproxy_protocol.bootstrap import bootstrap_with_retry
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
 from clusterproxy_protocol.config import (
@@ -255,6 +255,7 @@ async def serve(config: ServerConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    workarounds.apply()  # the third-party speed-ups; services only, never on import
     parser = build_parser()
     args = parse_args_or_exit(parser, argv)
     configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
