@@ -147,3 +147,16 @@ def test_importing_the_protocol_patches_nothing() -> None:
         "assert '_body_repr' not in hyperframe.frame.DataFrame.__dict__\n"
     )
     subprocess.run([sys.executable, "-c", program], check=True)
+
+
+@pytest.mark.parametrize("entry_point", ["clusterproxy_server.main", "clusterproxy_agent.main"])
+def test_the_services_apply_them_first_thing(entry_point: str) -> None:
+    program = (
+        f"import hyperframe.frame, {entry_point} as service\n"
+        "try:\n"
+        "    service.main(['--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "assert '_body_repr' in hyperframe.frame.DataFrame.__dict__\n"
+    )
+    subprocess.run([sys.executable, "-c", program], check=True, stdout=subprocess.DEVNULL)
