@@ -1,14 +1,19 @@
 """CA rotation end to end while traffic flows, with ``cluster-proxy certs`` commands against the store
 of a running signer process: start (the new CA enters every bundle) -> every party reports trust ->
-activate (leaves move at their renewal) -> retire (the old CA leaves every bundle; a straggler still
-on it is held back until ``--force`` and then cut off). Zero failed streams; the long-lived streams
-opened before the rotation survive it; the tunnel never reconnects."""
+activate (parties renew early, onto the new CA, and report presenting it) -> retire (the old CA
+leaves every bundle; a straggler still on it is held back until ``--force`` and then cut off). Zero
+failed streams; the long-lived streams opened before the rotation survive it; the tunnel never
+reconnects. And with day-long leaves: start -> retire in seconds (the trust refresh is 2 s), with
+zero failed handshakes on fresh connections opened every 100 ms throughout."""
 
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
+import ssl
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -21,7 +26,9 @@ from clusterproxy_certsigner.rotation import status
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.reloader import ReloadingContext
+from clusterproxy_protocol.tls import client_context
 from tests.support.certs import count_events
+from tests.support.clients import h1_connect
 from tests.support.procs import BIN
 from tests.support.soak import Run, print_report, traffic_run
 from tests.support.traffic import Traffic
@@ -119,7 +126,7 @@ async def test_ca_rotation_under_traffic_drops_nothing(tmp_path: Path, nursery: 
         for files in parties.values():
             assert new_fp in certclient.bundle_fingerprints(files.ca.read_bytes())
 
-        # 2. activate: the new CA signs; each leaf moves at its next renewal
+        # 2. activate: the new CA signs; each party renews early, after its next trust refresh
         _, out, _ = await certs(store_dir, "rotate-ca", "activate")
         print(out)
         cas = {
@@ -134,8 +141,9 @@ async def test_ca_rotation_under_traffic_drops_nothing(tmp_path: Path, nursery: 
         # the straggler still works (old CA, still trusted) and holds back `retire`
         straggling = straggler_traffic(run.traffic, straggler)
         await straggling.transfer("h2")
-        await until(lambda: [p["identity"] for p in st()["parties"] if p["ca_id"] == old_id] == ["client:straggler"],
-                    "only the straggler to be left on the old CA", 30)  # fmt: skip
+        await until(lambda: [w["identity"] for w in st()["waiting_for"]] == ["client:straggler"],
+                    "only the straggler to hold back retire", 30)  # fmt: skip
+        assert [p["identity"] for p in st()["parties"] if p["ca_id"] == old_id] == ["client:straggler"]
         code, out, err = await certs(store_dir, "rotate-ca", "retire", check=False)
         print(err)
         assert code == 1 and "straggler" in err and "--force" in err
@@ -212,3 +220,191 @@ def straggler_traffic(traffic: Traffic, files: CertFiles) -> Traffic:
     h2 = ReloadingContext.client(files.cert, files.key, files.ca, alpn=["h2"])
     h1 = ReloadingContext.client(files.cert, files.key, files.ca, alpn=["http/1.1"])
     return Traffic(traffic.client_port, traffic.cluster, traffic.sized, traffic.echo, h2, h1)
+
+
+@dataclass
+class FreshConnections:
+    """A fresh TLS connection to the client port every ``interval`` (each started on time, whatever
+    the previous one is doing), each a full round trip: CONNECT through the tunnel to the echo
+    target, one message echoed, a clean close. The proxy-server verifies the probe's certificate and
+    the probe verifies the server's, both with the trust of the moment."""
+
+    name: str
+    traffic: Traffic
+    context: Callable[[], ssl.SSLContext]  # read at each connection
+    interval: float = 0.1
+    attempts: int = 0
+    ok: int = 0
+    failures: list[str] = field(default_factory=list)
+    starts: list[float] = field(default_factory=list)
+    server_issuers: list[tuple[float, str]] = field(default_factory=list)  # (start, issuer) per success
+
+    async def run(self, stop: trio.Event) -> None:
+        async with trio.open_nursery() as nursery:
+            while not stop.is_set():
+                started = trio.current_time()
+                nursery.start_soon(self._once, started)
+                with trio.move_on_at(started + self.interval):
+                    await stop.wait()
+
+    async def _once(self, started: float) -> None:
+        self.attempts += 1
+        self.starts.append(started)
+        message = f"{self.name} {self.attempts} BYE\n".encode()
+        try:
+            with trio.fail_after(10):
+                reply = await h1_connect(
+                    self.traffic.client_port,
+                    self.context(),
+                    self.traffic.echo.address,
+                    {"cluster-proxy-cluster": self.traffic.cluster},
+                )
+                if reply.status != 200 or reply.stream is None:
+                    raise AssertionError(f"CONNECT refused: {reply.head!r} {reply.body!r}")
+                der = reply.stream.getpeercert(binary_form=True)
+                async with reply.stream:
+                    await reply.stream.send_all(message)
+                    echoed = b""
+                    while len(echoed) < len(message):
+                        chunk = await reply.stream.receive_some(len(message) - len(echoed))
+                        if not chunk:
+                            raise AssertionError(f"the echo ended after {echoed!r}")
+                        echoed += chunk
+                    if echoed != message or await reply.stream.receive_some(1) != b"":
+                        raise AssertionError("echo mismatch or no clean end")
+        except Exception as exc:  # every failure is counted and kept, never raised
+            self.failures.append(f"{self.name} at {started:.2f}: {type(exc).__name__}: {exc}")
+            return
+        self.ok += 1
+        issuer = x509.load_der_x509_certificate(der).issuer.rfc4514_string()
+        self.server_issuers.append((started, issuer))
+
+    def largest_gap(self) -> float:
+        return max((b - a for a, b in itertools.pairwise(self.starts)), default=0.0)
+
+
+async def test_rotation_with_day_long_leaves_takes_seconds_and_fails_no_handshake(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """24 h leaves, trust refresh 2 s: start -> activate -> retire as soon as `status` allows each
+    step. Parties renew early after the activation (not at 80% of a day), report the leaf they
+    loaded, and `retire` is accepted without --force once every one presents a new-CA leaf. Fresh
+    connections every 100 ms, with the hub client's live context and with the agent's credentials,
+    never fail: before, during and after the rotation, until every party dropped the old CA."""
+    timings: dict[str, float] = {}
+    async with traffic_run(
+        tmp_path, nursery, cert_ttl="24h", trust_refresh=TRUST_REFRESH, client_trust_refresh=2.0
+    ) as run:
+        store_dir = run.signer.store_dir
+        store = FileStore(store_dir)
+
+        def st() -> dict:
+            return status(store, now=dt.datetime.now(dt.UTC))
+
+        agent_files = run.hub.files["agent-cluster1-agent-a"]
+        parties = [run.hub.files["proxy-server"], agent_files, run.client.files]
+        probes = [
+            FreshConnections("client", run.traffic, run.client.h1),
+            FreshConnections(
+                "agent-credentials",
+                run.traffic,
+                lambda: client_context(agent_files.cert, agent_files.key, agent_files.ca, alpn=["http/1.1"]),
+            ),
+        ]
+        old_ca = store.read_authorities().active
+        assert old_ca is not None
+        stop_probes = trio.Event()
+        async with trio.open_nursery() as probing:
+            for probe in probes:
+                probing.start_soon(probe.run, stop_probes)
+            await until(lambda: all(p.ok >= 10 for p in probes), "the probes to get going", 30)
+            assert _renewals(run) == [0, 0, 0]  # day-long leaves: nobody renews on its own
+
+            started = trio.current_time()
+            _, out, _ = await certs(store_dir, "rotate-ca", "start")
+            print(out)
+            new_ca = store.read_authorities().pending
+            assert new_ca is not None
+            timings["start -> every party and the signer trust the new CA"] = await until(
+                lambda: st()["ready_for_next_step"], "every party to trust the new CA", 120
+            )
+            _, out, _ = await certs(store_dir, "rotate-ca", "activate")
+            print(out)
+            timings["activate -> every party presents a new-CA leaf"] = await until(
+                lambda: st()["ready_for_next_step"], "every party to present a new-CA leaf", 120
+            )
+            all_presenting = trio.current_time()
+            assert all(p["presents_active_ca"] for p in st()["parties"])
+            _, out, _ = await certs(store_dir, "status")
+            print(out)
+            _, out, _ = await certs(store_dir, "rotate-ca", "retire")  # no --force
+            print(out)
+            timings["start -> retire accepted"] = trio.current_time() - started
+            timings["retire -> every party dropped the old CA"] = await until(
+                lambda: all(
+                    certclient.bundle_fingerprints(f.ca.read_bytes()) == (new_ca.fingerprint,)
+                    for f in parties
+                ),
+                "every party to drop the old CA",
+                60,
+            )
+            mark = [p.attempts for p in probes]
+            await until(
+                lambda: all(p.attempts >= m + 20 for p, m in zip(probes, mark, strict=True)),
+                "20 more fresh connections of each probe on the new CA alone",
+                30,
+            )
+            stop_probes.set()
+        renewals = _renewals(run)
+        early = [
+            count_events(run.server, "cert_early_renewal_scheduled"),
+            count_events(run.agent, "cert_early_renewal_scheduled"),
+            run.client.renewer.early_renewals,
+        ]
+        _, out, _ = await certs(store_dir, "status")
+        print(out)
+
+    report = run.final
+    assert report is not None
+    new_subject, old_subject = new_ca.cert.subject.rfc4514_string(), old_ca.cert.subject.rfc4514_string()
+    report = {
+        "rotation_steps_s": {k: round(v, 1) for k, v in timings.items()},
+        "fresh_connections": {
+            p.name: {
+                "attempts": p.attempts,
+                "ok": p.ok,
+                "failed": len(p.failures),
+                "largest_gap_between_starts_s": round(p.largest_gap(), 3),
+                "met_old_ca_server_leaf": sum(1 for _, i in p.server_issuers if i == old_subject),
+                "met_new_ca_server_leaf": sum(1 for _, i in p.server_issuers if i == new_subject),
+            }
+            for p in probes
+        },
+        "renewals_during_rotation": dict(
+            zip(("proxy-server", "proxy-agent", "client"), renewals, strict=True)
+        ),
+        "early_renewals": dict(zip(("proxy-server", "proxy-agent", "client"), early, strict=True)),
+        **report,
+    }
+    print_report("CA rotation with 24 h leaves under traffic (trust refresh 2 s)", report)
+
+    assert timings["start -> retire accepted"] < 300
+    for probe in probes:
+        assert probe.failures == [], probe.failures[:10]
+        assert probe.ok == probe.attempts
+        # on schedule throughout: about one every 100 ms, never a gap of a second
+        assert probe.largest_gap() < 1.0, probe.largest_gap()
+        duration = probe.starts[-1] - probe.starts[0]
+        assert probe.attempts >= 0.8 * duration / probe.interval, (probe.attempts, duration)
+        # once every party reported presenting a new-CA leaf, no fresh handshake met an old one
+        late = [issuer for at, issuer in probe.server_issuers if at > all_presenting]
+        assert late and set(late) == {new_subject}
+        assert any(issuer == old_subject for _, issuer in probe.server_issuers)  # before: the old one
+    assert renewals == [1, 1, 1] and early == [1, 1, 1]
+    assert report["failures"] == []
+    assert set(report["failed_streams"].values()) == {0}, report["failed_streams"]
+    assert report["long_lived_closed_cleanly"] == 2
+    assert report["reconnects"]["agent_tunnel_connected"] == 1
+    assert report["reconnects"]["agent_tunnel_disconnected"] == 0
+    assert report["reconnects"]["server_agent_disconnected"] == 0
+    assert set(report["renewal_failures"].values()) == {0}
