@@ -14,7 +14,8 @@ import pytest
 import trio
 
 from clusterproxy_protocol.pki import DevCA, PemPair
-from tests.integration.test_agent_tunnel import Hub, admin_get, echo_once, serve_echo
+from tests.integration.test_agent_tunnel import Hub, admin_get, echo_once
+from tests.support.targets import serve_echo
 
 AGENT = Path(sys.executable).parent / "cluster-proxy-agent"
 
@@ -107,7 +108,7 @@ async def test_process_serves_the_tunnel_and_drains_on_sigterm(
     tunnel_pki, tmp_path: Path, nursery: trio.Nursery
 ) -> None:
     hub = await Hub(tunnel_pki).start(nursery)
-    echo_port = await serve_echo(nursery)
+    echo_port = (await serve_echo(nursery)).port
     log = tmp_path / "agent.log"
     with log.open("wb") as sink:
         process = await trio.lowlevel.open_process(
