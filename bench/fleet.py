@@ -18,6 +18,7 @@ import trio
 
 from clusterproxy_agent.egress import parse_rule
 from clusterproxy_agent.main import AgentSettings, Service
+from clusterproxy_protocol import workarounds
 from clusterproxy_protocol.logs import configure_logging
 
 
@@ -50,6 +51,7 @@ async def run_fleet(spec: dict) -> None:
 def main() -> None:
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    workarounds.apply()
     configure_logging("warning", json=True)
     trio.run(run_fleet, json.loads(Path(sys.argv[1]).read_text()))
 
