@@ -165,6 +165,25 @@ def test_a_party_whose_contexts_still_present_the_old_leaf_holds_back_retire(
     retire_previous(core.store, now=now)
 
 
+def test_a_renewal_before_the_report_of_a_failed_load_still_holds_back_retire(
+    core: SignerCore, now: dt.datetime
+) -> None:
+    """Its last report said it presents the old leaf; a newer leaf it has not reported on changes
+    nothing about what its contexts may still hold."""
+    party = Party(core, "cluster1", now)
+    _activated(core, now, party)
+    old_serial = format(party.loaded.serial_number, "x")
+    party.renew()
+    party.report_presenting()  # the reload failed: still the old leaf
+    party.renew()  # renewed again before it reports anything with the newest one
+    with pytest.raises(RotationBlocked) as info:
+        retire_previous(core.store, now=now)
+    (reason,) = info.value.reasons.values()
+    assert "has not reported presenting" in reason and f"presents {old_serial[:12]}" in reason
+    party.load()
+    retire_previous(core.store, now=now)
+
+
 def test_a_party_bootstrapped_on_the_new_ca_does_not_hold_back_retire(
     core: SignerCore, now: dt.datetime
 ) -> None:

@@ -188,6 +188,32 @@ def _short(serial: str) -> str:
     return serial[:12]
 
 
+MAX_UNREPORTED_RENEWALS = 8
+
+
+def _presenting_blocker(
+    p: IssuedRecord,
+    serials: tuple[str, ...],
+    previous: AuthorityRecord,
+    active: AuthorityRecord,
+    store: CertStore,
+) -> str | None:
+    """Why the reported ``serials`` (what ``p``'s holder presents) are not all new-CA leaves of its own."""
+    if not serials:
+        return "it reports presenting no certificate it can name"
+    for serial in serials:
+        record = p if serial == p.serial else store.get_issued(serial)
+        if record is None or record.identity.key != p.identity.key:
+            return f"it presents {_short(serial)}, a certificate the signer cannot match to it"
+        if record.ca_id != active.id:
+            which = "previous" if record.ca_id == previous.id else "another"
+            return (
+                f"it presents {_short(serial)}, from the {which} CA: its TLS contexts have not loaded "
+                f"{_short(p.serial)} yet"
+            )
+    return None
+
+
 def _retire_blocker(
     p: IssuedRecord, previous: AuthorityRecord, active: AuthorityRecord, store: CertStore, now: dt.datetime
 ) -> str | None:
@@ -195,24 +221,26 @@ def _retire_blocker(
     if p.ca_id == previous.id:
         return f"its certificate {_short(p.serial)} is from the previous CA"
     if p.presenting is not None:
-        for serial in p.presenting or (None,):
-            if serial is None:
-                return "it reports presenting no certificate"
-            record = store.get_issued(serial)
-            if record is None or record.identity.key != p.identity.key:
-                return f"it presents {_short(serial)}, a certificate the signer cannot match to it"
-            if record.ca_id != active.id:
-                state = "previous" if record.ca_id == previous.id else "another"
-                return f"it presents {_short(serial)}, from the {state} CA: its TLS contexts have not loaded {_short(p.serial)} yet"
-        return None
-    if p.predecessor is not None:
-        before = store.get_issued(p.predecessor)
-        if before is not None and before.ca_id == previous.id and before.not_after > now:
+        return _presenting_blocker(p, p.presenting, previous, active, store)
+    # Never reported with p: its holder may still present what it held before p (back to its last
+    # report, or to a leaf of the previous CA that is still valid).
+    record = p
+    for _ in range(MAX_UNREPORTED_RENEWALS):
+        before = None if record.predecessor is None else store.get_issued(record.predecessor)
+        if before is None or before.not_after <= now:
+            return None  # bootstrapped on the new CA, or nothing older it could still present
+        if before.ca_id == previous.id:
             return (
-                f"it was renewed onto the new CA ({_short(p.serial)}) but has not reported presenting it"
-                f"; its last report{_seen(before)} was with {_short(before.serial)} from the previous CA"
+                f"it was renewed onto the new CA ({_short(p.serial)}) but has not reported presenting it;"
+                f" its last report{_seen(before)} was with {_short(before.serial)} from the previous CA"
             )
-    return None  # bootstrapped (or renewed) on the new CA: it holds no previous-CA leaf
+        if before.presenting is not None:
+            why = _presenting_blocker(before, before.presenting, previous, active, store)
+            return (
+                None if why is None else f"it has not reported presenting {_short(p.serial)}; before, {why}"
+            )
+        record = before
+    return f"it has not reported presenting {_short(p.serial)} through {MAX_UNREPORTED_RENEWALS} renewals"
 
 
 def _seen(record: IssuedRecord) -> str:
