@@ -21,7 +21,6 @@ from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy, renewal_time
 from clusterproxy_protocol.tls import client_context
 
-
 # hour-long leaves (only the rotation moves them); trust refreshes every 0.1 s need a bucket that
 # size, and the signer follows the store within 0.2 s
 ROTATION_SIGNER = {
