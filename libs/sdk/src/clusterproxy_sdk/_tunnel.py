@@ -69,7 +69,7 @@ files (read at each dial); or a callable returning the context for the next hand
 ``clusterproxy_protocol.reloader.ReloadingContext`` kept fresh by a ``CertRenewer``)."""
 
 
-def resolve_tls(tls: TLSSource) -> tuple[ssl.SSLContext, x509.Certificate | None]:
+def _resolve_tls(tls: TLSSource) -> tuple[ssl.SSLContext, x509.Certificate | None]:
     """The context for one handshake, and the client certificate it presents when the SDK loaded it
     from files (None for a context or callable of the caller's)."""
     if isinstance(tls, ssl.SSLContext):
@@ -292,7 +292,7 @@ async def open_tunnel(
     connection fails its streams at once.
     """
     host, port = parse_address(address)
-    context, client_certificate = resolve_tls(tls)
+    context, client_certificate = _resolve_tls(tls)
     stream = await _connect_tls(host, port, context, server_hostname or host, connect_timeout)
     # open_mux runs a nursery around our caller's block: give them back their own exception.
     with single_exceptions():
