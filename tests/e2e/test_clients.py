@@ -13,7 +13,7 @@ from tests.support import require
 from tests.support.clients import client_context, h1_connect
 from tests.support.pki import PkiFiles
 from tests.support.procs import Hub
-from tests.support.targets import Blackhole, closed_port, serve_http
+from tests.support.targets import Blackhole, closed_port, serve_digest, serve_http
 
 pytestmark = pytest.mark.slow
 
@@ -141,3 +141,29 @@ async def test_errors_on_http2_frontend(hub: Hub, pki: PkiFiles, error_targets: 
     assert fragment in info.value.reason
     if case == "blackholed":
         assert trio.current_time() - start < 8
+
+
+async def test_server_and_agent_log_a_stream_with_the_same_byte_keys(
+    hub: Hub, pki: PkiFiles, nursery: trio.Nursery
+) -> None:
+    """``bytes_to_target`` / ``bytes_to_client`` mean the same direction in both processes' logs."""
+    target = await serve_digest(nursery)
+    token, wanted, upload = "log-keys", 300_000, b"u" * 123_456
+    async with open_tunnel(
+        f"127.0.0.1:{hub.client_port}",
+        TLSFiles(pki.ca, pki.client.cert, pki.client.key),
+        server_hostname="localhost",
+    ) as tunnel:
+        stream = await tunnel.connect("cluster1", target.host, target.port)
+        request = f"{token} {wanted}\n".encode() + upload
+        await stream.send_all(request)
+        await stream.send_eof()
+        received = 0
+        while data := await stream.receive_some():
+            received += len(data)
+    assert received == wanted
+    authority = f"{target.host}:{target.port}"
+    server_line = await hub.server.wait_event("stream_closed", target=authority)
+    agent_line = await hub.agents["agent-cluster1-agent-a"].wait_event("stream_closed", target=authority)
+    for line in (server_line, agent_line):
+        assert (line["bytes_to_target"], line["bytes_to_client"]) == (len(request), wanted), line

@@ -63,7 +63,7 @@ async def run_wire_agent(
             return
         host, _, target_port = request.authority.rpartition(":")
         target = await trio.open_tcp_stream(host, int(target_port))
-        await relay(await request.accept(), target)
+        await relay(client=await request.accept(), target=target)
 
     async with open_mux(stream, Role.ACCEPTOR, handler=handle) as mux:
         task_status.started(mux)

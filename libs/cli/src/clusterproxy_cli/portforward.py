@@ -79,12 +79,12 @@ async def _handle(
         await trio.aclose_forcefully(local)
         raise
     log.debug("stream_opened", stream_id=remote.stream_id)
-    result = await relay(local, remote)
+    result = await relay(client=local, target=remote)
     log.info(
         "connection_closed",
         stream_id=remote.stream_id,
-        bytes_out=result.bytes_a_to_b,
-        bytes_in=result.bytes_b_to_a,
+        bytes_to_target=result.bytes_to_target,
+        bytes_to_client=result.bytes_to_client,
         error=result.error,
     )
 

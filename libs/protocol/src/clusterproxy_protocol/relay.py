@@ -18,13 +18,14 @@ _TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError
 
 @dataclass
 class RelayResult:
-    bytes_a_to_b: int = 0
-    bytes_b_to_a: int = 0
+    bytes_to_target: int = 0
+    bytes_to_client: int = 0
     error: str | None = None
 
 
-async def relay(a: trio.abc.Stream, b: trio.abc.Stream) -> RelayResult:
-    """Relay until both directions ended, then close both streams.
+async def relay(client: trio.abc.Stream, target: trio.abc.Stream) -> RelayResult:
+    """Relay between the stream toward the client and the stream toward the target until both
+    directions ended, then close both streams.
 
     EOF in one direction becomes ``send_eof`` on the other stream when it is half-closeable. When
     it is not (TLS to a hub client), EOF toward it ends the whole relay, as an HTTP/1.1 CONNECT
@@ -35,14 +36,14 @@ async def relay(a: trio.abc.Stream, b: trio.abc.Stream) -> RelayResult:
     try:
         async with trio.open_nursery() as nursery:
 
-            async def pump(src: trio.abc.Stream, dst: trio.abc.Stream, forward: bool) -> None:
+            async def pump(src: trio.abc.Stream, dst: trio.abc.Stream, to_target: bool) -> None:
                 try:
                     while data := await receive_batch(src, CHUNK):
                         await dst.send_all(data)
-                        if forward:
-                            result.bytes_a_to_b += len(data)
+                        if to_target:
+                            result.bytes_to_target += len(data)
                         else:
-                            result.bytes_b_to_a += len(data)
+                            result.bytes_to_client += len(data)
                     if isinstance(dst, trio.abc.HalfCloseableStream):
                         await dst.send_eof()
                     else:
@@ -51,12 +52,12 @@ async def relay(a: trio.abc.Stream, b: trio.abc.Stream) -> RelayResult:
                     result.error = result.error or f"{type(exc).__name__}: {exc}"
                     nursery.cancel_scope.cancel()
 
-            nursery.start_soon(pump, a, b, True)
-            nursery.start_soon(pump, b, a, False)
+            nursery.start_soon(pump, client, target, True)
+            nursery.start_soon(pump, target, client, False)
         completed = True
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
-            for stream in (a, b):
+            for stream in (client, target):
                 if result.error or not completed:  # failed, or cancelled from outside
                     await abort(stream)
                 else:

@@ -229,11 +229,11 @@ class Agent:
                     log.info("stream_gone_before_dial_completed", error=repr(exc))
                     return
                 log.debug("stream_connected", dialled=str(target))
-                result = await relay(stream, tunnel_stream)
+                result = await relay(client=tunnel_stream, target=stream)
             log.debug(
                 "stream_closed",
-                bytes_in=result.bytes_b_to_a,
-                bytes_out=result.bytes_a_to_b,
+                bytes_to_target=result.bytes_to_target,
+                bytes_to_client=result.bytes_to_client,
                 error=result.error,
             )
         finally:

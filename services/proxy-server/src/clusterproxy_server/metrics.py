@@ -33,7 +33,10 @@ class ServerMetrics:
             registry=r,
         )
         self.bytes = Counter(
-            "cluster_proxy_server_stream_bytes_total", "Bytes relayed", ["direction"], registry=r
+            "cluster_proxy_server_stream_bytes_total",
+            "Bytes relayed on client streams, by direction (to_target, to_client)",
+            ["direction"],
+            registry=r,
         )
         self.dial_seconds = Histogram(
             "cluster_proxy_server_dial_seconds", "Time from CONNECT to the agent's answer", registry=r

@@ -94,13 +94,13 @@ class Relayer:
             if request.early_data:
                 await upstream.send_all(request.early_data)
             log.debug("stream_opened")
-            result = await relay(downstream, upstream)
-            self.metrics.bytes.labels("to_cluster").inc(result.bytes_a_to_b)
-            self.metrics.bytes.labels("from_cluster").inc(result.bytes_b_to_a)
+            result = await relay(client=downstream, target=upstream)
+            self.metrics.bytes.labels("to_target").inc(result.bytes_to_target)
+            self.metrics.bytes.labels("to_client").inc(result.bytes_to_client)
             log.info(
                 "stream_closed",
-                bytes_out=result.bytes_a_to_b,
-                bytes_in=result.bytes_b_to_a,
+                bytes_to_target=result.bytes_to_target,
+                bytes_to_client=result.bytes_to_client,
                 error=result.error,
             )
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
