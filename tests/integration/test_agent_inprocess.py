@@ -28,13 +28,13 @@ from clusterproxy_agent.egress import EgressPolicy
 from clusterproxy_protocol.core import Role
 from clusterproxy_protocol.driver import Mux, open_mux
 from clusterproxy_protocol.errors import (
-    REASON_HEADER,
     ConnectRefused,
     DialTimeout,
     Forbidden,
     MalformedTarget,
     TargetUnreachable,
 )
+from clusterproxy_protocol.wire import REASON_HEADER
 from tests.support.targets import serve_echo
 
 

@@ -22,6 +22,7 @@ import trio
 from clusterproxy_protocol.errors import ConnectRefused, TunnelError
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.relay import relay
+from clusterproxy_protocol.wire import format_address
 from clusterproxy_sdk import (
     ReloadingTLSFiles,
     SharedTunnel,
@@ -51,8 +52,7 @@ class PortForward:
 
 
 def _format_sockaddr(sockaddr: tuple) -> str:  # type: ignore[type-arg]
-    host, port = sockaddr[0], sockaddr[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return format_address(sockaddr)
 
 
 async def _handle(

@@ -25,8 +25,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from clusterproxy_protocol.config import ConfigError, parse_hostport
-from clusterproxy_protocol.errors import CLUSTER_HEADER
 from clusterproxy_protocol.files import write_atomic
+from clusterproxy_protocol.wire import CLUSTER_HEADER, format_authority
 
 LOCAL_JSON = "local.json"
 DEFAULT_STATE_DIR = Path(".state") / "local"
@@ -40,7 +40,7 @@ class Target:
 
     @property
     def address(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return format_authority(self.host, self.port)
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,7 @@ class ProxySettings:
 
     @property
     def client_url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"https://{host}:{self.port}"
+        return f"https://{format_authority(self.host, self.port)}"
 
 
 def build_local_json(
@@ -143,15 +142,15 @@ def curl_commands(proxy: ProxySettings, cluster: str, target: Target) -> dict[st
     ``header``: the cluster is the ``cluster-proxy-cluster`` header. ``--proxytunnel`` makes curl use
     CONNECT for a plain http:// target too.
     """
-    host = f"[{proxy.host}]" if ":" in proxy.host else proxy.host
+    hub = format_authority(proxy.host, proxy.port)
     tls = ["--proxy-cacert", str(proxy.ca), "--proxy-cert", str(proxy.cert), "--proxy-key", str(proxy.key)]
     url = f"http://{target.address}/"
-    by_user = ["curl", "--proxytunnel", "--proxy", f"https://{cluster}@{host}:{proxy.port}", *tls, url]
+    by_user = ["curl", "--proxytunnel", "--proxy", f"https://{cluster}@{hub}", *tls, url]
     by_header = [
         "curl",
         "--proxytunnel",
         "--proxy",
-        f"https://{host}:{proxy.port}",
+        f"https://{hub}",
         "--proxy-header",
         f"{CLUSTER_HEADER}: {cluster}",
         *tls,
@@ -162,8 +161,6 @@ def curl_commands(proxy: ProxySettings, cluster: str, target: Target) -> dict[st
 
 def curl_kube_apiserver(proxy: ProxySettings, cluster: str) -> str:
     """curl through the bare-cluster-name route (``CONNECT cluster:443``)."""
-    host = f"[{proxy.host}]" if ":" in proxy.host else proxy.host
+    hub = format_authority(proxy.host, proxy.port)
     tls = ["--proxy-cacert", str(proxy.ca), "--proxy-cert", str(proxy.cert), "--proxy-key", str(proxy.key)]
-    return shlex.join(
-        ["curl", "--proxytunnel", "--proxy", f"https://{host}:{proxy.port}", *tls, f"http://{cluster}:443/"]
-    )
+    return shlex.join(["curl", "--proxytunnel", "--proxy", f"https://{hub}", *tls, f"http://{cluster}:443/"])

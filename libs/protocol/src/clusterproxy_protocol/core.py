@@ -32,7 +32,8 @@ import h2.exceptions
 import h2.settings
 
 from clusterproxy_protocol import events as ev
-from clusterproxy_protocol.errors import REASON_HEADER, clean_reason
+from clusterproxy_protocol.errors import clean_reason
+from clusterproxy_protocol.wire import REASON_HEADER
 from clusterproxy_protocol.workarounds import LazyCountingH2Connection
 
 CANCEL = h2.errors.ErrorCodes.CANCEL

@@ -19,9 +19,10 @@ import trio
 
 from clusterproxy_protocol import events as ev
 from clusterproxy_protocol.core import CANCEL, NO_ERROR, Role, StreamState, TunnelCore, TunnelSettings
-from clusterproxy_protocol.errors import REASON_HEADER, TunnelClosed, TunnelError, refusal
+from clusterproxy_protocol.errors import TunnelClosed, TunnelError, refusal
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.transport import receive_batch
+from clusterproxy_protocol.wire import REASON_HEADER
 
 _log = get_logger("tunnel")
 

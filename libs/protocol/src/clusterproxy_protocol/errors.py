@@ -11,8 +11,6 @@ from typing import ClassVar
 
 import trio
 
-from clusterproxy_protocol.wire import CLUSTER_HEADER, REASON_HEADER  # noqa: F401  TODO(issue 9): importers use wire
-
 
 class TunnelError(Exception):
     """Base class of every error the tunnel raises to its users."""

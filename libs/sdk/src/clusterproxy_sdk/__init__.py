@@ -53,8 +53,6 @@ See ``docs/sdk.md`` for more.
 
 from clusterproxy_protocol.driver import TunnelStream
 from clusterproxy_protocol.errors import (
-    CLUSTER_HEADER,
-    REASON_HEADER,
     ConnectRefused,
     DialTimeout,
     Forbidden,
@@ -65,6 +63,7 @@ from clusterproxy_protocol.errors import (
     TunnelError,
     UnknownCluster,
 )
+from clusterproxy_protocol.wire import CLUSTER_HEADER, REASON_HEADER
 
 from ._reload import LoadedTLS, ReloadingTLSFiles
 from ._shared import SharedTunnel, open_shared_tunnel

@@ -18,16 +18,16 @@ from cryptography import x509
 from clusterproxy_protocol.config import ConfigError, parse_hostport
 from clusterproxy_protocol.core import Role, TunnelSettings
 from clusterproxy_protocol.driver import Mux, TunnelStream, open_mux
-from clusterproxy_protocol.errors import CLUSTER_HEADER, TunnelClosed, TunnelError
+from clusterproxy_protocol.errors import TunnelClosed, TunnelError
 from clusterproxy_protocol.tls import client_context
+from clusterproxy_protocol.wire import ALPN_H2, CLUSTER_HEADER, CLUSTER_NAME
+from clusterproxy_protocol.wire import format_authority as wire_format_authority
 
 from ._reload import LoadedTLS, ReloadingTLSFiles
 
-ALPN_H2 = "h2"
 DEFAULT_KEEPALIVE = (30.0, 10.0)
 KUBE_APISERVER_PORT = 443
 
-_CLUSTER = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")  # as the proxy-server accepts
 _HOST = re.compile(r"^[A-Za-z0-9._-]{1,253}$")
 
 
@@ -89,7 +89,7 @@ def _resolve_tls(tls: TLSSource) -> tuple[ssl.SSLContext, x509.Certificate | Non
 
 def check_cluster(cluster: str) -> str:
     """Return ``cluster`` if it is a valid cluster name (a Kubernetes object name), else raise ValueError."""
-    if not isinstance(cluster, str) or not _CLUSTER.match(cluster):
+    if not isinstance(cluster, str) or not CLUSTER_NAME.match(cluster):
         raise ValueError(
             f"invalid cluster name {cluster!r}: expected a DNS name (lower-case letters, digits, "
             "'.' and '-', starting and ending with a letter or digit, at most 253 characters)"
@@ -109,10 +109,9 @@ def format_authority(host: str, port: int) -> str:
             ipaddress.IPv6Address(bare.split("%", 1)[0])
         except ValueError:
             raise ValueError(f"invalid host {host!r}: not a host name or IP address") from None
-        return f"[{bare}]:{port}"
-    if not _HOST.match(bare):
+    elif not _HOST.match(bare):
         raise ValueError(f"invalid host {host!r}: not a host name or IP address")
-    return f"{bare}:{port}"
+    return wire_format_authority(bare, port)
 
 
 def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:

@@ -22,9 +22,9 @@ from cryptography import x509
 
 from clusterproxy_protocol.core import Role, TunnelSettings
 from clusterproxy_protocol.driver import IncomingRequest, Mux, open_mux
-from clusterproxy_protocol.errors import CLUSTER_HEADER
 from clusterproxy_protocol.pki import DevCA
 from clusterproxy_protocol.tls import server_context
+from clusterproxy_protocol.wire import CLUSTER_HEADER
 
 from ._tunnel import TLSFiles, single_exceptions
 
