@@ -27,6 +27,7 @@ from pathlib import Path
 import trio
 
 from clusterproxy_certsigner.cli_commands import add_certs_commands, run_certs
+from clusterproxy_protocol import workarounds
 from clusterproxy_protocol.config import (
     ConfigError,
     InvalidValue,
@@ -262,6 +263,7 @@ def _local_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    workarounds.apply()
     args = parse_args_or_exit(build_parser(), argv)
     default_store = getattr(args, "run", None) is run_certs and args.store == ("files", str(DEFAULT_STORE))
     if default_store and not DEFAULT_STORE.is_dir():
