@@ -1,78 +1,35 @@
-"""A small HTTPS server for a JSON API: trio + h11, one request per connection, bounded everything.
-
-- TLS context from a callable, read at each handshake (a reloading context: renewed certificates and
-  trust bundles apply to new connections);
-- the client certificate, when one was presented and verified, is handed to the handler;
-- request head <= ``max_head`` bytes (431/400 from h11), body <= ``max_body`` (413 before reading a
-  declared oversized body), handshake and request deadlines, a cap on concurrent connections.
-"""
+"""The signing API's HTTPS server: the protocol library's HTTP/1.1 server with TLS, JSON errors
+(``{"error": CODE, "reason": TEXT}``) and every request logged; a :class:`SignerError` raised by a
+handler becomes its status and JSON body."""
 
 from __future__ import annotations
 
-import json
 import ssl
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
-import h11
 import trio
-from cryptography import x509
 
+from clusterproxy_protocol.httpserver import HttpLimits, Request, Response, serve_http
 from clusterproxy_protocol.logs import get_logger
 
-from .errors import SignerError, TooLarge
+from .errors import SignerError
 
 __all__ = ["HttpLimits", "Request", "Response", "serve_https"]
-
-
-@dataclass(frozen=True)
-class Request:
-    method: str
-    path: str
-    headers: dict[str, str]  # lower-case names
-    body: bytes
-    peer_ip: str
-    peer_cert: x509.Certificate | None
-
-
-@dataclass(frozen=True)
-class Response:
-    status: int
-    body: bytes
-    headers: tuple[tuple[str, str], ...] = ()
-    content_type: str = "application/json"
-
-    @classmethod
-    def json(cls, value: Any, status: int = 200, headers: tuple[tuple[str, str], ...] = ()) -> Response:
-        return cls(status, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode(), headers)
-
-    @classmethod
-    def error(cls, exc: SignerError) -> Response:
-        headers: tuple[tuple[str, str], ...] = ()
-        retry_after = getattr(exc, "retry_after", None)
-        if retry_after is not None:
-            headers = (("retry-after", str(max(1, int(retry_after + 0.999)))),)
-        return cls.json(exc.body(), exc.status, headers)
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    max_body: int = 64 << 10
-    max_head: int = 16 << 10
-    handshake_timeout: float = 10.0
-    request_timeout: float = 10.0
-    max_connections: int = 256
-    linger_bytes: int = 1 << 20  # read and drop this much of an oversized body so the client sees 413
-    linger_timeout: float = 2.0
-
 
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-class _Oversized(Exception):
-    pass
+def json_error(status: int, error: str, reason: str) -> Response:
+    return Response.json({"error": error, "reason": reason}, status)
+
+
+def signer_error(exc: SignerError) -> Response:
+    headers: tuple[tuple[str, str], ...] = ()
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after is not None:
+        headers = (("retry-after", str(max(1, int(retry_after + 0.999)))),)
+    return Response.json(exc.body(), exc.status, headers)
 
 
 async def serve_https(
@@ -84,165 +41,19 @@ async def serve_https(
     log: Any = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    log = log or get_logger("cert-signer.https")
-    slots = trio.CapacityLimiter(limits.max_connections)
-
-    async def handle(tcp: trio.SocketStream) -> None:
+    async def handle(request: Request) -> Response:
         try:
-            slots.acquire_nowait()
-        except trio.WouldBlock:
-            log.warning("connection_refused", reason="too many connections", limit=limits.max_connections)
-            await trio.aclose_forcefully(tcp)
-            return
-        try:
-            await _serve_connection(tcp, context(), handler, limits, log)
-        except Exception:
-            log.exception("connection_handler_failed")
-            await trio.aclose_forcefully(tcp)
-        finally:
-            slots.release()
+            return await handler(request)
+        except SignerError as exc:
+            return signer_error(exc)
 
-    async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, handle, listeners)
-        task_status.started()
-
-
-async def _serve_connection(
-    tcp: trio.SocketStream, ctx: ssl.SSLContext, handler: Handler, limits: HttpLimits, log: Any
-) -> None:
-    peer_ip = str(tcp.socket.getpeername()[0])
-    stream = trio.SSLStream(tcp, ctx, server_side=True, https_compatible=True)
-    try:
-        with trio.fail_after(limits.handshake_timeout):
-            await stream.do_handshake()
-    except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-        cause = exc.__cause__ or exc
-        log.info("tls_handshake_failed", peer=peer_ip, error=str(cause) or type(cause).__name__)
-        await trio.aclose_forcefully(tcp)
-        return
-    der = stream.getpeercert(binary_form=True)
-    peer_cert = x509.load_der_x509_certificate(der) if der else None
-    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_head)
-    started = time.monotonic()
-    response: Response | None = None
-    method = path = ""
-    with trio.move_on_after(limits.request_timeout) as deadline:
-        try:
-            head, body = await _read_request(stream, conn, limits)
-        except h11.RemoteProtocolError as exc:
-            response = Response.json(
-                {"error": "bad_request", "reason": f"malformed HTTP request: {exc}"}, exc.error_status_hint
-            )
-        except _Oversized:
-            response = Response.error(
-                TooLarge(f"request body larger than {limits.max_body} bytes", error="request_too_large")
-            )
-        except (trio.BrokenResourceError, trio.ClosedResourceError, EOFError):
-            await trio.aclose_forcefully(stream)
-            return
-        else:
-            method = head.method.decode("ascii", "replace")
-            path = head.target.decode("ascii", "replace").split("?", 1)[0]
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in head.headers}
-            request = Request(method, path, headers, body, peer_ip, peer_cert)
-            try:
-                response = await handler(request)
-            except SignerError as exc:
-                response = Response.error(exc)
-            except Exception as exc:  # a bug or a store failure: answer 500, keep serving
-                log.exception("request_failed", method=method, path=path, error=str(exc))
-                response = Response.json(
-                    {
-                        "error": "internal_error",
-                        "reason": "the signer failed to handle the request; see its log",
-                    },
-                    500,
-                )
-    if deadline.cancelled_caught and response is None:
-        response = Response.json({"error": "request_timeout", "reason": "request not received in time"}, 408)
-    assert response is not None
-    with trio.move_on_after(limits.request_timeout):
-        await _send(stream, conn, response)
-    if conn.their_state not in (h11.DONE, h11.CLOSED, h11.ERROR):
-        with trio.move_on_after(limits.linger_timeout):
-            await _linger(stream, limits.linger_bytes)
-    log.info(
-        "request",
-        method=method,
-        path=path,
-        status=response.status,
-        peer=peer_ip,
-        client=None if peer_cert is None else peer_cert.subject.rfc4514_string(),
-        duration_ms=round((time.monotonic() - started) * 1000, 1),
+    await serve_http(
+        listeners,
+        handle,
+        limits,
+        tls=context,
+        error_response=json_error,
+        log=log or get_logger("cert-signer.https"),
+        log_requests=True,
+        task_status=task_status,
     )
-    await trio.aclose_forcefully(stream)
-
-
-async def _read_request(
-    stream: trio.SSLStream, conn: h11.Connection, limits: HttpLimits
-) -> tuple[h11.Request, bytes]:
-    head: h11.Request | None = None
-    body = bytearray()
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            data = await stream.receive_some(16 << 10)
-            if not data:
-                raise EOFError
-            conn.receive_data(data)
-            continue
-        if isinstance(event, h11.Request):
-            head = event
-            for name, value in event.headers:
-                if name == b"content-length" and int(value) > limits.max_body:
-                    raise _Oversized
-        elif isinstance(event, h11.Data):
-            body += event.data
-            if len(body) > limits.max_body:
-                raise _Oversized
-        elif isinstance(event, h11.EndOfMessage):
-            assert head is not None
-            return head, bytes(body)
-        elif isinstance(event, h11.ConnectionClosed):
-            raise EOFError
-
-
-async def _send(stream: trio.SSLStream, conn: h11.Connection, response: Response) -> None:
-    headers = [
-        ("content-type", response.content_type),
-        ("content-length", str(len(response.body))),
-        ("connection", "close"),
-        ("cache-control", "no-store"),
-        *response.headers,
-    ]
-    try:
-        data = conn.send(h11.Response(status_code=response.status, headers=headers))
-        data += conn.send(h11.Data(data=response.body)) or b""
-        data += conn.send(h11.EndOfMessage()) or b""
-    except h11.LocalProtocolError:
-        # e.g. the request was so broken that h11 cannot answer within the protocol: answer raw
-        data = (
-            b"HTTP/1.1 %d \r\nconnection: close\r\ncontent-length: %d\r\ncontent-type: application/json\r\n\r\n%s"
-            % (
-                response.status,
-                len(response.body),
-                response.body,
-            )
-        )
-    try:
-        await stream.send_all(data)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
-
-
-async def _linger(stream: trio.SSLStream, budget: int) -> None:
-    """Read and drop what the client is still sending (up to ``budget``), so that closing does not
-    reset the connection before the client has read our answer."""
-    try:
-        while budget > 0:
-            data = await stream.receive_some(64 << 10)
-            if not data:
-                return
-            budget -= len(data)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass

@@ -18,7 +18,7 @@ from clusterproxy_agent.agent import Agent, AgentConfig, agent_version
 from clusterproxy_agent.egress import EgressPolicy, Rule, parse_rule
 from clusterproxy_agent.tunnel import TunnelOptions, TunnelRunner, tls_opener
 from clusterproxy_protocol import certclient, workarounds
-from clusterproxy_protocol.admin import Reply, serve_admin
+from clusterproxy_protocol.admin import Response, metrics_response, serve_admin
 from clusterproxy_protocol.bootstrap import bootstrap_with_retry
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
 from clusterproxy_protocol.config import (
@@ -437,24 +437,24 @@ class Service:
         self.stop_requested = trio.Event()
 
     # admin routes
-    def healthz(self) -> Reply:
-        return Reply.text("ok")
+    def healthz(self) -> Response:
+        return Response.text("ok")
 
-    def readyz(self) -> Reply:
+    def readyz(self) -> Response:
         if self.draining:
-            return Reply.text("not ready: shutting down", 503)
+            return Response.text("not ready: shutting down", 503)
         connected = self.agent.connected
         if connected:
-            return Reply.text(
+            return Response.text(
                 f"ok: {connected} tunnel(s) connected to {format_authority(*self.settings.server)}"
             )
         last = self.agent.last_error or "still connecting"
-        return Reply.text(
+        return Response.text(
             f"not ready: no tunnel connected to {format_authority(*self.settings.server)} ({last})", 503
         )
 
-    def metrics(self) -> Reply:
-        return Reply.metrics(self.agent.metrics.registry)
+    def metrics(self) -> Response:
+        return metrics_response(self.agent.metrics.registry)
 
     async def run(self, *, task_status: trio.TaskStatus[Service] = trio.TASK_STATUS_IGNORED) -> None:
         host, port = self.settings.admin_listen
