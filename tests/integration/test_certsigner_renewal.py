@@ -20,6 +20,7 @@ from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy, renewal_time
 from clusterproxy_protocol.tls import client_context
+from tests.support.waiting import wait_until
 
 # hour-long leaves (only the rotation moves them); trust refreshes every 0.1 s need a bucket that
 # size, and the signer follows the store within 0.2 s
@@ -253,6 +254,54 @@ async def test_a_context_that_did_not_load_the_new_leaf_holds_back_retire(
     )
     assert renewer.presenting == (new_serial,) and renewer.renewals == 1
     assert "step 3/3" in rotate_ca(store, "retire")
+
+
+async def test_with_the_default_trust_refresh_the_signers_hint_carries_a_rotation_in_seconds(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A party with the default minute-long trust refresh learns of a rotation with the report after
+    a renewal (its trust loop is asleep for the minute); from then on the signer's hint (1 s here)
+    wakes that loop, and every step reaches the party within seconds, far sooner than the minute. Once
+    the rotation is over the party is back on its own interval."""
+    signer = await start_signer(nursery, tmp_path / "signer", **ROTATION_SIGNER, rotation_refresh=1.0)
+    store = signer.store
+
+    def st() -> dict:
+        return status(store, now=dt.datetime.now(dt.UTC))
+
+    agent = await _agent_party(signer, tmp_path / "agent")
+    agent_tls = ReloadingContext.client(agent.cert, agent.key, agent.ca, alpn=[])
+    renewer = CertRenewer(signer.endpoint(agent.ca), agent, [agent_tls], RenewalPolicy(jitter=0.0))
+    assert renewer.trust_interval == 60.0
+    await nursery.start(renewer.run)
+    await wait_until(lambda: st()["parties"][0]["seen_at"] is not None, what="the first trust report")
+    assert renewer.refresh_after is None and renewer.trust_interval == 60.0
+
+    rotate_ca(store, "start")
+    new_ca = store.read_authorities().pending
+    assert new_ca is not None
+    renewer.request_renewal()
+    await wait_until(lambda: renewer.trust_interval == 1.0, what="the signer's hint", timeout=5)
+    await wait_until(lambda: st()["ready_for_next_step"], what="the party to trust the new CA", timeout=5)
+
+    rotate_ca(store, "activate")
+    await signer.service.refresh()
+    renewals = renewer.renewals
+    # well under the 60 s trust refresh: the next fetch comes within the hinted second, the early
+    # renewal within half of it
+    await wait_until(lambda: st()["ready_for_next_step"], what="a new-CA leaf presented", timeout=5)
+    assert renewer.renewals == renewals + 1
+    assert agent_tls.presenting == format(_serial(agent), "x")
+
+    rotate_ca(store, "retire")
+    await signer.service.refresh()
+    await wait_until(
+        lambda: certclient.bundle_fingerprints(agent.ca.read_bytes()) == (new_ca.fingerprint,),
+        what="the party to drop the old CA",
+        timeout=5,
+    )
+    assert renewer.refresh_after is None and renewer.trust_interval == 60.0
+    assert renewer.failures == 0
 
 
 async def test_renewal_retries_with_backoff_until_it_succeeds(nursery: trio.Nursery, tmp_path: Path) -> None:

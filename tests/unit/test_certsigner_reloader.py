@@ -17,14 +17,17 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from clusterproxy_protocol import certclient
 from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.pki import DevCA
 from clusterproxy_protocol.reloader import (
+    MIN_REFRESH_AFTER,
     ReloadingContext,
     RenewalPolicy,
     backoff_delay,
     early_renewal_delay,
     renewal_time,
+    trust_refresh_interval,
 )
 
 
@@ -71,10 +74,35 @@ def test_policy_validation() -> None:
 
 def test_early_renewal_comes_within_a_jittered_fraction_of_the_trust_refresh() -> None:
     policy = RenewalPolicy(trust_refresh=300.0, early_jitter=0.5)
-    assert early_renewal_delay(policy, 0.0) == 0.0
-    assert early_renewal_delay(policy, 0.5) == 75.0
-    delays = [early_renewal_delay(policy, random.Random(i).random()) for i in range(200)]
+    assert early_renewal_delay(300.0, policy, 0.0) == 0.0
+    assert early_renewal_delay(300.0, policy, 0.5) == 75.0
+    delays = [early_renewal_delay(300.0, policy, random.Random(i).random()) for i in range(200)]
     assert all(0 <= d < 150 for d in delays) and max(delays) - min(delays) > 100  # spread out
+    # during a rotation the interval is the signer's hint: the fleet moves within seconds
+    assert early_renewal_delay(5.0, policy, 0.999) < 2.5
+
+
+def test_the_trust_refresh_follows_the_signers_hint_only_when_sooner() -> None:
+    policy = RenewalPolicy()
+    assert policy.trust_refresh == 60.0
+    assert trust_refresh_interval(policy, None) == 60.0
+    assert trust_refresh_interval(policy, 5.0) == 5.0
+    assert trust_refresh_interval(policy, 600.0) == 60.0
+    assert trust_refresh_interval(policy, 0.001) == MIN_REFRESH_AFTER  # a hint cannot make us hammer
+    assert trust_refresh_interval(RenewalPolicy(trust_refresh=2.0), 5.0) == 2.0
+    assert trust_refresh_interval(RenewalPolicy(trust_refresh=0), 5.0) == 0  # off stays off
+
+
+def test_a_refresh_hint_the_party_cannot_read_is_ignored_not_fatal(tmp_path: Path) -> None:
+    pem = DevCA.create_or_load(tmp_path, name="ca-hint").ca_path.read_text()
+    read = certclient.TrustBundle.from_json
+    assert read({"ca_bundle_pem": pem, "cas": []}).refresh_after is None
+    assert read({"ca_bundle_pem": pem, "refresh_after": 5}).refresh_after == 5.0
+    for unreadable in ("5", -1, 0, float("nan"), float("inf"), True, None, [5]):
+        bundle = read({"ca_bundle_pem": pem, "refresh_after": unreadable})
+        assert bundle.refresh_after is None and len(bundle.fingerprints) == 1
+    with pytest.raises(certclient.SignerRequestError, match="malformed"):
+        read(["not", "an", "object"])
 
 
 class Pki:

@@ -57,6 +57,10 @@ class Party:
         self.loaded = self.cert
         self.report_presenting()
 
+    @property
+    def cert_serial(self) -> str:
+        return format(self.cert.serial_number, "x")
+
     def report_presenting(self) -> None:
         self.core.trust_bundle(self.cert, None, (format(self.loaded.serial_number, "x"),))
 
@@ -133,6 +137,28 @@ def test_full_rotation_with_overlap(core: SignerCore, now: dt.datetime) -> None:
     assert current.get(old.id).state == "retired"
     assert not (Path(store.root) / "ca" / f"{old.id}.key").exists()
     assert status(store, now=now)["phase"] == "stable"
+
+
+def test_the_trust_bundle_asks_for_sooner_refreshes_while_a_rotation_is_under_way(
+    core: SignerCore, now: dt.datetime
+) -> None:
+    store = core.store
+    party = Party(core, "cluster1", now)
+    assert "refresh_after" not in core.trust_bundle()
+    start_rotation(store, now=now)  # pending
+    assert core.trust_bundle()["refresh_after"] == 5.0
+    party.refresh_trust()
+    activate_pending(store, now=now)  # previous still trusted
+    answer = core.trust_bundle(party.cert, None, (party.cert_serial,))
+    assert answer["refresh_after"] == 5.0
+    assert certclient.TrustBundle.from_json(answer).refresh_after == 5.0  # what the parties read
+    party.renew()
+    party.load()
+    retire_previous(store, now=now)  # over: the parties' own interval again
+    assert "refresh_after" not in core.trust_bundle()
+    start_rotation(store, now=now)
+    assert "refresh_after" not in SignerCore(store, rotation_refresh=0).trust_bundle()
+    assert SignerCore(store, rotation_refresh=2.5).trust_bundle()["refresh_after"] == 2.5
 
 
 def _activated(core: SignerCore, now: dt.datetime, *parties: Party) -> None:

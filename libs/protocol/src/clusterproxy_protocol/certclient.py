@@ -6,7 +6,12 @@ The API (HTTPS, HTTP/1.1, JSON; errors are ``{"error": code, "reason": sentence}
     POST /v1/renew  (mTLS) {"csr_pem", "trusted": [fp, ...]}    -> Issued
     GET  /v1/trust-bundle  (mTLS optional; headers cluster-proxy-trusted: fp,fp and
                            cluster-proxy-presenting: serial,.. report what the caller's TLS
-                           contexts trust and present)          -> {"ca_bundle_pem", "cas": [...]}
+                           contexts trust and present)          -> {"ca_bundle_pem", "cas": [...],
+                                                                    "refresh_after"?: seconds}
+
+``refresh_after`` is there while a CA rotation is under way: fetch the bundle again within that many
+seconds (sooner than the usual trust refresh), so that the rotation's next step reaches every party
+within seconds.
 
 Keys are generated here (ECDSA P-256) and never leave the process except into the key file (mode
 0600). Files are replaced atomically; see :func:`write_credentials` for the order.
@@ -25,6 +30,7 @@ import datetime as dt
 import hashlib
 import ipaddress
 import json
+import math
 import os
 import ssl
 import tempfile
@@ -43,10 +49,9 @@ from cryptography.x509.oid import NameOID
 from . import tls
 from .config import ConfigError, parse_hostport
 from .pki import AGENT_ORGANIZATION, agent_uri
+from .wire import PRESENTING_HEADER, TRUSTED_HEADER
 
 __all__ = [
-    "PRESENTING_HEADER",
-    "TRUSTED_HEADER",
     "CertFiles",
     "Issued",
     "SignerEndpoint",
@@ -69,8 +74,6 @@ __all__ = [
 ]
 
 ALPN = "http/1.1"
-TRUSTED_HEADER = "cluster-proxy-trusted"
-PRESENTING_HEADER = "cluster-proxy-presenting"
 MAX_RESPONSE = 1 << 20
 
 
@@ -150,6 +153,29 @@ class TrustBundle:
     pem: str
     fingerprints: tuple[str, ...]
     cas: list[dict[str, Any]]
+    # seconds within which to fetch again: the signer says so while a CA rotation is under way
+    refresh_after: float | None = None
+
+    @classmethod
+    def from_json(cls, data: Any) -> TrustBundle:
+        try:
+            pem = str(data["ca_bundle_pem"])
+            return cls(
+                pem,
+                bundle_fingerprints(pem),
+                list(data.get("cas") or []),
+                _refresh_after(data.get("refresh_after")),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise SignerRequestError(200, "bad_response", f"the trust bundle is malformed: {exc}") from None
+
+
+def _refresh_after(value: object) -> float | None:
+    """The signer's refresh hint in seconds; None when absent or not a positive number (a hint the
+    caller cannot read only costs it the speed-up, never the bundle)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
 
 
 class SignerRequestError(Exception):
@@ -414,7 +440,8 @@ async def fetch_trust_bundle(
     """The current trust bundle. With ``cert``/``key``, the signer records what this party reports:
     ``trusted``, the fingerprints of the CAs its TLS contexts trust (activating a new CA waits for
     every party to trust it), and ``presenting``, the serials (hex) of the leaves its contexts present
-    (retiring the old CA waits for every party to present a leaf of the new one)."""
+    (retiring the old CA waits for every party to present a leaf of the new one). While a rotation is
+    under way the answer's :attr:`TrustBundle.refresh_after` asks for the next fetch sooner."""
     headers = []
     if cert is not None:
         if trusted is not None:
@@ -422,11 +449,7 @@ async def fetch_trust_bundle(
         if presenting is not None:
             headers.append((PRESENTING_HEADER, ",".join(presenting)))
     answer = await request_json(endpoint, "GET", "/v1/trust-bundle", cert=cert, key=key, headers=headers)
-    try:
-        pem = str(answer["ca_bundle_pem"])
-        return TrustBundle(pem, bundle_fingerprints(pem), list(answer.get("cas") or []))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise SignerRequestError(200, "bad_response", f"the trust bundle is malformed: {exc}") from None
+    return TrustBundle.from_json(answer)
 
 
 async def bootstrap_files(

@@ -15,7 +15,9 @@ jitter), refresh the trust bundle periodically and report to the signer what thi
 trust and which leaf they present (as loaded, not as written: a CA rotation retires the old CA only
 once every party presents a leaf of the new one). When the trust bundle says another CA is active
 than the one that signed this party's leaf (a rotation was activated), it renews early: within a
-jittered fraction of the trust refresh interval instead of at 80% of the lifetime.
+jittered fraction of the trust refresh interval instead of at 80% of the lifetime. While a rotation is
+under way the signer's answer asks for the next fetch sooner (``refresh_after``): the trust refresh
+interval is then the smaller of the two, so every step of a rotation reaches the party within seconds.
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ from .logs import get_logger
 _T = TypeVar("_T")
 
 __all__ = [
+    "MIN_REFRESH_AFTER",
     "CertRenewer",
     "ReloadingContext",
     "RenewalPolicy",
     "backoff_delay",
     "early_renewal_delay",
     "renewal_time",
+    "trust_refresh_interval",
 ]
 
 
@@ -174,8 +178,10 @@ class RenewalPolicy:
     jitter: float = 0.05  # ...minus up to this fraction of it, at random
     retry_initial: float = 1.0
     retry_max: float = 300.0
-    trust_refresh: float = 300.0  # seconds between trust-bundle fetches; 0 turns them off
-    # a leaf not from the active CA renews within this fraction of trust_refresh, at random
+    # seconds between trust-bundle fetches (0 turns them off): a rotation's start is noticed within
+    # it; once noticed, the signer's refresh hint takes over until the rotation ends
+    trust_refresh: float = 60.0
+    # a leaf not from the active CA renews within this fraction of the trust refresh interval, at random
     early_jitter: float = 0.5
 
     def __post_init__(self) -> None:
@@ -187,10 +193,24 @@ class RenewalPolicy:
             raise ValueError("renewal needs 0 <= early_jitter <= 1")
 
 
-def early_renewal_delay(policy: RenewalPolicy, sample: float) -> float:
-    """Seconds until a leaf that is not from the active CA renews: ``trust_refresh * early_jitter *
-    sample`` for ``sample`` in [0, 1) (a fleet that learns of an activation together spreads out)."""
-    return policy.trust_refresh * policy.early_jitter * sample
+# The fastest trust refresh a signer's hint may ask for: a broken or hostile hint cannot make a fleet
+# hammer the signer.
+MIN_REFRESH_AFTER = 1.0
+
+
+def trust_refresh_interval(policy: RenewalPolicy, refresh_after: float | None) -> float:
+    """Seconds between trust-bundle fetches: ``policy.trust_refresh``, or the signer's hint
+    ``refresh_after`` (at least :data:`MIN_REFRESH_AFTER`) when that is sooner. 0: no fetches."""
+    if policy.trust_refresh <= 0 or refresh_after is None:
+        return policy.trust_refresh
+    return min(policy.trust_refresh, max(MIN_REFRESH_AFTER, refresh_after))
+
+
+def early_renewal_delay(interval: float, policy: RenewalPolicy, sample: float) -> float:
+    """Seconds until a leaf that is not from the active CA renews: ``interval * early_jitter * sample``
+    for the current trust refresh ``interval`` and ``sample`` in [0, 1) (a fleet that learns of an
+    activation together spreads out)."""
+    return interval * policy.early_jitter * sample
 
 
 def renewal_time(cert: x509.Certificate, policy: RenewalPolicy, sample: float) -> dt.datetime:
@@ -224,8 +244,10 @@ class CertRenewer:
     - renews at :func:`renewal_time` (via :func:`certclient.renew`, mTLS with the current
       certificate, a new key each time), writes the files, reloads every context, then reports to
       the signer what the contexts present now;
-    - fetches the trust bundle every ``policy.trust_refresh`` seconds (and at start), reporting what
-      the contexts trust and present; installs a changed bundle, reloads, and reports again;
+    - fetches the trust bundle every :attr:`trust_interval` seconds (and at start), reporting what
+      the contexts trust and present; installs a changed bundle, reloads, and reports again. The
+      interval is ``policy.trust_refresh``, shortened to the signer's ``refresh_after`` while a
+      rotation is under way (:func:`trust_refresh_interval`);
     - renews early (:func:`early_renewal_delay`) when the bundle names an active CA that did not sign
       this party's leaf: after a rotation's ``activate``, every party moves within about one trust
       refresh interval, whatever the leaf lifetime;
@@ -263,8 +285,10 @@ class CertRenewer:
         self.last_error: str | None = None
         self.next_renewal: dt.datetime | None = None
         self.early_renewal_at: dt.datetime | None = None
+        self.refresh_after: float | None = None  # the signer's hint of the last trust-bundle answer
         self._pending_key: Any = None
         self._rescheduled = trio.Event()
+        self._trust_interval_shortened = trio.Event()
         self._renewed = trio.Event()
         self._trust_lock = trio.Lock()
         cert = _load_cert(files.cert)
@@ -275,6 +299,11 @@ class CertRenewer:
     @property
     def certificate(self) -> x509.Certificate:
         return _load_cert(self.files.cert)
+
+    @property
+    def trust_interval(self) -> float:
+        """Seconds between trust-bundle fetches now (the policy's, or the signer's sooner hint)."""
+        return trust_refresh_interval(self.policy, self.refresh_after)
 
     @property
     def presenting(self) -> tuple[str, ...]:
@@ -373,13 +402,31 @@ class CertRenewer:
     # -- internals ---------------------------------------------------------------------------------------
 
     async def _fetch_trust(self) -> certclient.TrustBundle:
-        return await certclient.fetch_trust_bundle(
+        bundle = await certclient.fetch_trust_bundle(
             self.endpoint,
             cert=self.files.cert,
             key=self.files.key,
             trusted=self.trusted,
             presenting=self.presenting,
         )
+        self._follow_refresh_hint(bundle.refresh_after)
+        return bundle
+
+    def _follow_refresh_hint(self, refresh_after: float | None) -> None:
+        before = self.trust_interval
+        self.refresh_after = refresh_after
+        after = self.trust_interval
+        if after == before:
+            return
+        self.log.info(
+            "trust_refresh_interval_changed",
+            interval=after,
+            reason="a CA rotation is under way: the signer asks for sooner trust refreshes"
+            if after < self.policy.trust_refresh
+            else "no CA rotation under way",
+        )
+        if after < before:
+            self._trust_interval_shortened.set()
 
     def _follow_active_ca(self, bundle: certclient.TrustBundle) -> None:
         active = next((c for c in bundle.cas if c.get("state") == "active"), None)
@@ -399,7 +446,7 @@ class CertRenewer:
             pass
         if self.early_renewal_at is not None:
             return
-        delay = early_renewal_delay(self.policy, self.rng.random())
+        delay = early_renewal_delay(self.trust_interval, self.policy, self.rng.random())
         self.log.info(
             "cert_early_renewal_scheduled",
             serial=_serial(leaf),
@@ -485,15 +532,32 @@ class CertRenewer:
     async def _trust_loop(self) -> None:
         attempt = 0
         while True:
+            backoff: float | None = None
             try:
                 await self.refresh_trust_once()
                 attempt = 0
-                delay = self.policy.trust_refresh * (1 - 0.1 * self.rng.random())
             except (certclient.SignerRequestError, ConfigError, OSError, ValueError) as exc:
-                delay = min(self.policy.trust_refresh, backoff_delay(attempt, self.policy, self.rng.random()))
+                backoff = backoff_delay(attempt, self.policy, self.rng.random())
                 attempt += 1
-                self.log.warning("trust_refresh_failed", error=str(exc), retry_in=round(delay, 2))
-            await trio.sleep(delay)
+                retry_in = min(self.trust_interval, backoff)
+                self.log.warning("trust_refresh_failed", error=str(exc), retry_in=round(retry_in, 2))
+            await self._wait_next_trust_fetch(trio.current_time(), self.rng.random(), backoff)
+
+    async def _wait_next_trust_fetch(self, fetched_at: float, sample: float, backoff: float | None) -> None:
+        """Until one trust interval (less up to 10% jitter), or ``backoff``, after ``fetched_at``. A
+        hint that shortens the interval meanwhile (the report after a renewal) shortens this wait."""
+
+        def due() -> float:
+            interval = self.trust_interval
+            return fetched_at + (interval * (1 - 0.1 * sample) if backoff is None else min(interval, backoff))
+
+        until = due()
+        while trio.current_time() < until:
+            with trio.move_on_at(until):
+                await self._trust_interval_shortened.wait()
+            if self._trust_interval_shortened.is_set():
+                self._trust_interval_shortened = trio.Event()
+                until = min(until, due())
 
 
 def _retryable(exc: BaseException) -> bool:

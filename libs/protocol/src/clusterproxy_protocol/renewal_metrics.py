@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 
 class RenewerCounters(Protocol):
     renewals: int
+    early_renewals: int
     failures: int
     trust_updates: int
 
@@ -21,8 +22,9 @@ class RenewerCounters(Protocol):
 
 
 class RenewerCollector(Collector):
-    """``<prefix>cert_renewals_total``, ``cert_renewal_failures_total``, ``trust_bundle_updates_total``
-    and ``cert_not_after_seconds``, read from the renewer when scraped."""
+    """``<prefix>cert_renewals_total``, ``cert_early_renewals_total``, ``cert_renewal_failures_total``,
+    ``trust_bundle_updates_total`` and ``cert_not_after_seconds``, read from the renewer when
+    scraped."""
 
     def __init__(self, renewer: RenewerCounters, prefix: str) -> None:
         self._renewer = renewer
@@ -34,6 +36,11 @@ class RenewerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         r, p = self._renewer, self._prefix
         yield CounterMetricFamily(p + "cert_renewals", "Certificate renewals done", value=r.renewals)
+        yield CounterMetricFamily(
+            p + "cert_early_renewals",
+            "Renewals done early because the certificate was not from the active CA (a CA rotation)",
+            value=r.early_renewals,
+        )
         yield CounterMetricFamily(p + "cert_renewal_failures", "Failed renewal attempts", value=r.failures)
         yield CounterMetricFamily(
             p + "trust_bundle_updates", "Trust bundle changes loaded", value=r.trust_updates

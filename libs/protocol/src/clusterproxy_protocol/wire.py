@@ -11,6 +11,11 @@ REASON_HEADER = "cluster-proxy-reason"  # the one-line reason of a refusal
 SERVER_ID_HEADER = "cluster-proxy-server-id"  # on the server's GET /v1/info to an agent
 SERVER_COUNT_HEADER = "cluster-proxy-server-count"
 
+# Request headers of the cert-signer's GET /v1/trust-bundle: what the caller's TLS contexts have
+# loaded, recorded for the certificate it authenticates with (a CA rotation waits on these reports).
+TRUSTED_HEADER = "cluster-proxy-trusted"  # sha256:<hex> of every CA the contexts trust, comma-separated
+PRESENTING_HEADER = "cluster-proxy-presenting"  # serials (hex) of the leaves the contexts present
+
 # Control paths the server asks an agent on the tunnel.
 INFO_PATH = "/v1/info"
 

@@ -25,9 +25,20 @@ from .models import Authorities, AuthorityRecord, Identity, IssuedRecord, TokenR
 from .store import CertStore, NotFound, StoreConflict
 from .tokens import parse_token, secret_matches
 
-__all__ = ["DEFAULT_CERT_TTL", "IssueResult", "SignerCore", "parse_presenting", "parse_trusted", "utc_now"]
+__all__ = [
+    "DEFAULT_CERT_TTL",
+    "DEFAULT_ROTATION_REFRESH",
+    "IssueResult",
+    "SignerCore",
+    "parse_presenting",
+    "parse_trusted",
+    "utc_now",
+]
 
 DEFAULT_CERT_TTL = dt.timedelta(hours=24)
+# While a rotation is under way, parties are asked to fetch the trust bundle this often (seconds), so
+# that each step reaches them within seconds instead of within their usual trust refresh.
+DEFAULT_ROTATION_REFRESH = 5.0
 TRUST_REPORT_REFRESH = dt.timedelta(minutes=5)
 PRUNE_AFTER = dt.timedelta(days=7)
 MAX_TRUSTED = 16
@@ -102,10 +113,12 @@ class SignerCore:
         *,
         cert_ttl: dt.timedelta = DEFAULT_CERT_TTL,
         clock: Callable[[], dt.datetime] = utc_now,
+        rotation_refresh: float = DEFAULT_ROTATION_REFRESH,
     ) -> None:
         self.store = store
         self.cert_ttl = cert_ttl
         self.clock = clock
+        self.rotation_refresh = rotation_refresh  # 0: no refresh hint
         self._keys: dict[str, CAKey] = {}
 
     # -- signing -----------------------------------------------------------------------------------------
@@ -267,11 +280,12 @@ class SignerCore:
         """The trust bundle; a caller with a client certificate that reports ``trusted`` (the CAs its
         TLS contexts trust) and/or ``presenting`` (the serials of the leaves they present) has them
         recorded: that is how ``status`` knows who trusts a pending CA and who presents a leaf of the
-        active one."""
+        active one. While a rotation is under way the answer carries ``refresh_after``
+        (``rotation_refresh`` seconds): fetch again that soon, the next step may come any moment."""
         current = self.store.read_authorities()
         if peer is not None and (trusted is not None or presenting is not None):
             self._record_report(peer, trusted, presenting)
-        return {
+        answer: dict[str, Any] = {
             "ca_bundle_pem": current.bundle_pem(),
             "cas": [
                 {
@@ -283,6 +297,9 @@ class SignerCore:
                 for r in current.bundle()
             ],
         }
+        if current.rotating and self.rotation_refresh > 0:
+            answer["refresh_after"] = self.rotation_refresh
+        return answer
 
     def _record_report(
         self, peer: x509.Certificate, trusted: tuple[str, ...] | None, presenting: tuple[str, ...] | None

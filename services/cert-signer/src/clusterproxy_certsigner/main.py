@@ -68,6 +68,13 @@ def _cert_ttl(text: str) -> dt.timedelta:
     return dt.timedelta(seconds=seconds)
 
 
+def _rotation_refresh(text: str) -> float:
+    seconds = parse_duration(text)
+    if 0 < seconds < 1:
+        raise InvalidValue(f"invalid rotation refresh {text!r}: at least 1s, or 0 for no hint")
+    return seconds
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cluster-proxy-cert-signer",
@@ -137,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_duration,
         default="5s",
         help="how often the CA list is re-read from the store",
+    )
+    flag(
+        "--rotation-refresh",
+        type=_rotation_refresh,
+        default="5s",
+        help="while a CA rotation is under way, ask every party to fetch the trust bundle this often "
+        "(sooner than its --trust-refresh), so each step reaches the fleet within seconds; 0: no hint",
     )
     flag("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     flag(
@@ -208,6 +222,7 @@ def config_from_args(args: argparse.Namespace) -> SignerConfig:
         token_burst=args.token_burst,
         token_rate=args.token_rate,
         store_poll=max(0.1, args.store_poll),
+        rotation_refresh=args.rotation_refresh,
     )
 
 

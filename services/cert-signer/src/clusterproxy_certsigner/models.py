@@ -142,6 +142,11 @@ class Authorities:
     def previous(self) -> AuthorityRecord | None:
         return self.by_state("previous")
 
+    @property
+    def rotating(self) -> bool:
+        """A CA rotation is under way: a new CA is pending, or the previous one is still trusted."""
+        return self.pending is not None or self.previous is not None
+
     def get(self, ca_id: str) -> AuthorityRecord | None:
         return next((r for r in self.records if r.id == ca_id), None)
 

@@ -5,7 +5,8 @@ Routes (JSON; errors ``{"error", "reason"}`` with 400/401/403/404/405/409/410/41
     POST /v1/bootstrap        {"token", "csr_pem"}                       no client certificate needed
     POST /v1/renew            {"csr_pem", "trusted"?}                    mTLS: the current certificate
     GET  /v1/trust-bundle     headers cluster-proxy-trusted: fp,fp       mTLS optional (records what
-                              and cluster-proxy-presenting: serial       the caller trusts and presents)
+                              and cluster-proxy-presenting: serial       the caller trusts and presents;
+                                                                         refresh_after during a rotation)
     GET  /healthz
 
 The signer serves with a certificate it issues itself from the active CA (re-issued when the active
@@ -32,8 +33,17 @@ from cryptography import x509
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.reloader import ReloadingContext
+from clusterproxy_protocol.wire import PRESENTING_HEADER, TRUSTED_HEADER
 
-from .core import DEFAULT_CERT_TTL, IssueResult, SignerCore, parse_presenting, parse_trusted, utc_now
+from .core import (
+    DEFAULT_CERT_TTL,
+    DEFAULT_ROTATION_REFRESH,
+    IssueResult,
+    SignerCore,
+    parse_presenting,
+    parse_trusted,
+    utc_now,
+)
 from .errors import BadRequest, RateLimited, SignerError
 from .https import HttpLimits, Request, Response, serve_https
 from .ratelimit import RateLimiter
@@ -62,6 +72,7 @@ class SignerConfig:
     token_rate: float = 1 / 60  # per second
     store_poll: float = 5.0
     prune_interval: float = 3600.0
+    rotation_refresh: float = DEFAULT_ROTATION_REFRESH  # trust refresh asked of parties mid-rotation
 
 
 class SignerService:
@@ -74,7 +85,9 @@ class SignerService:
     ) -> None:
         self.config = config
         self.store = config.store
-        self.core = SignerCore(config.store, cert_ttl=config.cert_ttl, clock=clock)
+        self.core = SignerCore(
+            config.store, cert_ttl=config.cert_ttl, clock=clock, rotation_refresh=config.rotation_refresh
+        )
         self.clock = clock
         self.monotonic = monotonic
         self.ip_limiter = RateLimiter(burst=config.ip_burst, rate=config.ip_rate)
@@ -271,9 +284,9 @@ class SignerService:
         return self._issued(result, request)
 
     async def _trust_bundle(self, request: Request) -> Response:
-        header = request.headers.get(certclient.TRUSTED_HEADER)
+        header = request.headers.get(TRUSTED_HEADER)
         trusted = parse_trusted(header) if header is not None else None
-        presenting = parse_presenting(request.headers.get(certclient.PRESENTING_HEADER))
+        presenting = parse_presenting(request.headers.get(PRESENTING_HEADER))
         return Response.json(
             await self._in_thread(self.core.trust_bundle, request.peer_cert, trusted, presenting)
         )
