@@ -128,7 +128,7 @@ class AgentSettings:
     # cert-signer: bootstrap --cert/--key from a token, renew them, follow the trust bundle
     signer: str | None = None
     bootstrap_token: str | None = None
-    trust_refresh: float = 300.0
+    trust_refresh: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.server_name:
@@ -231,8 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--trust-refresh",
         metavar="DURATION",
         type=parse_duration,
-        default="5m",
-        help="with --signer: how often the trust bundle is fetched (CA rotation needs it); 0: never",
+        default="1m",
+        help="with --signer: how often the trust bundle is fetched (a CA rotation is noticed within "
+        "it; while one is under way the signer asks for sooner refreshes); 0: never (no CA rotation)",
     )
     flag(
         "--kube-apiserver",

@@ -31,6 +31,6 @@ class ServerConfig:
     signer: str | None = None
     bootstrap_token: str | None = None
     tls_hosts: tuple[str, ...] = ()
-    trust_refresh: float = 300.0
+    trust_refresh: float = 60.0  # while a CA rotation is under way the signer asks for sooner
     # which clients reach which clusters (authz.py); None: every client reaches every cluster
     client_policy: Path | None = None

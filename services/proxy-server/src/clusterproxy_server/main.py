@@ -118,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     flag(
         "--trust-refresh",
         type=parse_duration,
-        default="5m",
-        help="with --signer: how often the trust bundle is fetched (CA rotation needs it); 0: never",
+        default="1m",
+        help="with --signer: how often the trust bundle is fetched (a CA rotation is noticed within "
+        "it; while one is under way the signer asks for sooner refreshes); 0: never (no CA rotation)",
     )
     flag(
         "--client-policy",
