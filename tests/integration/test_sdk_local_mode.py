@@ -102,7 +102,7 @@ async def test_local_up_serves_sdk_curl_and_port_forward_then_stops_cleanly(tmp_
         doc = await local.wait_ready()
         assert set(doc["clusters"]) == {"cluster1", "cluster2"}
         pids = list(doc["pids"].values())
-        assert len(pids) == 6 and all(_alive(pid) for pid in pids)
+        assert len(pids) == 7 and all(_alive(pid) for pid in pids)  # local up, the signer, the server, 2 agents, 2 echoes
         proxy = proxy_settings(doc)
         for key in ("ca", "cert", "key"):
             assert Path(doc["proxy"][key]).is_absolute() and Path(doc["proxy"][key]).is_file()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from clusterproxy_cli.certs import certs_argv
 from clusterproxy_cli.main import build_parser, main, resolve_port_forward
 from clusterproxy_cli.state import ProxySettings, build_local_json, write_local_json
 from clusterproxy_protocol.config import parse_args_or_exit
@@ -129,3 +130,37 @@ def test_port_forward_state_dir_without_local_json(
     )
     assert code == 2
     assert "local up" in err and "not found" in err
+
+
+def test_certs_runs_the_signers_command_on_the_local_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".state" / "local" / "pki" / "store").mkdir(parents=True)
+    argv = certs_argv("status", ["--json"], {})
+    assert Path(argv[0]).name == "cluster-proxy-cert-signer"
+    assert argv[1:] == ["status", "--json", "--store", str(Path(".state/local/pki/store"))]
+    for named in (["--store", "s"], ["--store=s"], ["--sto", "s"]):
+        assert certs_argv("token", ["list", *named], {})[1:] == ["token", "list", *named]
+    env = {"CLUSTER_PROXY_CERT_SIGNER_STORE": "elsewhere"}
+    assert certs_argv("rotate-ca", ["start"], env)[1:] == ["rotate-ca", "start"]
+
+
+def test_certs_without_a_store_explains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CLUSTER_PROXY_CERT_SIGNER_STORE", raising=False)
+    code, err = _exit_code_and_stderr(["certs", "status"], capsys)
+    assert code == 1
+    assert "cluster-proxy certs: no store at .state/local/pki/store: start `cluster-proxy local up`" in err
+    assert certs_argv("status", ["--help"], {})[-3:] == ["--help", "--store", ".state/local/pki/store"]
+
+
+def test_certs_passes_the_signers_exit_status_through(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["certs", "token", "delete", "no-such-id", "--store", str(tmp_path / "store")])
+    assert info.value.code == 1
+    assert "no token no-such-id" in capfd.readouterr().err

@@ -10,13 +10,18 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from clusterproxy_cli.local import (
-    agent_argv,
+from clusterproxy_cli.local_pki import issue_certificates
+from clusterproxy_cli.local_plan import (
+    SignerPlan,
+    busy_ports,
     echo_argv,
     free_ports,
-    issue_certificates,
+    local_agent_argv,
+    local_server_argv,
+    local_signer_argv,
     plan_ports,
-    server_argv,
+    signer_certificates,
+    signer_parties,
 )
 from clusterproxy_cli.state import (
     ProxySettings,
@@ -136,6 +141,7 @@ def test_fixed_port_plan() -> None:
     assert (ports.client, ports.agent, ports.admin) == (20000, 20001, 20002)
     assert ports.agent_admin == {"cluster1": 20003, "cluster2": 20004}
     assert ports.echo == {"cluster1": 20010, "cluster2": 20011}
+    assert ports.signer not in range(20000, 20012)  # a free port outside the plan
     with pytest.raises(ValueError, match="65535"):
         plan_ports(65530, ["cluster1", "cluster2"])
 
@@ -143,7 +149,7 @@ def test_fixed_port_plan() -> None:
 def test_ephemeral_port_plan_gives_distinct_free_ports() -> None:
     ports = plan_ports(0, ["cluster1", "cluster2"])
     values = ports.all()
-    assert len(values) == 7 == len(set(values))
+    assert len(values) == 8 == len(set(values))
     assert all(1024 <= p <= 65535 for p in values)
     assert len(set(free_ports(5))) == 5
 
@@ -167,7 +173,7 @@ def test_certificates_bind_agents_to_their_clusters(tmp_path: Path) -> None:
 def test_child_command_lines(tmp_path: Path) -> None:
     certs = issue_certificates(tmp_path / "pki", ["cluster1", "cluster2"])
     ports = plan_ports(20000, ["cluster1", "cluster2"])
-    server = server_argv(ports, certs, ["cluster1", "cluster2"])
+    server = local_server_argv(ports, certs, ["cluster1", "cluster2"])
     assert server[0].endswith("cluster-proxy-server")
 
     def flag(argv: list[str], name: str) -> str:
@@ -177,7 +183,7 @@ def test_child_command_lines(tmp_path: Path) -> None:
     assert flag(server, "--agent-listen") == "127.0.0.1:20001"
     assert flag(server, "--admin-listen") == "127.0.0.1:20002"
     assert flag(server, "--known-clusters") == "cluster1,cluster2"
-    agent = agent_argv("cluster2", ports, certs)
+    agent = local_agent_argv("cluster2", ports, certs)
     assert agent[0].endswith("cluster-proxy-agent")
     assert flag(agent, "--server") == "127.0.0.1:20001"
     assert flag(agent, "--cluster") == "cluster2"
@@ -190,12 +196,45 @@ def test_child_command_lines(tmp_path: Path) -> None:
     assert echo[1:3] == ["-m", "clusterproxy_cli.echo"]
     assert flag(echo, "--listen") == "127.0.0.1:20010"
     assert flag(echo, "--name") == "cluster1-echo"
+    assert "--signer" not in server + agent
+
+
+def test_child_command_lines_with_the_signer(tmp_path: Path) -> None:
+    clusters = ["cluster1", "cluster2"]
+    certs = signer_certificates(tmp_path / "pki", clusters)
+    ports = plan_ports(20000, clusters)
+    plan = SignerPlan(tmp_path / "pki" / "store", "https://127.0.0.1:20100", "2m", "2s", {"cluster1": "t1"})
+
+    def flag(argv: list[str], name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    signer = local_signer_argv(plan.store, ports, plan.cert_ttl)
+    assert signer[0].endswith("cluster-proxy-cert-signer") and signer[1] == "serve"
+    assert flag(signer, "--store") == str(plan.store)
+    assert flag(signer, "--listen") == f"127.0.0.1:{ports.signer}"
+    assert flag(signer, "--cert-ttl") == "2m" and flag(signer, "--log-format") == "json"
+    server = local_server_argv(ports, certs, clusters, plan)
+    assert flag(server, "--signer") == plan.url and flag(server, "--trust-refresh") == "2s"
+    assert "--bootstrap-token" not in server  # it has a certificate already
+    assert [server[i + 1] for i, a in enumerate(server) if a == "--tls-host"] == ["localhost", "127.0.0.1"]
+    assert flag(server, "--cert") == str(tmp_path / "pki" / "proxy-server" / "tls.crt")
+    agent = local_agent_argv("cluster1", ports, certs, plan)
+    assert flag(agent, "--bootstrap-token") == "t1"
+    assert flag(agent, "--ca") == str(tmp_path / "pki" / "cluster1-agent" / "ca.crt")
+
+
+def test_every_party_gets_a_token_bound_to_its_identity(tmp_path: Path) -> None:
+    certs = signer_certificates(tmp_path, ["cluster1"])
+    bindings = {party.name: party.binding for party in signer_parties(certs, ["cluster1"])}
+    assert bindings == {
+        "client": ("--client", "local-admin"),
+        "proxy-server": ("--server", "proxy-server", "--host", "localhost", "--host", "127.0.0.1"),
+        "cluster1": ("--cluster", "cluster1", "--agent-id", "cluster1-agent-1"),
+    }
 
 
 def test_busy_ports_are_found() -> None:
     import socket
-
-    from clusterproxy_cli.local import busy_ports
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

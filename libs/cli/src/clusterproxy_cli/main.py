@@ -9,7 +9,8 @@
     cluster-proxy certs rotate-ca [start|activate|retire] [--force] [--store DIR]
     cluster-proxy certs token create|list|delete [--store DIR] ...
 
-``certs`` works on the cert-signer's store directly (default: the local mode's, ``STATE/pki/store``).
+``certs`` runs the cert-signer's own command (``cluster-proxy-cert-signer COMMAND ...``) on its store
+(default: the local mode's, ``STATE/pki/store``).
 
 Every flag has an environment twin ``CLUSTER_PROXY_<FLAG>`` (``--state-dir`` ->
 ``CLUSTER_PROXY_STATE_DIR``); a bad value exits with status 2 and a message naming it.
@@ -26,7 +27,6 @@ from pathlib import Path
 
 import trio
 
-from clusterproxy_certsigner.cli_commands import add_certs_commands, run_certs
 from clusterproxy_protocol import workarounds
 from clusterproxy_protocol.config import (
     ConfigError,
@@ -42,10 +42,11 @@ from clusterproxy_protocol.errors import TunnelError
 from clusterproxy_protocol.logs import configure_logging, get_logger
 from clusterproxy_sdk import TLSFiles, check_cluster
 
+from . import certs as certs_command
+from .commands import SIGNER
 from .state import DEFAULT_STATE_DIR, LOCAL_JSON, proxy_settings, read_local_json
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DEFAULT_STORE = DEFAULT_STATE_DIR / "pki" / "store"
 
 
 # --- converters --------------------------------------------------------------------------------------
@@ -133,10 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
     certs = commands.add_parser(
         "certs",
         help="certificates: status, CA rotation, bootstrap tokens",
-        description="Work on the cert-signer's store (no running signer needed; it follows the store "
-        f"within its poll interval). --store defaults to the local mode's ({DEFAULT_STORE}).",
+        description=f"Runs `{SIGNER} COMMAND ARG...` (the cert-signer's own command, from the "
+        f"{SIGNER} package) on the signer's store: no running signer needed, it follows the store "
+        "within its poll interval. --store defaults to the local mode's "
+        f"({certs_command.DEFAULT_STORE}) unless {certs_command.STORE_ENV} names one.",
+        epilog="commands: status [--json] (CAs, rotation phase, parties and what they trust); "
+        "rotate-ca [start|activate|retire] [--force] (rotate the CA with overlap, one step at a time); "
+        "token create|list|delete (bootstrap tokens). `cluster-proxy certs COMMAND --help` shows "
+        "a command's flags.",
     )
-    add_certs_commands(certs, default_store=str(DEFAULT_STORE))
+    certs.add_argument("certs_command", metavar="COMMAND", choices=certs_command.COMMANDS,
+                       help=", ".join(certs_command.COMMANDS))  # fmt: skip
+    certs.add_argument("certs_args", metavar="ARG", nargs=argparse.REMAINDER,
+                       help="the command's arguments and flags")  # fmt: skip
 
     pf = commands.add_parser(
         "port-forward",
@@ -164,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
              help="TCP+TLS connect timeout to the proxy-server")  # fmt: skip
 
     up.set_defaults(run=_local_up, subparser=up)
+    certs.set_defaults(run=_certs, subparser=certs)
     pf.set_defaults(run=_port_forward, subparser=pf)
     for sub in (up, pf):
         add_flag(sub, "--log-level", env="CLUSTER_PROXY_LOG_LEVEL", default="info", choices=LOG_LEVELS,
@@ -262,17 +273,17 @@ def _local_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
 
 
+def _certs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        return certs_command.run_certs(args.certs_command, args.certs_args)
+    except ConfigError as exc:
+        print(f"cluster-proxy certs: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     workarounds.apply()
     args = parse_args_or_exit(build_parser(), argv)
-    default_store = getattr(args, "run", None) is run_certs and args.store == ("files", str(DEFAULT_STORE))
-    if default_store and not DEFAULT_STORE.is_dir():
-        print(
-            f"cluster-proxy certs: no store at {DEFAULT_STORE}: start `cluster-proxy local up` first, or "
-            "name one with --store DIR",
-            file=sys.stderr,
-        )
-        raise SystemExit(1)
     raise SystemExit(args.run(args, args.subparser))
 
 
