@@ -3,8 +3,10 @@ of a running signer process: start (the new CA enters every bundle) -> every par
 activate (parties renew early, onto the new CA, and report presenting it) -> retire (the old CA
 leaves every bundle; a straggler still on it is held back until ``--force`` and then cut off). Zero
 failed streams; the long-lived streams opened before the rotation survive it; the tunnel never
-reconnects. And with day-long leaves: start -> retire in seconds (the trust refresh is 2 s), with
-zero failed handshakes on fresh connections opened every 100 ms throughout."""
+reconnects. And with day-long leaves: start -> retire in seconds with a 2 s trust refresh, and within
+5 minutes (about 1.5 in practice) with every default a user keeps (a 60 s trust refresh, the signer's
+5 s hint during the rotation), with zero failed handshakes on fresh connections opened every 100 ms
+throughout."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from tests.support.clients import h1_connect
 from tests.support.procs import BIN
 from tests.support.soak import Run, print_report, traffic_run
 from tests.support.traffic import Traffic
+from tests.support.waiting import wait_until
 
 CERT_TTL = "30s"  # leaves renew about every 25 s: the "move the leaves" step takes about that long
 TRUST_REFRESH = "2s"
@@ -54,13 +57,10 @@ async def certs(store: Path, *args: str, check: bool = True) -> tuple[int, str, 
 
 
 async def until(condition: Callable[[], bool], what: str, timeout: float) -> float:
-    """Wait for ``condition`` (polled, with a deadline); the seconds it took."""
+    """Wait for ``condition`` (polled every 0.2 s: `status` reads the whole store); the seconds it took."""
     start = trio.current_time()
-    with trio.move_on_after(timeout):
-        while not condition():
-            await trio.sleep(0.2)
-        return trio.current_time() - start
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+    await wait_until(condition, timeout=timeout, what=what, interval=0.2)
+    return trio.current_time() - start
 
 
 def issuer_id(path: Path, authorities: dict[str, x509.Certificate]) -> str | None:
@@ -283,17 +283,36 @@ class FreshConnections:
         return max((b - a for a, b in itertools.pairwise(self.starts)), default=0.0)
 
 
-async def test_rotation_with_day_long_leaves_takes_seconds_and_fails_no_handshake(
-    tmp_path: Path, nursery: trio.Nursery
-) -> None:
-    """24 h leaves, trust refresh 2 s: start -> activate -> retire as soon as `status` allows each
-    step. Parties renew early after the activation (not at 80% of a day), report the leaf they
-    loaded, and `retire` is accepted without --force once every one presents a new-CA leaf. Fresh
-    connections every 100 ms, with the hub client's live context and with the agent's credentials,
-    never fail: before, during and after the rotation, until every party dropped the old CA."""
+@dataclass
+class DayLongRotation:
+    """What a rotation with day-long leaves measured: the steps' durations, the probes, the report."""
+
+    timings: dict[str, float]
+    probes: list[FreshConnections]
+    report: dict
+
+
+async def rotate_day_long_leaves(
+    tmp_path: Path,
+    nursery: trio.Nursery,
+    title: str,
+    *,
+    trust_refresh: str | None,
+    client_trust_refresh: float | None,
+    signer_store_poll: str | None,
+) -> DayLongRotation:
+    """24 h leaves: start -> activate -> retire as soon as `status` allows each step, while traffic
+    flows and two probes open a fresh connection every 100 ms (with the hub client's live context and
+    with the agent's credentials). Checks what holds whatever the trust refresh: every party renews
+    early exactly once, `retire` is accepted without --force, no probe fails, nothing is dropped."""
     timings: dict[str, float] = {}
     async with traffic_run(
-        tmp_path, nursery, cert_ttl="24h", trust_refresh=TRUST_REFRESH, client_trust_refresh=2.0
+        tmp_path,
+        nursery,
+        cert_ttl="24h",
+        trust_refresh=trust_refresh,
+        client_trust_refresh=client_trust_refresh,
+        signer_store_poll=signer_store_poll,
     ) as run:
         store_dir = run.signer.store_dir
         store = FileStore(store_dir)
@@ -325,29 +344,30 @@ async def test_rotation_with_day_long_leaves_takes_seconds_and_fails_no_handshak
             print(out)
             new_ca = store.read_authorities().pending
             assert new_ca is not None
-            timings["start -> every party and the signer trust the new CA"] = await until(
-                lambda: st()["ready_for_next_step"], "every party to trust the new CA", 120
-            )
+            await until(lambda: st()["ready_for_next_step"], "every party to trust the new CA", 180)
+            timings["start -> every party and the signer trust the new CA"] = trio.current_time() - started
+            activating = trio.current_time()
             _, out, _ = await certs(store_dir, "rotate-ca", "activate")
             print(out)
-            timings["activate -> every party presents a new-CA leaf"] = await until(
-                lambda: st()["ready_for_next_step"], "every party to present a new-CA leaf", 120
-            )
+            await until(lambda: st()["ready_for_next_step"], "every party to present a new-CA leaf", 120)
+            timings["activate -> every party presents a new-CA leaf"] = trio.current_time() - activating
             all_presenting = trio.current_time()
             assert all(p["presents_active_ca"] for p in st()["parties"])
             _, out, _ = await certs(store_dir, "status")
             print(out)
             _, out, _ = await certs(store_dir, "rotate-ca", "retire")  # no --force
             print(out)
-            timings["start -> retire accepted"] = trio.current_time() - started
-            timings["retire -> every party dropped the old CA"] = await until(
+            retired = trio.current_time()
+            timings["start -> retire accepted"] = retired - started
+            await until(
                 lambda: all(
                     certclient.bundle_fingerprints(f.ca.read_bytes()) == (new_ca.fingerprint,)
                     for f in parties
                 ),
                 "every party to drop the old CA",
-                60,
+                120,
             )
+            timings["retire -> every party dropped the old CA"] = trio.current_time() - retired
             mark = [p.attempts for p in probes]
             await until(
                 lambda: all(p.attempts >= m + 20 for p, m in zip(probes, mark, strict=True)),
@@ -386,9 +406,8 @@ async def test_rotation_with_day_long_leaves_takes_seconds_and_fails_no_handshak
         "early_renewals": dict(zip(("proxy-server", "proxy-agent", "client"), early, strict=True)),
         **report,
     }
-    print_report("CA rotation with 24 h leaves under traffic (trust refresh 2 s)", report)
+    print_report(title, report)
 
-    assert timings["start -> retire accepted"] < 300
     for probe in probes:
         assert probe.failures == [], probe.failures[:10]
         assert probe.ok == probe.attempts
@@ -408,3 +427,43 @@ async def test_rotation_with_day_long_leaves_takes_seconds_and_fails_no_handshak
     assert report["reconnects"]["agent_tunnel_disconnected"] == 0
     assert report["reconnects"]["server_agent_disconnected"] == 0
     assert set(report["renewal_failures"].values()) == {0}
+    return DayLongRotation(timings, probes, report)
+
+
+async def test_rotation_with_day_long_leaves_takes_seconds_and_fails_no_handshake(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """24 h leaves, trust refresh 2 s: start -> activate -> retire in seconds. Parties renew early
+    after the activation (not at 80% of a day), report the leaf they loaded, and `retire` is accepted
+    without --force once every one presents a new-CA leaf. Fresh connections every 100 ms never fail:
+    before, during and after the rotation, until every party dropped the old CA."""
+    rotation = await rotate_day_long_leaves(
+        tmp_path,
+        nursery,
+        f"CA rotation with 24 h leaves under traffic (trust refresh {TRUST_REFRESH})",
+        trust_refresh=TRUST_REFRESH,
+        client_trust_refresh=2.0,
+        signer_store_poll="1s",
+    )
+    assert rotation.timings["start -> retire accepted"] < 60
+
+
+@pytest.mark.timeout(600)
+async def test_rotation_at_the_default_trust_refresh_completes_within_five_minutes(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """The issue's must-show, with every default a user keeps: 24 h leaves, no --trust-refresh for
+    the proxy-server and the agent, the hub client's RenewalPolicy() as is, the signer's own
+    --store-poll and --rotation-refresh. start -> retire within 5 minutes under continuous traffic,
+    0 failed handshakes on fresh connections every 100 ms throughout. A party notices `start` within
+    its minute-long trust refresh; from then on the signer's hint has it fetch every 5 s until the
+    rotation is over."""
+    rotation = await rotate_day_long_leaves(
+        tmp_path,
+        nursery,
+        "CA rotation with 24 h leaves under traffic, every default (trust refresh 60 s, hint 5 s)",
+        trust_refresh=None,
+        client_trust_refresh=None,
+        signer_store_poll=None,
+    )
+    assert rotation.timings["start -> retire accepted"] < 300

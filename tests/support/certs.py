@@ -28,13 +28,15 @@ SERVER_HOSTS = ("localhost", "127.0.0.1")
 
 
 class SignerProcess:
-    """``cluster-proxy-cert-signer serve`` on a free loopback port, with a files store."""
+    """``cluster-proxy-cert-signer serve`` on a free loopback port, with a files store. ``store_poll``
+    None runs the signer with its default."""
 
-    def __init__(self, directory: Path, log_dir: Path, *extra: str) -> None:
+    def __init__(self, directory: Path, log_dir: Path, *extra: str, store_poll: str | None = "1s") -> None:
         self.directory = directory
         self.store_dir = directory / "store"
         self.log_dir = log_dir
         self.extra = extra
+        self.store_poll = store_poll
         self.process: Process | None = None
         self.port = 0
 
@@ -52,8 +54,7 @@ class SignerProcess:
                 "localhost",
                 "--tls-host",
                 "127.0.0.1",
-                "--store-poll",
-                "1s",
+                *(["--store-poll", self.store_poll] if self.store_poll is not None else []),
                 "--log-format",
                 "json",
                 *self.extra,
@@ -109,7 +110,8 @@ class SignerProcess:
 
 @dataclass
 class SignedHub(Hub):
-    """A :class:`Hub` whose server and agents bootstrap from ``signer`` and renew their certificates."""
+    """A :class:`Hub` whose server and agents bootstrap from ``signer`` and renew their certificates.
+    ``trust_refresh`` None runs them with the services' default (no ``--trust-refresh``)."""
 
     signer: SignerProcess | None = None
     files: dict[str, CertFiles] = field(default_factory=dict)
@@ -118,7 +120,7 @@ class SignedHub(Hub):
         assert self.signer is not None
         return self.signer
 
-    async def start_server(self, *extra: str, trust_refresh: str = "5m") -> None:  # type: ignore[override]
+    async def start_server(self, *extra: str, trust_refresh: str | None = None) -> None:  # type: ignore[override]
         signer = self._signer()
         files = self.files["proxy-server"] = signer.party(self.log_dir / "proxy-server")
         self.server = Process(
@@ -142,8 +144,7 @@ class SignedHub(Hub):
                 "--bootstrap-token",
                 signer.server_token(),
                 *(arg for host in SERVER_HOSTS for arg in ("--tls-host", host)),
-                "--trust-refresh",
-                trust_refresh,
+                *(["--trust-refresh", trust_refresh] if trust_refresh is not None else []),
                 "--drain-timeout",
                 "2s",
                 "--log-format",
@@ -165,7 +166,7 @@ class SignedHub(Hub):
         token: str | None = "new",
         files: CertFiles | None = None,
         name: str | None = None,
-        trust_refresh: str = "5m",
+        trust_refresh: str | None = None,
     ) -> Process:
         """An agent with ``--signer``; ``token="new"`` creates one bound to ``cluster``, None passes
         none (the files must hold a certificate), any other string is passed as is."""
@@ -196,8 +197,7 @@ class SignedHub(Hub):
                 "--signer",
                 signer.url,
                 *(["--bootstrap-token", token] if token else []),
-                "--trust-refresh",
-                trust_refresh,
+                *(["--trust-refresh", trust_refresh] if trust_refresh is not None else []),
                 "--admin-listen",
                 "127.0.0.1:0",
                 "--allow",
@@ -225,21 +225,21 @@ class SignedHub(Hub):
 
 class ClientParty:
     """A hub client in the test process: bootstrapped from a token, renewed by a CertRenewer, with a
-    reloading context per ALPN (read ``.context`` at each new connection)."""
+    reloading context per ALPN (read ``.context`` at each new connection). ``trust_refresh`` None is
+    :class:`RenewalPolicy`'s default."""
 
-    def __init__(self, files: CertFiles, endpoint: SignerEndpoint, trust_refresh: float) -> None:
+    def __init__(self, files: CertFiles, endpoint: SignerEndpoint, trust_refresh: float | None) -> None:
         self.files = files
         self.endpoint = endpoint
         self.h2 = ReloadingContext.client(files.cert, files.key, files.ca, alpn=["h2"])
         self.h1 = ReloadingContext.client(files.cert, files.key, files.ca, alpn=["http/1.1"])
         self.probe = ReloadingContext.client(files.cert, files.key, files.ca, alpn=["h2"])
-        self.renewer = CertRenewer(
-            endpoint, files, [self.h2, self.h1, self.probe], RenewalPolicy(trust_refresh=trust_refresh)
-        )
+        policy = RenewalPolicy() if trust_refresh is None else RenewalPolicy(trust_refresh=trust_refresh)
+        self.renewer = CertRenewer(endpoint, files, [self.h2, self.h1, self.probe], policy)
 
     @classmethod
     async def bootstrap(
-        cls, signer: SignerProcess, directory: Path, name: str, *, trust_refresh: float = 300.0
+        cls, signer: SignerProcess, directory: Path, name: str, *, trust_refresh: float | None = None
     ) -> ClientParty:
         files = signer.party(directory)
         endpoint = signer.endpoint(files.ca)

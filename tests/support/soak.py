@@ -147,10 +147,15 @@ async def traffic_run(
     nursery: trio.Nursery,
     *,
     cert_ttl: str,
-    trust_refresh: str = "5m",
-    client_trust_refresh: float = 300.0,
+    trust_refresh: str | None = None,
+    client_trust_refresh: float | None = None,
+    signer_store_poll: str | None = "1s",
 ) -> AsyncIterator[Run]:
-    signer = await SignerProcess(directory / "signer", directory, "--cert-ttl", cert_ttl).start()
+    """``trust_refresh`` (server and agent), ``client_trust_refresh`` and ``signer_store_poll`` None
+    leave each at its default."""
+    signer = await SignerProcess(
+        directory / "signer", directory, "--cert-ttl", cert_ttl, store_poll=signer_store_poll
+    ).start()
     hub = SignedHub(None, directory, signer=signer)  # type: ignore[arg-type]
     try:
         await hub.start_server(trust_refresh=trust_refresh)
