@@ -4,9 +4,6 @@ own, and ``cluster-proxy certs`` rotates the CA of the running system; a restart
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,52 +13,13 @@ from clusterproxy_cli import _http
 from clusterproxy_cli.state import proxy_settings, read_local_json
 from clusterproxy_protocol import certclient
 from clusterproxy_sdk import TLSFiles, open_tunnel
+from tests.support.localup import LocalUp
 from tests.support.procs import BIN
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 AGENTS = ("cluster1-agent", "cluster2-agent")
-
-
-class LocalUp:
-    def __init__(self, state: Path, output: Path, process: trio.Process) -> None:
-        self.state, self.output, self.process = state, output, process
-
-    @classmethod
-    async def start(cls, state: Path, name: str, *extra: str) -> LocalUp:
-        output = state.parent / f"{name}.out"
-        with output.open("wb") as out:
-            process = await trio.lowlevel.open_process(
-                [str(BIN / "cluster-proxy"), "local", "up", "--state-dir", str(state), *extra],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        local = cls(state, output, process)
-        with trio.fail_after(60):
-            while "Press Ctrl-C" not in local.text():
-                assert process.returncode is None, local.text()
-                await trio.sleep(0.1)
-        return local
-
-    def text(self) -> str:
-        return self.output.read_text(errors="replace")
-
-    def events(self, child: str, event: str) -> list[dict]:
-        lines = (self.state / "logs" / f"{child}.log").read_text(errors="replace").splitlines()
-        found = []
-        for line in lines:
-            if line.startswith("{") and f'"{event}"' in line:
-                record = json.loads(line)
-                if record.get("event") == event:
-                    found.append(record)
-        return found
-
-    async def stop(self) -> None:
-        if self.process.returncode is None:
-            self.process.send_signal(signal.SIGINT)
-            with trio.fail_after(30):
-                await self.process.wait()
 
 
 async def certs(store: Path, *args: str) -> str:
@@ -90,19 +48,11 @@ async def echo_through(state: Path, cluster: str) -> dict:
     return json.loads(response.body)
 
 
-async def until(condition, what: str, timeout: float) -> None:  # type: ignore[no-untyped-def]
-    with trio.move_on_after(timeout):
-        while not await condition():
-            await trio.sleep(0.5)
-        return
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-
-
 async def test_local_up_restart_needs_no_token(tmp_path: Path) -> None:
     state = tmp_path / "state"
     store = state / "pki" / "store"
     for run in ("first", "second"):
-        local = await LocalUp.start(state, run)
+        local = await LocalUp.start(state, tmp_path / f"{run}.out")
         try:
             assert (await status(store))["tokens"] == {"unused": 0, "used": 4, "expired": 0}
             assert (await echo_through(state, "cluster1"))["cluster"] == "cluster1"
@@ -114,7 +64,9 @@ async def test_local_up_restart_needs_no_token(tmp_path: Path) -> None:
 
 
 async def test_local_up_bootstraps_renews_and_rotates_with_the_signer(tmp_path: Path) -> None:
-    local = await LocalUp.start(tmp_path / "state", "first", "--cert-ttl", "20s", "--trust-refresh", "2s")
+    local = await LocalUp.start(
+        tmp_path / "state", tmp_path / "first.out", "--cert-ttl", "20s", "--trust-refresh", "2s"
+    )
     store = local.state / "pki" / "store"
     try:
         doc = read_local_json(local.state)
@@ -138,7 +90,7 @@ async def test_local_up_bootstraps_renews_and_rotates_with_the_signer(tmp_path: 
             serials = {p["identity"]: p["serial"] for p in (await status(store))["parties"]}
             return all(serials[p["identity"]] != p["serial"] for p in first["parties"])
 
-        await until(all_renewed, "every party to renew", 40)
+        await wait_until(all_renewed, timeout=40, what="every party to renew", interval=0.5)
         assert (await echo_through(local.state, "cluster2"))["cluster"] == "cluster2"
 
         # a CA rotation of the running system, step by step with `cluster-proxy certs`; each wait is
@@ -147,9 +99,11 @@ async def test_local_up_bootstraps_renews_and_rotates_with_the_signer(tmp_path: 
             return (await status(store))["ready_for_next_step"]
 
         print(await certs(store, "rotate-ca", "start"))
-        await until(ready, "every party and the signer to trust the new CA", 30)
+        await wait_until(
+            ready, timeout=30, what="every party and the signer to trust the new CA", interval=0.5
+        )
         print(await certs(store, "rotate-ca", "activate"))
-        await until(ready, "every party to present a leaf of the new CA", 30)
+        await wait_until(ready, timeout=30, what="every party to present a leaf of the new CA", interval=0.5)
         moved = await status(store)
         assert moved["phase"] == "moving-leaves" and all(p["presents_active_ca"] for p in moved["parties"])
         print(await certs(store, "rotate-ca", "retire"))
@@ -167,7 +121,9 @@ async def test_local_up_bootstraps_renews_and_rotates_with_the_signer(tmp_path: 
             ]
             return all(len(certclient.bundle_fingerprints(b.read_bytes())) == 1 for b in bundles)
 
-        await until(old_ca_dropped, "every party to drop the old CA from its bundle", 30)
+        await wait_until(
+            old_ca_dropped, timeout=30, what="every party to drop the old CA from its bundle", interval=0.5
+        )
         for cluster in ("cluster1", "cluster2"):
             assert (await echo_through(local.state, cluster))["cluster"] == cluster
         print(await certs(store, "status"))

@@ -9,15 +9,15 @@ import re
 import shlex
 import shutil
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 import trio
 
 from tests.support import require
+from tests.support.localup import LocalUp
 from tests.support.pki import PkiFiles
-from tests.support.procs import BIN, Hub, Process
+from tests.support.procs import BIN, Hub, Process, alive
 from tests.support.targets import serve_http
 
 pytestmark = pytest.mark.slow
@@ -106,22 +106,18 @@ async def test_port_forward_reaches_target_and_keeps_half_close(
 async def test_local_up_runs_the_simulation_and_stops_cleanly(tmp_path: Path) -> None:
     """The README's main job: a hub and two clusters on loopback, curl through it, Ctrl-C stops all."""
     require(shutil.which("curl") is not None, "the curl binary")
-    state = tmp_path / "state"
-    local = Process(
-        "local-up", [str(BIN / "cluster-proxy"), "local", "up", "--state-dir", str(state)], tmp_path
-    )
+    local = await LocalUp.start(tmp_path / "state", tmp_path / "local-up.out")
     try:
-        await wait_for_line(local, r"Press Ctrl-C to stop", timeout=60)
-        description = json.loads((state / "local.json").read_text())
+        description = local.description()
         assert set(description["clusters"]) == {"cluster1", "cluster2"}
         for key in ("ca", "cert", "key"):
             assert Path(description["proxy"][key]).is_absolute() and Path(description["proxy"][key]).exists()
         pids = [pid for name, pid in description["pids"].items() if name != "cluster-proxy"]
-        assert len(pids) >= 5  # server, two agents, two echo services
+        assert len(pids) == 6  # the cert-signer, the server, two agents, two echo services
 
         commands = [
             line.strip()
-            for line in local.log_path.read_text().splitlines()
+            for line in local.text().splitlines()
             if line.strip().startswith("curl ") and "https://cluster" in line
         ]
         assert len(commands) == 2
@@ -135,20 +131,9 @@ async def test_local_up_runs_the_simulation_and_stops_cleanly(tmp_path: Path) ->
             assert result.returncode == 0, result.stderr.decode()
             assert json.loads(result.stdout)["cluster"] == cluster
 
-        local.kill(signal.SIGINT)
-        assert await local.wait_exit(timeout=20) == 0
+        assert await local.stop(signal.SIGINT, timeout=20) == 0
         for pid in pids:
-            assert not _alive(pid), f"child {pid} still running after local up stopped"
-        assert not (state / "local.json").exists()
+            assert not alive(pid), f"child {pid} still running after local up stopped"
+        assert not (local.state / "local.json").exists()
     finally:
-        local.stop()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it has exited, it is just not reaped by its parent yet.
-    status = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout
-    return bool(status.strip()) and not status.strip().startswith("Z")
+        await local.stop()

@@ -1,7 +1,7 @@
 """A ``cluster-proxy port-forward`` process outlives its 60 s client certificates.
 
-``cluster-proxy local up --cert-ttl 60s`` runs the hub (its own process tree, its in-process
-cert-signer renewing the local admin files the port-forward uses); ``cluster-proxy port-forward
+``cluster-proxy local up --cert-ttl 60s`` runs the hub (its own process tree; local up itself renews
+the local admin files the port-forward uses, with its cert-signer); ``cluster-proxy port-forward
 --state-dir`` runs as a process too, reaching the proxy-server through a TCP relay in this test so
 that the test can cut its tunnel. For five minutes a new TCP connection goes through the port-forward
 about every second, each POSTing 64 KiB of random bytes to cluster1's echo service and checking the
@@ -18,22 +18,21 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import json
 import os
 import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import h11
 import pytest
 import trio
 from cryptography import x509
 
-from clusterproxy_cli.state import proxy_settings, read_local_json
-from tests.support.procs import BIN
+from clusterproxy_cli.state import proxy_settings
+from tests.support.localup import LocalUp
+from tests.support.procs import BIN, json_records
 from tests.support.soak import print_report
 
 SOAK_SECONDS = float(os.environ.get("CLUSTER_PROXY_PF_SOAK_SECONDS", "300"))
@@ -49,44 +48,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(SOAK_SECONDS + 240)]
 
 
 # --- the processes -----------------------------------------------------------------------------------
-
-
-def json_events(path: Path, event: str | None = None) -> list[dict[str, Any]]:
-    """The JSON-lines records of a log (lines of other output are skipped)."""
-    found = []
-    for line in path.read_text(errors="replace").splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if event is None or record.get("event") == event:
-            found.append(record)
-    return found
-
-
-async def start_local_up(state: Path, output: Path) -> trio.Process:
-    with output.open("wb") as out:
-        process = await trio.lowlevel.open_process(
-            [
-                str(BIN / "cluster-proxy"),
-                "local",
-                "up",
-                "--state-dir",
-                str(state),
-                "--cert-ttl",
-                f"{CERT_TTL_SECONDS}s",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    with trio.fail_after(60):
-        while "Press Ctrl-C" not in output.read_text(errors="replace"):
-            assert process.returncode is None, output.read_text(errors="replace")
-            await trio.sleep(0.1)
-    return process
 
 
 async def start_port_forward(
@@ -240,10 +201,10 @@ async def test_port_forward_keeps_forwarding_past_its_certificates_lifetime(
     tmp_path: Path, nursery: trio.Nursery
 ) -> None:
     state = tmp_path / "state"
-    local = await start_local_up(state, tmp_path / "local-up.out")
+    local = await LocalUp.start(state, tmp_path / "local-up.out", "--cert-ttl", f"{CERT_TTL_SECONDS}s")
     port_forward: trio.Process | None = None
     try:
-        doc = read_local_json(state)
+        doc = local.description()
         proxy = proxy_settings(doc)
         target = doc["clusters"]["cluster1"]["targets"][0]["address"]
         relay = CuttableRelay((proxy.host, proxy.port))
@@ -261,7 +222,7 @@ async def test_port_forward_keeps_forwarding_past_its_certificates_lifetime(
         while (elapsed := time.monotonic() - started) < SOAK_SECONDS:
             await trio.sleep(max(0.0, started + number * INTERVAL - time.monotonic()))  # pacing
             number += 1
-            tunnels = json_events(pf_log, "tunnel_connected")
+            tunnels = json_records(pf_log, "tunnel_connected")
             assert tunnels, pf_log.read_text()
             presented_until = dt.datetime.fromisoformat(tunnels[-1]["client_cert_not_after"])
             if dt.datetime.now(dt.UTC) > presented_until + dt.timedelta(seconds=EXPIRY_MARGIN):
@@ -293,26 +254,24 @@ async def test_port_forward_keeps_forwarding_past_its_certificates_lifetime(
         # The port-forward logs a connection once both directions ended, which can be just after the
         # client read its answer.
         with trio.move_on_after(10):
-            while len(json_events(pf_log, "connection_closed")) < made:
+            while len(json_records(pf_log, "connection_closed")) < made:
                 await trio.sleep(0.05)
 
-        tunnels = json_events(pf_log, "tunnel_connected")
+        tunnels = json_records(pf_log, "tunnel_connected")
         presented = [t["client_cert_serial"] for t in tunnels]
         issued = {
             e["serial"]: e
-            for e in json_events(state / "logs" / "cert-signer.log", "cert_issued")
+            for e in local.events("cert-signer", "cert_issued")
             if e.get("identity") == "client:local-admin"
         }
         local_up_renewals = [
-            e
-            for e in json_events(tmp_path / "local-up.out", "cert_renewed")
-            if e.get("subject") == "CN=local-admin"
+            e for e in json_records(local.output, "cert_renewed") if e.get("subject") == "CN=local-admin"
         ]
         server_log = state / "logs" / "proxy-server.log"
         client_handshake_failures = [
-            e for e in json_events(server_log, "tls_handshake_failed") if e.get("port") == "client"
+            e for e in json_records(server_log, "tls_handshake_failed") if e.get("port") == "client"
         ]
-        closed = json_events(pf_log, "connection_closed")
+        closed = json_records(pf_log, "connection_closed")
         latencies.sort()
         report = {
             "duration_s": round(duration, 1),
@@ -327,13 +286,13 @@ async def test_port_forward_keeps_forwarding_past_its_certificates_lifetime(
             "tunnels_dialed": len(tunnels),
             "relay_connections": relay.connections,
             "serials_presented": presented,
-            "port_forward_reloads": len(json_events(pf_log, "client_tls_reloaded")),
-            "port_forward_reload_failures": len(json_events(pf_log, "client_tls_reload_failed")),
-            "port_forward_tunnel_unavailable": len(json_events(pf_log, "tunnel_unavailable")),
-            "port_forward_connect_refused": len(json_events(pf_log, "connect_refused")),
+            "port_forward_reloads": len(json_records(pf_log, "client_tls_reloaded")),
+            "port_forward_reload_failures": len(json_records(pf_log, "client_tls_reload_failed")),
+            "port_forward_tunnel_unavailable": len(json_records(pf_log, "tunnel_unavailable")),
+            "port_forward_connect_refused": len(json_records(pf_log, "connect_refused")),
             "port_forward_connections_closed_with_error": sum(1 for e in closed if e.get("error")),
             "server_client_handshake_failures": len(client_handshake_failures),
-            "server_stream_failed": len(json_events(server_log, "stream_failed")),
+            "server_stream_failed": len(json_records(server_log, "stream_failed")),
             "failures": failures[:20],
         }
         print_report(f"port-forward with {CERT_TTL_SECONDS}s client certificates ({SOAK_SECONDS:g}s)", report)
@@ -365,4 +324,4 @@ async def test_port_forward_keeps_forwarding_past_its_certificates_lifetime(
         if port_forward is not None:
             code = await stop(port_forward, signal.SIGTERM)
             assert code == 0, (tmp_path / "port-forward.log").read_text()[-3000:]
-        await stop(local, signal.SIGINT)
+        await local.stop()

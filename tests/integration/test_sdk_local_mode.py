@@ -1,7 +1,8 @@
 """``cluster-proxy local up`` as real processes, used through the SDK, port-forward and curl.
 
-The whole local system: a proxy-server, two agents and two echo services, all subprocesses on
-loopback. Readiness is the ``local.json`` file plus the "Press Ctrl-C" line, with a deadline.
+The whole local system: a cert-signer, a proxy-server, two agents and two echo services, all
+subprocesses on loopback. Readiness is the ``local.json`` file plus the "Press Ctrl-C" line, with a
+deadline (:class:`tests.support.localup.LocalUp`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,72 +20,12 @@ import trio
 
 from clusterproxy_cli import _http
 from clusterproxy_cli.portforward import PortForward, run_port_forward
-from clusterproxy_cli.state import proxy_settings, read_local_json
+from clusterproxy_cli.state import proxy_settings
 from clusterproxy_sdk import Forbidden, TLSFiles, UnknownCluster, open_tunnel
+from tests.support.localup import LocalUp, wait_gone
+from tests.support.procs import alive
 
 pytestmark = pytest.mark.slow
-
-BIN = Path(sys.executable).parent
-POLL = 0.05
-
-
-class LocalUp:
-    def __init__(self, state_dir: Path, process: trio.Process, output: Path) -> None:
-        self.state_dir = state_dir
-        self.process = process
-        self.output = output
-
-    def text(self) -> str:
-        return self.output.read_text(errors="replace")
-
-    async def wait_ready(self, timeout: float = 60.0) -> dict:
-        with trio.fail_after(timeout):
-            while not ((self.state_dir / "local.json").exists() and "Press Ctrl-C" in self.text()):
-                if self.process.returncode is not None:
-                    raise AssertionError(f"local up exited {self.process.returncode}:\n{self.text()}")
-                await trio.sleep(POLL)
-        return read_local_json(self.state_dir)
-
-    def dump(self) -> None:
-        """Output and child logs, shown by pytest when the test fails."""
-        print(f"--- local up output\n{self.text()}")
-        for log in sorted((self.state_dir / "logs").glob("*.log")):
-            print(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
-
-    async def wait_exit(self, timeout: float = 30.0) -> int:
-        with trio.fail_after(timeout):
-            return await self.process.wait()
-
-
-async def _start(tmp_path: Path, *extra: str) -> LocalUp:
-    state = tmp_path / "state"
-    output = tmp_path / "local-up.out"
-    with output.open("wb") as out:
-        process = await trio.lowlevel.open_process(
-            [str(BIN / "cluster-proxy"), "local", "up", "--state-dir", str(state), *extra],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    return LocalUp(state, process, output)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its parent) counts as gone.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-async def _wait_gone(pids: list[int], timeout: float = 15.0) -> None:
-    with trio.fail_after(timeout):
-        while any(_alive(pid) for pid in pids):
-            await trio.sleep(POLL)
 
 
 async def _get_through(tunnel, cluster: str, host: str, port: int, path: str) -> dict:  # type: ignore[no-untyped-def]
@@ -97,12 +37,14 @@ async def _get_through(tunnel, cluster: str, host: str, port: int, path: str) ->
 
 
 async def test_local_up_serves_sdk_curl_and_port_forward_then_stops_cleanly(tmp_path: Path) -> None:
-    local = await _start(tmp_path)
+    local = await LocalUp.start(tmp_path / "state", tmp_path / "local-up.out")
     try:
-        doc = await local.wait_ready()
+        doc = local.description()
         assert set(doc["clusters"]) == {"cluster1", "cluster2"}
         pids = list(doc["pids"].values())
-        assert len(pids) == 7 and all(_alive(pid) for pid in pids)  # local up, the signer, the server, 2 agents, 2 echoes
+        assert len(pids) == 7 and all(
+            alive(pid) for pid in pids
+        )  # local up, the signer, the server, 2 agents, 2 echoes
         proxy = proxy_settings(doc)
         for key in ("ca", "cert", "key"):
             assert Path(doc["proxy"][key]).is_absolute() and Path(doc["proxy"][key]).is_file()
@@ -154,44 +96,32 @@ async def test_local_up_serves_sdk_curl_and_port_forward_then_stops_cleanly(tmp_
                 assert b"hello from cluster" in result.stdout
 
         # A second `local up` on the same state folder refuses to start.
-        second_output = tmp_path / "second.out"
-        with second_output.open("wb") as out:
-            again = await trio.lowlevel.open_process(
-                [str(BIN / "cluster-proxy"), "local", "up", "--state-dir", str(local.state_dir)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        with trio.fail_after(30):
-            assert await again.wait() == 1
-        assert "already running" in second_output.read_text()
-        assert (local.state_dir / "local.json").exists()  # the refused start left the running one alone
+        again = await LocalUp.spawn(local.state, tmp_path / "second.out")
+        assert await again.wait_exit() == 1
+        assert "already running" in again.text()
+        assert (local.state / "local.json").exists()  # the refused start left the running one alone
 
-        local.process.send_signal(signal.SIGTERM)
-        assert await local.wait_exit() == 0
-        assert not (local.state_dir / "local.json").exists()
-        await _wait_gone(pids)
+        assert await local.stop(signal.SIGTERM) == 0
+        assert not (local.state / "local.json").exists()
+        await wait_gone(pids)
         assert "did not stop" not in local.text()
     finally:
         local.dump()
-        if local.process.returncode is None:
-            local.process.kill()
-            await local.process.wait()
+        await local.stop()
 
 
 async def test_a_child_dying_stops_everything_with_status_1(tmp_path: Path) -> None:
-    local = await _start(tmp_path)
+    local = await LocalUp.start(tmp_path / "state", tmp_path / "local-up.out")
     try:
-        doc = await local.wait_ready()
+        doc = local.description()
         pids = doc["pids"]
         os.kill(pids["cluster2-agent"], signal.SIGKILL)
         assert await local.wait_exit() == 1
         text = local.text()
         assert "error: cluster2-agent killed by SIGKILL" in text
         assert "cluster2-agent.log" in text and "  | " in text  # its last log lines
-        assert not (local.state_dir / "local.json").exists()
-        await _wait_gone([pid for name, pid in pids.items() if name != "cluster-proxy"])
+        assert not (local.state / "local.json").exists()
+        await wait_gone([pid for name, pid in pids.items() if name != "cluster-proxy"])
     finally:
         local.dump()
-        if local.process.returncode is None:
-            local.process.kill()
-            await local.process.wait()
+        await local.stop()

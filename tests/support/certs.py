@@ -19,10 +19,11 @@ import trio
 from clusterproxy_certsigner.cli_commands import create_token
 from clusterproxy_certsigner.filestore import FileStore
 from clusterproxy_certsigner.models import Binding
+from clusterproxy_cli.commands import SignerFlags, signer_serve_argv
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
-from tests.support.procs import BIN, Hub, Process
+from tests.support.procs import Hub, Process
 
 SERVER_HOSTS = ("localhost", "127.0.0.1")
 
@@ -41,26 +42,14 @@ class SignerProcess:
         self.port = 0
 
     async def start(self) -> SignerProcess:
-        self.process = Process(
-            "cert-signer",
-            [
-                str(BIN / "cluster-proxy-cert-signer"),
-                "serve",
-                "--store",
-                str(self.store_dir),
-                "--listen",
-                "127.0.0.1:0",
-                "--tls-host",
-                "localhost",
-                "--tls-host",
-                "127.0.0.1",
-                *(["--store-poll", self.store_poll] if self.store_poll is not None else []),
-                "--log-format",
-                "json",
-                *self.extra,
-            ],
-            self.log_dir,
+        argv = signer_serve_argv(
+            self.store_dir,
+            listen="127.0.0.1:0",
+            tls_hosts=SERVER_HOSTS,
+            store_poll=self.store_poll,
+            options=self.extra,
         )
+        self.process = Process("cert-signer", argv, self.log_dir)
         started = await self.process.wait_event("signer_started")
         self.port = int(str(started["listen"]).rsplit(":", 1)[1])
         return self
@@ -123,40 +112,8 @@ class SignedHub(Hub):
     async def start_server(self, *extra: str, trust_refresh: str | None = None) -> None:  # type: ignore[override]
         signer = self._signer()
         files = self.files["proxy-server"] = signer.party(self.log_dir / "proxy-server")
-        self.server = Process(
-            "proxy-server",
-            [
-                str(BIN / "cluster-proxy-server"),
-                "--agent-listen",
-                "127.0.0.1:0",
-                "--client-listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--ca",
-                str(files.ca),
-                "--cert",
-                str(files.cert),
-                "--key",
-                str(files.key),
-                "--signer",
-                signer.url,
-                "--bootstrap-token",
-                signer.server_token(),
-                *(arg for host in SERVER_HOSTS for arg in ("--tls-host", host)),
-                *(["--trust-refresh", trust_refresh] if trust_refresh is not None else []),
-                "--drain-timeout",
-                "2s",
-                "--log-format",
-                "json",
-                *extra,
-            ],
-            self.log_dir,
-        )
-        started = await self.server.wait_event("server_started")
-        self.agent_port = int(started["agent_port"].rsplit(":", 1)[1])
-        self.client_port = int(started["client_port"].rsplit(":", 1)[1])
-        self.admin_port = int(started["admin_port"].rsplit(":", 1)[1])
+        flags = SignerFlags(signer.url, trust_refresh, signer.server_token())
+        await self.launch_server(self.server_argv(files, signer=flags, tls_hosts=SERVER_HOSTS, options=extra))
 
     def start_agent(  # type: ignore[override]
         self,
@@ -176,46 +133,9 @@ class SignedHub(Hub):
         self.files[name] = files
         if token == "new":
             token = signer.agent_token(cluster)
-        process = Process(
-            name,
-            [
-                str(BIN / "cluster-proxy-agent"),
-                "--server",
-                f"127.0.0.1:{self.agent_port}",
-                "--server-name",
-                "localhost",
-                "--cluster",
-                cluster,
-                "--agent-id",
-                agent_id,
-                "--ca",
-                str(files.ca),
-                "--cert",
-                str(files.cert),
-                "--key",
-                str(files.key),
-                "--signer",
-                signer.url,
-                *(["--bootstrap-token", token] if token else []),
-                *(["--trust-refresh", trust_refresh] if trust_refresh is not None else []),
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--allow",
-                "127.0.0.0/8",
-                "--backoff-initial",
-                "0.1s",
-                "--backoff-max",
-                "1s",
-                "--drain-timeout",
-                "2s",
-                "--log-format",
-                "json",
-                *extra,
-            ],
-            self.log_dir,
-        )
-        self.agents[name] = process
-        return process
+        flags = SignerFlags(signer.url, trust_refresh, token)
+        argv = self.agent_argv(files, cluster, agent_id, signer=flags, allow=["127.0.0.0/8"], options=extra)
+        return self.launch_agent(name, argv)
 
     def stop(self) -> None:
         super().stop()

@@ -19,10 +19,53 @@ from typing import Any
 
 import trio
 
+from clusterproxy_cli.commands import agent_argv, server_argv
+from clusterproxy_protocol.certclient import CertFiles
 from tests.support.pki import PkiFiles
 
 BIN = Path(sys.executable).parent
 POLL = 0.02
+ANY_PORT = "127.0.0.1:0"
+# The tests' processes: free ports, a short drain, agents that retry fast.
+SERVER_FLAGS: dict[str, Any] = {
+    "agent_listen": ANY_PORT,
+    "client_listen": ANY_PORT,
+    "admin_listen": ANY_PORT,
+    "drain_timeout": "2s",
+}
+AGENT_FLAGS: dict[str, Any] = {
+    "admin_listen": ANY_PORT,
+    "backoff_initial": "0.1s",
+    "backoff_max": "1s",
+    "drain_timeout": "2s",
+}
+
+
+def json_records(path: Path, event: str | None = None) -> list[dict[str, Any]]:
+    """The JSON-lines records of a log (other lines are skipped), those of ``event`` if given."""
+    found = []
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if event is None or record.get("event") == event:
+            found.append(record)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 class Process:
@@ -44,14 +87,7 @@ class Process:
         return self.popen.pid
 
     def events(self) -> list[dict[str, Any]]:
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
-        return out
+        return json_records(self.log_path)
 
     def tail(self, lines: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -118,32 +154,17 @@ class Hub:
 
     async def start_server(self, *extra: str) -> None:
         p = self.pki
-        self.server = Process(
-            "proxy-server",
-            [
-                str(BIN / "cluster-proxy-server"),
-                "--agent-listen",
-                "127.0.0.1:0",
-                "--client-listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--ca",
-                str(p.ca),
-                "--cert",
-                str(p.server.cert),
-                "--key",
-                str(p.server.key),
-                "--log-level",
-                "debug",
-                "--drain-timeout",
-                "2s",
-                "--log-format",
-                "json",
-                *extra,
-            ],
-            self.log_dir,
-        )
+        files = CertFiles(p.server.cert, p.server.key, p.ca)
+        await self.launch_server(self.server_argv(files, log_level="debug", options=extra))
+
+    def server_argv(self, files: CertFiles, **flags: Any) -> list[str]:
+        """The proxy-server's command line (:func:`clusterproxy_cli.commands.server_argv`, as
+        ``local up`` builds it) on free loopback ports; ``flags`` add to or override the tests'."""
+        return server_argv(files, **(SERVER_FLAGS | flags))
+
+    async def launch_server(self, argv: list[str]) -> None:
+        """Run the proxy-server and learn its ports from its ``server_started`` log line."""
+        self.server = Process("proxy-server", argv, self.log_dir)
         started = await self.server.wait_event("server_started")
         self.agent_port = int(started["agent_port"].rsplit(":", 1)[1])
         self.client_port = int(started["client_port"].rsplit(":", 1)[1])
@@ -158,41 +179,20 @@ class Hub:
         name: str | None = None,
     ) -> Process:
         pair = self.pki.agent(*(cert_for or (cluster, agent_id)))
-        name = name or f"agent-{cluster}-{agent_id}"
-        process = Process(
-            name,
-            [
-                str(BIN / "cluster-proxy-agent"),
-                "--server",
-                f"127.0.0.1:{self.agent_port}",
-                "--server-name",
-                "localhost",
-                "--cluster",
-                cluster,
-                "--agent-id",
-                agent_id,
-                "--ca",
-                str(self.pki.ca),
-                "--cert",
-                str(pair.cert),
-                "--key",
-                str(pair.key),
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--backoff-initial",
-                "0.1s",
-                "--backoff-max",
-                "1s",
-                "--log-level",
-                "debug",
-                "--drain-timeout",
-                "2s",
-                "--log-format",
-                "json",
-                *extra,
-            ],
-            self.log_dir,
+        files = CertFiles(pair.cert, pair.key, self.pki.ca)
+        argv = self.agent_argv(files, cluster, agent_id, log_level="debug", options=extra)
+        return self.launch_agent(name or f"agent-{cluster}-{agent_id}", argv)
+
+    def agent_argv(self, files: CertFiles, cluster: str, agent_id: str, **flags: Any) -> list[str]:
+        """An agent's command line (:func:`clusterproxy_cli.commands.agent_argv`, as ``local up``
+        builds it) dialing this hub's server, retrying fast; ``flags`` add to or override the tests'."""
+        server = f"127.0.0.1:{self.agent_port}"
+        return agent_argv(
+            files, cluster=cluster, agent_id=agent_id, **({"server": server} | AGENT_FLAGS | flags)
         )
+
+    def launch_agent(self, name: str, argv: list[str]) -> Process:
+        process = Process(name, argv, self.log_dir)
         self.agents[name] = process
         return process
 

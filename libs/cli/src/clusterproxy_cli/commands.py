@@ -48,19 +48,18 @@ def repeat_flag(name: str, values: Sequence[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class SignerFlags:
-    """How a party reaches the cert-signer: its URL, how often the party fetches the trust bundle,
-    and a bootstrap token when the party holds no usable certificate."""
+    """How a party reaches the cert-signer: its URL, how often the party fetches the trust bundle
+    (None: the service's default), and a bootstrap token when it holds no usable certificate."""
 
     url: str
-    trust_refresh: str
+    trust_refresh: str | None = None
     bootstrap_token: str | None = None
 
     def argv(self) -> list[str]:
         return [
             "--signer",
             self.url,
-            "--trust-refresh",
-            self.trust_refresh,
+            *_flag("--trust-refresh", self.trust_refresh),
             *_flag("--bootstrap-token", self.bootstrap_token),
         ]
 
