@@ -3,14 +3,11 @@ rotate-ca, trust-bundle; and the ``certs`` family the ``cluster-proxy`` CLI embe
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 from pathlib import Path
 
 import pytest
 
-from clusterproxy_certsigner.cli_commands import add_certs_commands
 from clusterproxy_certsigner.filestore import FileStore
 from clusterproxy_certsigner.main import build_parser, main
 from clusterproxy_certsigner.tokens import hash_secret, parse_token
@@ -98,18 +95,6 @@ def test_status_rotate_and_trust_bundle(tmp_path: Path, capsys) -> None:
 def test_kubernetes_store_is_reported_as_not_implemented(capsys) -> None:
     code, _, err = run(["status", "--store", "kubernetes:hub"], capsys)
     assert code == 1 and "not implemented" in err
-
-
-def test_certs_commands_embed_in_another_cli(tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser(prog="cluster-proxy")
-    commands = parser.add_subparsers(dest="command", required=True)
-    add_certs_commands(commands.add_parser("certs"))
-    args = parse_args_or_exit(
-        parser, ["certs", "status", "--store", str(tmp_path / "s"), "--json"], environ={}
-    )
-    out = io.StringIO()
-    assert args.run(args, args.subparser, out=out) == 0
-    assert json.loads(out.getvalue())["phase"] == "no-ca"
 
 
 def test_serve_flags_validate(capsys) -> None:

@@ -1,14 +1,9 @@
-"""The ``certs`` command family, shared by ``cluster-proxy-cert-signer`` and ``cluster-proxy certs``.
+"""The administration commands of ``cluster-proxy-cert-signer``: ``status [--json]``,
+``rotate-ca [start|activate|retire] [--force]``, ``token create|list|delete``.
 
-The ``cluster-proxy`` CLI adds these with two calls::
-
-    from clusterproxy_certsigner.cli_commands import add_certs_commands
-    certs = commands.add_parser("certs", help="certificates: status, CA rotation, bootstrap tokens")
-    add_certs_commands(certs)          # sets args.run = run_certs (returns an exit status)
-
-Sub-commands: ``status [--json]``, ``rotate-ca [start|activate|retire] [--force]``,
-``token create|list|delete``. All work on the store directly (``--store``), so they need no running
-signer; the signer follows store changes within its poll interval.
+All work on the store directly (``--store``), so they need no running signer; the signer follows
+store changes within its poll interval. ``cluster-proxy certs COMMAND ...`` runs
+``cluster-proxy-cert-signer COMMAND ...`` as a process (the local mode's store by default).
 """
 
 from __future__ import annotations
@@ -40,7 +35,6 @@ from .tokens import MAX_TOKEN_TTL, NewToken, new_token
 
 __all__ = [
     "STORE_ENV",
-    "add_certs_commands",
     "add_store_flag",
     "create_token",
     "format_status",
@@ -78,17 +72,14 @@ def parse_host(text: str) -> str:
         raise InvalidValue(str(exc)) from None
 
 
-def add_store_flag(
-    parser: argparse.ArgumentParser, *, required: bool = True, default: str | None = None
-) -> None:
-    """``--store`` (env ``CLUSTER_PROXY_CERT_SIGNER_STORE``); with a ``default`` it is optional."""
+def add_store_flag(parser: argparse.ArgumentParser) -> None:
+    """``--store`` (env ``CLUSTER_PROXY_CERT_SIGNER_STORE``), required."""
     add_flag(
         parser,
         "--store",
         env=STORE_ENV,
         type=_store_spec,
-        required=required and default is None,
-        default=default,
+        required=True,
         metavar="STORE",
         help="where the CA lives: a directory (files) or kubernetes:NAMESPACE[/PREFIX]",
     )
@@ -211,25 +202,13 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 # --- argparse ------------------------------------------------------------------------------------------
 
 
-def add_certs_commands(parser: argparse.ArgumentParser, *, default_store: str | None = None) -> None:
-    """Add ``status``, ``rotate-ca`` and ``token ...`` under ``parser``; each sets ``args.run`` to
-    :func:`run_certs` and ``args.subparser`` to its own parser. ``default_store`` makes ``--store``
-    optional (``cluster-proxy certs`` defaults to the local mode's store)."""
-    register_certs_commands(
-        parser.add_subparsers(dest="certs_command", metavar="COMMAND", required=True),
-        default_store=default_store,
-    )
-
-
-def register_certs_commands(commands: Any, *, default_store: str | None = None) -> None:
+def register_certs_commands(commands: Any) -> None:
     """Add ``status``, ``rotate-ca`` and ``token ...`` to an existing sub-command set
-    (``parser.add_subparsers()``)."""
-
-    def store_flag(parser: argparse.ArgumentParser) -> None:
-        add_store_flag(parser, default=default_store)
+    (``parser.add_subparsers()``); each sets ``args.run`` to :func:`run_certs` and ``args.subparser``
+    to its own parser."""
 
     st = commands.add_parser("status", help="CAs, rotation phase, parties and what they trust")
-    store_flag(st)
+    add_store_flag(st)
     st.add_argument("--json", action="store_true", help="print JSON")
     st.set_defaults(run=run_certs, certs_run=_status, subparser=st)
 
@@ -240,7 +219,7 @@ def register_certs_commands(commands: Any, *, default_store: str | None = None) 
         "once every party trusts it; retire: drop the old CA once no live certificate uses it. "
         "Without a step, runs the next one. See docs/certificates.md.",
     )
-    store_flag(rc)
+    add_store_flag(rc)
     rc.add_argument("step", nargs="?", choices=["start", "activate", "retire"], help="default: the next step")
     rc.add_argument("--force", action="store_true", help="skip the safety check of activate/retire")
     rc.add_argument("--ca-days", type=int, default=DEFAULT_CA_DAYS, help="lifetime of a new CA in days")
@@ -253,7 +232,7 @@ def register_certs_commands(commands: Any, *, default_store: str | None = None) 
         help="create a token and print it (shown once)",
         description="One of --cluster (an agent), --server NAME --host H... or --client NAME.",
     )
-    store_flag(create)
+    add_store_flag(create)
     kind = create.add_mutually_exclusive_group(required=True)
     kind.add_argument("--cluster", type=_name, help="an agent token bound to this cluster")
     kind.add_argument("--server", type=_name, metavar="NAME", help="a server token (CN=NAME)")
@@ -269,10 +248,10 @@ def register_certs_commands(commands: Any, *, default_store: str | None = None) 
     create.set_defaults(run=run_certs, certs_run=_token_create, subparser=create)
 
     ls = tok_commands.add_parser("list", help="tokens (ids and bindings; never the secret)")
-    store_flag(ls)
+    add_store_flag(ls)
     ls.set_defaults(run=run_certs, certs_run=_token_list, subparser=ls)
     rm = tok_commands.add_parser("delete", help="revoke an unused token")
-    store_flag(rm)
+    add_store_flag(rm)
     rm.add_argument("token_id", metavar="ID")
     rm.set_defaults(run=run_certs, certs_run=_token_delete, subparser=rm)
 
@@ -282,7 +261,7 @@ def run_certs(
 ) -> int:
     """Run the chosen ``certs`` sub-command; the exit status (0 done, 1 refused or failed).
 
-    Matches the ``cluster-proxy`` convention ``args.run(args, args.subparser)``."""
+    Called as ``args.run(args, args.subparser)``, like every command of ``cluster-proxy-cert-signer``."""
     out = out or sys.stdout
     fn: Callable[[CertStore, argparse.Namespace, TextIO], int] = args.certs_run
     try:
