@@ -1,5 +1,5 @@
 """``cluster-proxy-cert-signer`` administration commands: init, token create/list/delete, status,
-rotate-ca, trust-bundle; and the ``certs`` family the ``cluster-proxy`` CLI embeds."""
+rotate-ca, trust-bundle (``cluster-proxy certs`` runs them as a process)."""
 
 from __future__ import annotations
 
