@@ -164,3 +164,27 @@ def test_certs_passes_the_signers_exit_status_through(
         main(["certs", "token", "delete", "no-such-id", "--store", str(tmp_path / "store")])
     assert info.value.code == 1
     assert "no token no-such-id" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "missing"),
+    [
+        (["local", "up"], "cluster-proxy-server"),
+        (["certs", "status", "--store", "s"], "cluster-proxy-cert-signer"),
+    ],
+)
+def test_a_service_not_installed_fails_at_once_naming_its_package(
+    argv: list[str],
+    missing: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.executable", str(tmp_path / "bin" / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    code, err = _exit_code_and_stderr(argv, capsys)
+    assert code == 1
+    assert f"{missing} not found" in err and f"install the {missing} package" in err
+    assert "cluster-proxy-cli[local]" in err
+    assert not (tmp_path / ".state").exists()  # nothing was started or written
