@@ -49,6 +49,7 @@ from .local_plan import (
     CLIENT_PARTY,
     CLUSTERS,
     LOOPBACK,
+    SERVER_NAME,
     SIGNER_NAME,
     SIGNER_STORE,
     Certificates,
@@ -257,7 +258,7 @@ async def _start_hub(
     signer: SignerPlan | None,
 ) -> None:
     """Start the proxy-server and the agents; wait until every agent is connected."""
-    await supervisor.start(nursery, "proxy-server", local_server_argv(ports, certs, clusters, signer))
+    await supervisor.start(nursery, SERVER_NAME, local_server_argv(ports, certs, clusters, signer))
     for cluster in clusters:
         await supervisor.start(nursery, f"{cluster}-agent", local_agent_argv(cluster, ports, certs, signer))
     try:
@@ -284,7 +285,7 @@ async def _not_ready(
     connected = await connected_clusters(LOOPBACK, ports.admin)
     if connected is None:
         problems.append(
-            (supervisor.children["proxy-server"], f"does not answer on its admin port {ports.admin}")
+            (supervisor.children[SERVER_NAME], f"does not answer on its admin port {ports.admin}")
         )
     else:
         for cluster in clusters:

@@ -37,11 +37,6 @@ def loopback(port: int) -> str:
     return format_authority(LOOPBACK, port)
 
 
-def echo_target(cluster: str, ports: Ports) -> Target:
-    """The cluster's echo service: its in-cluster target, and its kube-apiserver stand-in."""
-    return Target("echo", LOOPBACK, ports.echo[cluster])
-
-
 # --- ports -------------------------------------------------------------------------------------------
 
 
@@ -125,6 +120,11 @@ def plan_ports(base: int, clusters: Sequence[str]) -> Ports:
     )
 
 
+def echo_target(cluster: str, ports: Ports) -> Target:
+    """The cluster's echo service: its in-cluster target, and its kube-apiserver stand-in."""
+    return Target("echo", LOOPBACK, ports.echo[cluster])
+
+
 # --- certificates ------------------------------------------------------------------------------------
 
 
@@ -183,8 +183,9 @@ def signer_parties(certs: Certificates, clusters: Sequence[str]) -> list[Party]:
 
 @dataclass(frozen=True)
 class SignerPlan:
-    """The cert-signer of local mode: its store, its URL, the leaf lifetime and trust refresh it
-    serves, and the bootstrap token of each party without a usable certificate."""
+    """The cert-signer of local mode: its store, its URL, the lifetime of the leaves it issues, how
+    often the parties fetch the trust bundle, and the bootstrap token of each party without a usable
+    certificate."""
 
     store: Path
     url: str
