@@ -64,6 +64,23 @@ class SignerFlags:
         ]
 
 
+def _party_flags(files: CertFiles, signer: SignerFlags | None) -> list[str]:
+    """A party's certificate files, and how it gets them from the signer."""
+    flags = ["--ca", str(files.ca), "--cert", str(files.cert), "--key", str(files.key)]
+    return flags + (signer.argv() if signer is not None else [])
+
+
+def _last_flags(drain_timeout: str | None, log_level: str | None, options: Sequence[str]) -> list[str]:
+    """Drain and logging flags of the server and the agent (JSON logs), then ``options``."""
+    return [
+        *_flag("--drain-timeout", drain_timeout),
+        *_flag("--log-level", log_level),
+        "--log-format",
+        "json",
+        *options,
+    ]
+
+
 def server_argv(
     files: CertFiles,
     *,
@@ -86,20 +103,10 @@ def server_argv(
         client_listen,
         "--admin-listen",
         admin_listen,
-        "--ca",
-        str(files.ca),
-        "--cert",
-        str(files.cert),
-        "--key",
-        str(files.key),
-        *(signer.argv() if signer is not None else []),
+        *_party_flags(files, signer),
         *repeat_flag("--tls-host", tls_hosts),
         *_flag("--known-clusters", ",".join(known_clusters) or None),
-        *_flag("--drain-timeout", drain_timeout),
-        *_flag("--log-level", log_level),
-        "--log-format",
-        "json",
-        *options,
+        *_last_flags(drain_timeout, log_level, options),
     ]
 
 
@@ -131,24 +138,14 @@ def agent_argv(
         cluster,
         "--agent-id",
         agent_id,
-        "--ca",
-        str(files.ca),
-        "--cert",
-        str(files.cert),
-        "--key",
-        str(files.key),
-        *(signer.argv() if signer is not None else []),
+        *_party_flags(files, signer),
         "--admin-listen",
         admin_listen,
         *repeat_flag("--allow", allow),
         *_flag("--kube-apiserver", kube_apiserver),
         *_flag("--backoff-initial", backoff_initial),
         *_flag("--backoff-max", backoff_max),
-        *_flag("--drain-timeout", drain_timeout),
-        *_flag("--log-level", log_level),
-        "--log-format",
-        "json",
-        *options,
+        *_last_flags(drain_timeout, log_level, options),
     ]
 
 
