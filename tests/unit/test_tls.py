@@ -12,6 +12,7 @@ import trio
 import trio.testing
 from cryptography import x509
 
+from clusterproxy_protocol import tls
 from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.pki import DevCA, PemPair, peer_identity
 from clusterproxy_protocol.tls import client_context, load_cert_chain, server_context
@@ -252,6 +253,34 @@ def test_key_that_does_not_match_the_certificate(certs: Certs) -> None:
     assert "does not match" in message
     assert str(certs.client.key) in message
     assert str(certs.server.cert) in message
+
+
+def test_a_pair_caught_between_a_renewals_two_renames_is_read_again(
+    certs: Certs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal in another process replaces the key, then the certificate: a reader in between
+    meets the new key with the old certificate, and must wait for the pair, not refuse it."""
+    live = tmp_path / "live"
+    live.mkdir()
+    cert, key = live / "tls.crt", live / "tls.key"
+    renewed = certs.ca.issue_client("alice", tmp_path / "renewed")
+    cert.write_bytes(certs.client.cert.read_bytes())
+    key.write_bytes(renewed.key.read_bytes())  # the renewal's first rename is done, not its second
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> None:  # the writer's second rename happens during the first pause
+        pauses.append(seconds)
+        cert.write_bytes(renewed.cert.read_bytes())
+
+    monkeypatch.setattr(tls.time, "sleep", pause)
+    client_context(cert, key, certs.ca.ca_path, alpn=["h2"])
+    assert pauses == [tls.PAIR_SETTLE_PAUSES[0]]
+    # a pair that stays mismatched is refused, after a fraction of a second at most
+    pauses.clear()
+    monkeypatch.setattr(tls.time, "sleep", pauses.append)
+    with pytest.raises(ConfigError, match="does not match"):
+        client_context(certs.server.cert, certs.client.key, certs.ca.ca_path, alpn=["h2"])
+    assert pauses == list(tls.PAIR_SETTLE_PAUSES) and sum(pauses) < 0.25
 
 
 def test_garbage_and_empty_files(certs: Certs, tmp_path: Path) -> None:

@@ -294,8 +294,9 @@ def write_credentials(files: CertFiles, key: Any, issued: Issued) -> None:
     """Write the trust bundle, then the key (0600) and the certificate (0644).
 
     Both key and certificate are written to temporary files first and renamed one right after the
-    other, so the pair on disk is mismatched for two renames at most (and :func:`tls.load_cert_chain`
-    detects a mismatch instead of loading it).
+    other, so the pair on disk is mismatched between two renames at most: :func:`tls.load_cert_chain`
+    in another process that meets the new key with the old certificate reads the pair again until
+    the second rename is done, instead of failing or loading a mismatch.
     """
     if key.public_key() != issued.cert.public_key():
         raise ValueError("the issued certificate is not for this key")

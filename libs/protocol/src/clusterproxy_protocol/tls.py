@@ -10,6 +10,7 @@ use the new certificate, established connections are untouched.
 from __future__ import annotations
 
 import ssl
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,8 +36,31 @@ def _read(path: Path, what: str) -> bytes:
     return data
 
 
+# A renewal replaces the key file, then the certificate file (certclient.write_credentials): a reader
+# in another process (the SDK or port-forward following a hub client's files, a probe) can meet the new
+# key with the old certificate while the writer is between its two renames. A mismatched pair is read
+# again after each of these pauses before it counts as a real mismatch.
+PAIR_SETTLE_PAUSES = (0.002, 0.01, 0.05, 0.1)
+
+
+class _MismatchedPair(ConfigError):
+    pass
+
+
 def load_cert_chain(ctx: ssl.SSLContext, cert: Path, key: Path) -> None:
-    """Check ``cert``/``key`` (PEM; ``cert`` may hold a chain, leaf first) and load them into ``ctx``."""
+    """Check ``cert``/``key`` (PEM; ``cert`` may hold a chain, leaf first) and load them into ``ctx``.
+    A pair that does not match is read again a few times within about 0.2 s (a renewal in another
+    process may be between replacing the key and replacing the certificate) before it is refused."""
+    for pause in PAIR_SETTLE_PAUSES:
+        try:
+            _load_pair(ctx, cert, key)
+            return
+        except _MismatchedPair:
+            time.sleep(pause)  # blocks the caller's thread for a moment, and only in this rare case
+    _load_pair(ctx, cert, key)
+
+
+def _load_pair(ctx: ssl.SSLContext, cert: Path, key: Path) -> None:
     cert_pem = _read(cert, "certificate")
     key_pem = _read(key, "private key")
     try:
@@ -50,11 +74,13 @@ def load_cert_chain(ctx: ssl.SSLContext, cert: Path, key: Path) -> None:
             f"private key file {key} holds no valid unencrypted PEM private key: {exc}"
         ) from None
     if private_key.public_key() != certs[0].public_key():
-        raise ConfigError(f"private key {key} does not match the certificate {cert}")
+        raise _MismatchedPair(f"private key {key} does not match the certificate {cert}")
     try:
+        # OpenSSL reads both files again: a renewal may have come in between
         ctx.load_cert_chain(certfile=str(cert), keyfile=str(key))
     except ssl.SSLError as exc:
-        raise ConfigError(f"cannot load certificate {cert} with key {key}: {exc.reason or exc}") from None
+        error = _MismatchedPair if exc.reason == "KEY_VALUES_MISMATCH" else ConfigError
+        raise error(f"cannot load certificate {cert} with key {key}: {exc.reason or exc}") from None
 
 
 def load_trust(ctx: ssl.SSLContext, ca: Path) -> None:
