@@ -101,7 +101,7 @@ async def test_accepting_a_stream_the_peer_already_reset_is_a_broken_stream(nurs
     nursery.start_soon(connect_then_give_up)
     request = await requests[1].receive()
     with trio.fail_after(5):
-        while request.stream._state.reset_code is None:
+        while request.stream.answerable:
             await trio.sleep(0.01)
     try:
         await request.accept()
