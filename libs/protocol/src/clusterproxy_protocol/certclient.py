@@ -25,7 +25,6 @@ Typical use (an agent's first start)::
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import hashlib
 import ipaddress
@@ -33,7 +32,6 @@ import json
 import math
 import os
 import ssl
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +46,8 @@ from cryptography.x509.oid import NameOID
 
 from . import tls
 from .config import ConfigError, parse_hostport
+from .errors import describe_exception
+from .files import write_atomic, write_temp
 from .pki import AGENT_ORGANIZATION, agent_uri
 from .wire import PRESENTING_HEADER, TRUSTED_HEADER
 
@@ -262,22 +262,6 @@ def bundle_fingerprints(pem: str | bytes) -> tuple[str, ...]:
 # --- files ---------------------------------------------------------------------------------------------
 
 
-def _temp_write(path: Path, data: bytes, mode: int) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return tmp
-
-
 def write_bundle(path: Path, pem: str) -> bool:
     """Replace the trust bundle at ``path`` atomically; False (nothing written) when it is unchanged."""
     bundle_fingerprints(pem)
@@ -286,7 +270,7 @@ def write_bundle(path: Path, pem: str) -> bool:
             return False
     except OSError:
         pass
-    os.replace(_temp_write(Path(path), pem.encode(), 0o644), path)
+    write_atomic(Path(path), pem.encode(), 0o644)
     return True
 
 
@@ -304,9 +288,9 @@ def write_credentials(files: CertFiles, key: Any, issued: Issued) -> None:
     key_pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    key_tmp = _temp_write(Path(files.key), key_pem, 0o600)
+    key_tmp = write_temp(Path(files.key), key_pem, 0o600)
     try:
-        cert_tmp = _temp_write(Path(files.cert), issued.cert_pem.encode(), 0o644)
+        cert_tmp = write_temp(Path(files.cert), issued.cert_pem.encode(), 0o644)
     except BaseException:
         os.unlink(key_tmp)
         raise
@@ -357,19 +341,6 @@ async def _exchange(
                 return status, bytes(received)
 
 
-def _describe(exc: BaseException) -> str:
-    cause = exc.__cause__ or exc.__context__
-    if isinstance(exc, trio.BrokenResourceError) and isinstance(cause, ssl.SSLError):
-        exc = cause
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return f"TLS handshake failed: certificate verify failed: {exc.verify_message}"
-    if isinstance(exc, ssl.SSLError):
-        return f"TLS handshake failed: {exc.reason or exc}"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    return str(exc) or type(exc).__name__
-
-
 async def request_json(
     endpoint: SignerEndpoint,
     method: str,
@@ -394,7 +365,7 @@ async def request_json(
             0, "timeout", f"no answer from {endpoint.url} within {endpoint.timeout:g}s"
         ) from None
     except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
-        raise SignerRequestError(0, "unreachable", f"{endpoint.url}: {_describe(exc)}") from None
+        raise SignerRequestError(0, "unreachable", f"{endpoint.url}: {describe_exception(exc)}") from None
     try:
         answer = json.loads(data) if data else None
     except ValueError:
