@@ -37,6 +37,7 @@ from clusterproxy_protocol.config import (
     parse_duration,
     parse_hostport,
     parse_port,
+    parse_positive_duration,
 )
 from clusterproxy_protocol.errors import TunnelError
 from clusterproxy_protocol.logs import configure_logging, get_logger
@@ -82,12 +83,9 @@ def parse_proxy(text: str) -> tuple[str, int]:
     return host, port
 
 
-def parse_positive_duration(text: str) -> str:
-    """A positive duration, passed on as seconds (``90s``)."""
-    seconds = parse_duration(text)
-    if not 0 < seconds < float("inf"):
-        raise InvalidValue(f"invalid duration {text!r}: must be greater than 0")
-    return f"{seconds:g}s"
+def positive_duration_arg(text: str) -> str:
+    """A positive duration, passed on to a service as seconds (``90s``)."""
+    return f"{parse_positive_duration(text):g}s"
 
 
 def parse_base_port(text: str) -> int:
@@ -126,9 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "--cert-signer", env="CLUSTER_PROXY_CERT_SIGNER", type=bool, default=True,
              help="run a cert-signer: parties bootstrap from tokens and renew their certificates "
              "(--no-cert-signer: static certificates from a development CA)")  # fmt: skip
-    add_flag(up, "--cert-ttl", env="CLUSTER_PROXY_CERT_TTL", type=parse_positive_duration, default="24h",
+    add_flag(up, "--cert-ttl", env="CLUSTER_PROXY_CERT_TTL", type=positive_duration_arg, default="24h",
              help="lifetime of the certificates the signer issues (renewed at 80%)")  # fmt: skip
-    add_flag(up, "--trust-refresh", env="CLUSTER_PROXY_TRUST_REFRESH", type=parse_positive_duration, default="30s",
+    add_flag(up, "--trust-refresh", env="CLUSTER_PROXY_TRUST_REFRESH", type=positive_duration_arg, default="30s",
              help="how often every party fetches the trust bundle (a CA rotation waits for it)")  # fmt: skip
 
     certs = commands.add_parser(

@@ -99,6 +99,14 @@ def parse_hostport(text: str) -> tuple[str, int]:
     return host, port
 
 
+def parse_dialable_hostport(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` of something to dial: port 0 is refused."""
+    host, port = parse_hostport(text)
+    if port == 0:
+        raise InvalidValue(f"invalid address {text!r}: port 0 cannot be dialed")
+    return host, port
+
+
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -123,6 +131,14 @@ def parse_duration(text: str | float) -> float:
                 raise InvalidValue(f"invalid duration {text!r}: {expected}") from None
     if math.isnan(value) or math.isinf(value) or value < 0:
         raise InvalidValue(f"invalid duration {text!r}: must be a finite number of seconds >= 0")
+    return value
+
+
+def parse_positive_duration(text: str | float) -> float:
+    """A duration in seconds greater than 0 (see :func:`parse_duration`)."""
+    value = parse_duration(text)
+    if value <= 0:
+        raise InvalidValue(f"invalid duration {text!r}: must be greater than 0")
     return value
 
 

@@ -27,8 +27,10 @@ from clusterproxy_protocol.config import (
     add_flag,
     existing_file,
     parse_args_or_exit,
+    parse_dialable_hostport,
     parse_duration,
     parse_hostport,
+    parse_positive_duration,
 )
 from clusterproxy_protocol.logs import configure_logging, get_logger
 from clusterproxy_protocol.pki import agent_uri
@@ -65,20 +67,6 @@ def agent_id(text: str) -> str:
             f"invalid agent id {text!r}: use letters, digits, '.', '_' and '-' "
             "(starting and ending with a letter or digit, at most 253 characters)"
         ) from None
-    return value
-
-
-def target_address(text: str) -> tuple[str, int]:
-    host, port = parse_hostport(text)
-    if port == 0:
-        raise InvalidValue(f"invalid address {text!r}: port 0 cannot be dialled")
-    return host, port
-
-
-def positive_duration(text: str) -> float:
-    value = parse_duration(text)
-    if value <= 0:
-        raise InvalidValue(f"invalid duration {text!r}: must be greater than 0")
     return value
 
 
@@ -190,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     flag(
         "--server",
-        type=target_address,
+        type=parse_dialable_hostport,
         required=True,
         metavar="HOST:PORT",
         help="the proxy-server's agent port",
@@ -237,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag(
         "--kube-apiserver",
-        type=target_address,
+        type=parse_dialable_hostport,
         default="kubernetes.default.svc:443",
         metavar="HOST:PORT",
         help="where the bare cluster name as dial host leads",
@@ -245,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag(
         "--dial-timeout",
         metavar="DURATION",
-        type=positive_duration,
+        type=parse_positive_duration,
         default="10s",
         help="bound on resolving and connecting a target",
     )
@@ -274,35 +262,35 @@ def build_parser() -> argparse.ArgumentParser:
     flag(
         "--connect-timeout",
         metavar="DURATION",
-        type=positive_duration,
+        type=parse_positive_duration,
         default="10s",
         help="bound on TCP connect plus TLS handshake to the server",
     )
     flag(
         "--backoff-initial",
         metavar="DURATION",
-        type=positive_duration,
+        type=parse_positive_duration,
         default="0.5s",
         help="first reconnect delay ceiling",
     )
     flag(
         "--backoff-max",
         metavar="DURATION",
-        type=positive_duration,
+        type=parse_positive_duration,
         default="30s",
         help="largest reconnect delay ceiling",
     )
     flag(
         "--keepalive-interval",
         metavar="DURATION",
-        type=positive_duration,
+        type=parse_positive_duration,
         default="10s",
         help="PING interval on the tunnel",
     )
     flag(
         "--keepalive-timeout",
         metavar="DURATION",
-        type=positive_duration,
+        type=parse_positive_duration,
         default="20s",
         help="a PING unanswered this long kills the tunnel",
     )
