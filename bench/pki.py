@@ -22,6 +22,12 @@ class CertFiles:
     key: Path
 
 
+# The role URI SANs our proxy-server requires (its client port takes client certificates only, the
+# agent port agent certificates only, and our agents check the hub's); upstream ignores them.
+SERVER_ROLE_URI = "cluster-proxy://hub/server"
+CLIENT_ROLE_URI = "cluster-proxy://hub/client"
+
+
 def agent_uri(cluster: str, agent_id: str) -> str:
     """The URI SAN our proxy-server reads an agent's identity from."""
     return f"cluster-proxy://cluster/{cluster}/agent/{agent_id}"
@@ -134,11 +140,16 @@ class BenchPKI:
 
     def server(self) -> CertFiles:
         return self.issue(
-            "server", "cluster-proxy-bench-server", server=True, dns=("localhost",), ips=("127.0.0.1",)
+            "server",
+            "cluster-proxy-bench-server",
+            server=True,
+            dns=("localhost",),
+            ips=("127.0.0.1",),
+            uris=(SERVER_ROLE_URI,),
         )
 
     def client(self) -> CertFiles:
-        return self.issue("client", "bench-client", client=True)
+        return self.issue("client", "bench-client", client=True, uris=(CLIENT_ROLE_URI,))
 
     def agent(self, cluster: str, agent_id: str) -> CertFiles:
         return self.issue(

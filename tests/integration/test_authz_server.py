@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import trio
-from cryptography import x509
 
 from clusterproxy_agent.egress import parse_rule
 from clusterproxy_agent.main import AgentSettings, Service
@@ -40,15 +39,8 @@ class Clients:
             "alice": ca.issue_client("alice", directory),
             "bob": ca.issue_client("bob", directory),
             "opsbot": ca.issue_client("opsbot", directory, organization="ops"),
-            # a certificate named by its SAN only (the DevCA has no public helper for client SANs)
-            "robot": ca._issue(
-                x509.Name([]),
-                [x509.UniformResourceIdentifier("spiffe://hub/robots/r2")],
-                [x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH],
-                directory,
-                "robot",
-                1,
-            ),
+            # a certificate named by its SAN only
+            "robot": ca.issue_client(None, directory, uris=["spiffe://hub/robots/r2"], stem="robot"),
         }
 
     def context(self, name: str, alpn: list[str]):  # type: ignore[no-untyped-def]

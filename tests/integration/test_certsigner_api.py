@@ -115,8 +115,10 @@ async def test_server_and_client_certificates_are_issued_the_same_way(
     c = peer_identity(
         x509.load_pem_x509_certificate(client.cert.read_bytes()).public_bytes(serialization.Encoding.DER)
     )
-    assert s["sans"] == ["DNS:localhost", "IP:127.0.0.1"] and s["common_name"] == "proxy-server"
+    assert s["sans"] == ["DNS:localhost", "IP:127.0.0.1", "URI:cluster-proxy://hub/server"]
+    assert s["common_name"] == "proxy-server" and s["role"] == "server"
     assert c["common_name"] == "alice" and c["organizations"] == ["ops"] and c["agent"] is None
+    assert c["role"] == "client"
 
 
 async def test_token_reuse_is_refused(signer: RunningSigner) -> None:

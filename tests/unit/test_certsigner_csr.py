@@ -197,7 +197,6 @@ def test_server_leaf_has_both_ekus_and_never_outlives_the_ca() -> None:
     eku = list(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
     assert eku == [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
     assert cert.not_valid_after_utc == ca_cert.not_valid_after_utc
-    assert peer_identity(cert.public_bytes(serialization.Encoding.DER))["sans"] == [
-        "DNS:localhost",
-        "IP:10.0.0.1",
-    ]
+    identity_seen = peer_identity(cert.public_bytes(serialization.Encoding.DER))
+    assert identity_seen["sans"] == ["DNS:localhost", "IP:10.0.0.1", "URI:cluster-proxy://hub/server"]
+    assert identity_seen["role"] == "server"

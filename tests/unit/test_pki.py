@@ -149,7 +149,8 @@ def test_client_certificate(tmp_path: Path) -> None:
     ident = peer_identity(cert.public_bytes(serialization.Encoding.DER))
     assert ident["common_name"] == "alice"
     assert ident["organizations"] == ["operators"]
-    assert ident["sans"] == []
+    assert ident["sans"] == ["URI:cluster-proxy://hub/client"]
+    assert ident["role"] == "client"
     assert ident["agent"] is None
     assert agent_identity_from_cert(cert) is None
 
@@ -166,6 +167,7 @@ def test_agent_certificate_binds_cluster_and_id(tmp_path: Path) -> None:
     ident = peer_identity(cert.public_bytes(serialization.Encoding.DER))
     assert ident["sans"] == ["URI:cluster-proxy://cluster/cluster1/agent/agent-7f9c"]
     assert ident["agent"] == {"cluster": "cluster1", "agent_id": "agent-7f9c"}
+    assert ident["role"] == "agent"
     assert ident["subject"] == f"O={AGENT_ORGANIZATION},CN=agent-7f9c"
 
 
@@ -191,7 +193,9 @@ def test_server_certificate_is_not_an_agent(tmp_path: Path) -> None:
     ca = DevCA.create_or_load(tmp_path)
     cert = load(ca.issue_server("srv", ["localhost"], tmp_path).cert)
     assert agent_identity_from_cert(cert) is None
-    assert peer_identity(cert.public_bytes(serialization.Encoding.DER))["sans"] == ["DNS:localhost"]
+    ident = peer_identity(cert.public_bytes(serialization.Encoding.DER))
+    assert ident["sans"] == ["DNS:localhost", "URI:cluster-proxy://hub/server"]
+    assert ident["role"] == "server"
 
 
 def test_reissue_replaces_files_atomically(tmp_path: Path) -> None:

@@ -67,7 +67,7 @@ async def test_mutual_tls_handshake_with_alpn_and_agent_identity(certs: Certs) -
     ident = peer_identity(server.getpeercert(binary_form=True))
     assert ident["agent"] == {"cluster": "cluster1", "agent_id": "agent-1"}
     server_ident = peer_identity(client.getpeercert(binary_form=True))
-    assert server_ident["sans"] == ["DNS:localhost", "IP:127.0.0.1"]
+    assert server_ident["sans"] == ["DNS:localhost", "IP:127.0.0.1", "URI:cluster-proxy://hub/server"]
 
 
 async def test_client_from_another_ca_is_refused(certs: Certs, tmp_path: Path) -> None:

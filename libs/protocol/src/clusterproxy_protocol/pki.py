@@ -4,22 +4,27 @@ Used by local mode and the tests until the cert-signer service owns the CA; ever
 the few functions below so that swap stays local. Files are PEM, written atomically (temporary file,
 then ``os.replace``), private keys with mode 0600.
 
-Identity conventions (shared with the proxy-server's authorization):
+Identity conventions (shared with the cert-signer and the proxy-server's authorization). Every
+certificate carries exactly one **role** (:class:`CertRole`): one ``cluster-proxy:`` URI SAN names
+it, and the extended key usage must agree (:func:`certificate_role` checks both):
 
-- server certificates: SAN DNS names / IP addresses, EKU serverAuth;
-- client certificates (hub users): subject CN (and optionally O), EKU clientAuth;
+- server certificates: SAN DNS names / IP addresses and the URI ``cluster-proxy://hub/server``,
+  EKU serverAuth (the signer adds clientAuth: a server renews over mTLS with its own certificate);
+- client certificates (hub users): subject CN (and optionally O), the URI
+  ``cluster-proxy://hub/client``, EKU clientAuth;
 - agent certificates: subject ``CN=<agent_id>, O=cluster-proxy-agents``, EKU clientAuth, and the URI
-  SAN ``cluster-proxy://cluster/<cluster>/agent/<agent_id>``, which binds the agent to its cluster
-  (see :func:`agent_identity_from_cert`).
+  SAN ``cluster-proxy://cluster/<cluster>/agent/<agent_id>``, which names the role and binds the
+  agent to its cluster (see :func:`agent_identity_from_cert`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import enum
 import ipaddress
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,11 +40,17 @@ from .config import ConfigError
 __all__ = [
     "AGENT_ORGANIZATION",
     "AGENT_URI_SCHEME",
+    "CLIENT_ROLE_URI",
+    "SERVER_ROLE_URI",
+    "CertRole",
     "DevCA",
     "PemPair",
+    "RoleCheck",
     "agent_identity_from_cert",
     "agent_uri",
+    "certificate_role",
     "peer_identity",
+    "role_of_uri",
 ]
 
 AGENT_ORGANIZATION = "cluster-proxy-agents"
@@ -48,6 +59,34 @@ _AGENT_URI = re.compile(r"^cluster-proxy://cluster/([^/]+)/agent/([^/]+)$")
 # Cluster names are Kubernetes object names; agent ids are pod names, host names or UUIDs.
 _NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
 _CLOCK_SKEW = dt.timedelta(minutes=5)
+SERVER_ROLE_URI = "cluster-proxy://hub/server"
+CLIENT_ROLE_URI = "cluster-proxy://hub/client"
+
+
+class CertRole(enum.StrEnum):
+    """What a certificate may be used as; each port accepts one (see :func:`certificate_role`)."""
+
+    SERVER = "server"  # the proxy-server (and the cert-signer's own HTTPS certificate)
+    AGENT = "agent"  # a proxy-agent of one cluster
+    CLIENT = "client"  # a hub client: curl, kubectl, the SDK, port-forward
+
+
+# The EKUs each role must carry, and the only ones it may carry. A server also carries clientAuth
+# because it renews over mTLS with its own certificate and OpenSSL checks a client certificate's EKU.
+_ROLE_EKUS: dict[CertRole, tuple[x509.ObjectIdentifier, frozenset[x509.ObjectIdentifier]]] = {
+    CertRole.SERVER: (
+        ExtendedKeyUsageOID.SERVER_AUTH,
+        frozenset({ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}),
+    ),
+    CertRole.AGENT: (ExtendedKeyUsageOID.CLIENT_AUTH, frozenset({ExtendedKeyUsageOID.CLIENT_AUTH})),
+    CertRole.CLIENT: (ExtendedKeyUsageOID.CLIENT_AUTH, frozenset({ExtendedKeyUsageOID.CLIENT_AUTH})),
+}
+_ROLE_EKU_TEXT = {
+    CertRole.SERVER: "serverAuth (and clientAuth, nothing else)",
+    CertRole.AGENT: "clientAuth only",
+    CertRole.CLIENT: "clientAuth only",
+}
+_EKU_NAMES = {ExtendedKeyUsageOID.SERVER_AUTH: "serverAuth", ExtendedKeyUsageOID.CLIENT_AUTH: "clientAuth"}
 
 
 @dataclass(frozen=True)
@@ -86,6 +125,69 @@ def agent_identity_from_cert(cert: x509.Certificate) -> tuple[str, str] | None:
     return found[0] if len(found) == 1 else None
 
 
+def _is_role_uri(uri: str) -> bool:
+    return uri[: len(AGENT_URI_SCHEME) + 1].lower() == f"{AGENT_URI_SCHEME}:"
+
+
+def role_of_uri(uri: str) -> CertRole | None:
+    """The role a ``cluster-proxy:`` URI names, or None when it is not a well-formed role URI."""
+    if uri == SERVER_ROLE_URI:
+        return CertRole.SERVER
+    if uri == CLIENT_ROLE_URI:
+        return CertRole.CLIENT
+    match = _AGENT_URI.match(uri)
+    if match and _NAME.match(match.group(1)) and _NAME.match(match.group(2)):
+        return CertRole.AGENT
+    return None
+
+
+@dataclass(frozen=True)
+class RoleCheck:
+    """A certificate's role, or None with ``problem`` saying why it has no usable one."""
+
+    role: CertRole | None
+    problem: str | None = None
+
+    @property
+    def found(self) -> str:
+        """The role as logs name it: ``server``, ``agent``, ``client`` or ``none``."""
+        return self.role.value if self.role is not None else "none"
+
+
+def _eku_names(usages: Sequence[x509.ObjectIdentifier]) -> str:
+    return ", ".join(_EKU_NAMES.get(oid, oid.dotted_string) for oid in usages) or "none"
+
+
+def certificate_role(cert: x509.Certificate) -> RoleCheck:
+    """The one role ``cert`` carries: exactly one ``cluster-proxy:`` URI SAN naming it, and an
+    extended key usage that has the role's usage and nothing a role may not have (an agent or
+    client certificate with serverAuth has no role). Anything else has no role."""
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        uris = [u for u in san.get_values_for_type(x509.UniformResourceIdentifier) if _is_role_uri(u)]
+    except x509.ExtensionNotFound:
+        uris = []
+    if not uris:
+        return RoleCheck(None, "the certificate has no cluster-proxy role URI SAN")
+    if len(uris) > 1:
+        return RoleCheck(None, f"the certificate names {len(uris)} roles ({', '.join(uris)}); one is allowed")
+    role = role_of_uri(uris[0])
+    if role is None:
+        return RoleCheck(None, f"{uris[0]!r} is not a cluster-proxy role URI")
+    try:
+        usages = list(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    except x509.ExtensionNotFound:
+        return RoleCheck(None, f"the {role} role URI comes without an extended key usage")
+    required, allowed = _ROLE_EKUS[role]
+    if required not in usages or not set(usages) <= allowed:
+        return RoleCheck(
+            None,
+            f"the {role} role URI comes with extended key usage {_eku_names(usages)}; "
+            f"a {role} certificate has {_ROLE_EKU_TEXT[role]}",
+        )
+    return RoleCheck(role)
+
+
 def _san_strings(cert: x509.Certificate) -> list[str]:
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -110,8 +212,9 @@ def peer_identity(der_cert: bytes) -> dict[str, object]:
     """A summary of a peer certificate (e.g. ``SSLObject.getpeercert(binary_form=True)``).
 
     Keys: ``subject`` (RFC 4514 string), ``common_name`` (str or None), ``organizations`` (list),
-    ``sans`` (``["DNS:host", "IP:1.2.3.4", "URI:..."]``) and ``agent`` (``{"cluster", "agent_id"}`` for an
-    agent certificate, else None).
+    ``sans`` (``["DNS:host", "IP:1.2.3.4", "URI:..."]``), ``agent`` (``{"cluster", "agent_id"}`` for an
+    agent certificate, else None) and ``role`` (``server``, ``agent``, ``client`` or ``none``: see
+    :func:`certificate_role`).
     """
     cert = x509.load_der_x509_certificate(der_cert)
     cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
@@ -123,6 +226,7 @@ def peer_identity(der_cert: bytes) -> dict[str, object]:
         "organizations": [str(o.value) for o in orgs],
         "sans": _san_strings(cert),
         "agent": {"cluster": agent[0], "agent_id": agent[1]} if agent else None,
+        "role": certificate_role(cert).found,
     }
 
 
@@ -246,6 +350,20 @@ class DevCA:
 
     # -- leaves ------------------------------------------------------------------------------------------
 
+    def issue_custom(
+        self,
+        subject: x509.Name,
+        sans: list[x509.GeneralName],
+        eku: list[x509.ObjectIdentifier],
+        directory: Path,
+        stem: str,
+        *,
+        days: int = 365,
+    ) -> PemPair:
+        """A leaf with exactly these names and usages and no role added: for tests that need a
+        certificate the role check must refuse (none, two, or one that its EKU contradicts)."""
+        return self._issue(subject, sans, eku, directory, stem, days)
+
     def _issue(
         self,
         subject: x509.Name,
@@ -316,6 +434,7 @@ class DevCA:
                 if not h or not h.isascii() or any(c.isspace() or c in "/:@[]" for c in h):
                     raise ValueError(f"invalid host {host!r} for server certificate {name!r}") from None
                 sans.append(x509.DNSName(h.lower()))
+        sans.append(x509.UniformResourceIdentifier(SERVER_ROLE_URI))
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name[:64])])
         return self._issue(
             subject, sans, [ExtendedKeyUsageOID.SERVER_AUTH], directory, stem or _stem(name), days
@@ -323,25 +442,35 @@ class DevCA:
 
     def issue_client(
         self,
-        common_name: str,
+        common_name: str | None,
         directory: Path,
         *,
         organization: str | None = None,
+        uris: Sequence[str] = (),
         days: int = 365,
         stem: str | None = None,
     ) -> PemPair:
-        """A client certificate for a hub user: ``CN=common_name`` (``O=organization``), EKU clientAuth."""
-        if not common_name or len(common_name) > 64:
+        """A client certificate for a hub user: ``CN=common_name`` (``O=organization``), the client
+        role URI, EKU clientAuth. ``uris`` adds URI SANs for the client policy to match (e.g. SPIFFE
+        ids); a certificate named by them alone may leave out the common name."""
+        if common_name is None and not uris:
+            raise ValueError("a client certificate needs a common name or a URI")
+        if common_name is not None and not 0 < len(common_name) <= 64:
             raise ValueError(f"invalid client common name {common_name!r}: 1-64 characters")
-        attrs = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+        for uri in uris:
+            if _is_role_uri(uri):
+                raise ValueError(f"{uri!r}: the role URI is added by the CA, not given")
+        attrs = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)] if common_name else []
         if organization:
             attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
+        sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(u) for u in uris]
+        sans.append(x509.UniformResourceIdentifier(CLIENT_ROLE_URI))
         return self._issue(
             x509.Name(attrs),
-            [],
+            sans,
             [ExtendedKeyUsageOID.CLIENT_AUTH],
             directory,
-            stem or _stem(common_name),
+            stem or _stem(common_name or uris[0]),
             days,
         )
 

@@ -2,7 +2,9 @@
 against a :class:`~clusterproxy_certsigner.models.Binding`.
 
 The CSR only *asks*: the certificate is built from the :class:`Identity` returned here, never from the
-CSR's extensions (so a CSR cannot smuggle ``CA:TRUE``, extra SANs or other key usages).
+CSR's extensions (so a CSR cannot smuggle ``CA:TRUE``, extra SANs or other key usages). The role is
+the binding's kind: a CSR may repeat its role URI (a renewal's CSR copies the certificate's names),
+never name another role.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import re
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from clusterproxy_protocol.pki import AGENT_ORGANIZATION
+from clusterproxy_protocol.pki import AGENT_ORGANIZATION, CertRole, role_of_uri
 
 from .crypto import check_public_key
 from .errors import Forbidden, InvalidCSR
@@ -97,12 +99,29 @@ def match_csr(csr: x509.CertificateSigningRequest, binding: Binding) -> Identity
     """
     cn = _single(_attrs(csr, NameOID.COMMON_NAME), "CN")
     org = _single(_attrs(csr, NameOID.ORGANIZATION_NAME), "O")
-    sans = _sans(csr)
+    sans = _without_own_role_uri(_sans(csr), binding)
     if binding.kind == "agent":
         return _match_agent(cn, org, sans, binding)
     if binding.kind == "server":
         return _match_server(cn, sans, binding)
     return _match_client(cn, org, sans, binding)
+
+
+def _without_own_role_uri(sans: list[x509.GeneralName], binding: Binding) -> list[x509.GeneralName]:
+    """``sans`` less the server or client role URI the binding's kind has (the signer adds it); a
+    role URI of another kind is refused. An agent's role URI is its agent URI, left to be matched."""
+    kept: list[x509.GeneralName] = []
+    for name in sans:
+        role = role_of_uri(name.value) if isinstance(name, x509.UniformResourceIdentifier) else None
+        if role is not None and role != CertRole(binding.kind):
+            raise Forbidden(
+                f"the CSR asks for the {role} role ({name.value}) but the credential is for a "
+                f"{binding.kind}: a certificate's role is fixed by its token and kept by every renewal",
+                error="role_mismatch",
+            )
+        if role is None or role is CertRole.AGENT:
+            kept.append(name)
+    return kept
 
 
 def _match_agent(cn: str | None, org: str | None, sans: list[x509.GeneralName], b: Binding) -> Identity:

@@ -12,11 +12,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
+from cryptography import x509
 
 from clusterproxy_agent.agent import Agent
 from clusterproxy_protocol.core import Role, TunnelSettings
 from clusterproxy_protocol.driver import open_mux
 from clusterproxy_protocol.errors import describe_exception
+from clusterproxy_protocol.pki import CertRole, certificate_role
 from clusterproxy_protocol.wire import format_authority
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "Opener",
     "TunnelOptions",
     "TunnelRunner",
+    "check_server_role",
     "tls_opener",
 ]
 
@@ -75,10 +78,25 @@ class Backoff:
         self.attempt = 0
 
 
+def check_server_role(der_cert: bytes | None) -> None:
+    """Raise :class:`HandshakeError` unless the hub's certificate has the server role: an agent or
+    client certificate with a forged serverAuth, or one from before roles, is not a proxy-server."""
+    if der_cert is None:
+        raise HandshakeError("the server presented no certificate")
+    check = certificate_role(x509.load_der_x509_certificate(der_cert))
+    if check.role is not CertRole.SERVER:
+        found = f"role {check.role}" if check.role is not None else f"no role ({check.problem})"
+        raise HandshakeError(
+            f"the server presented a certificate with {found}; a proxy-server's certificate has the "
+            "server role"
+        )
+
+
 def tls_opener(
     server: tuple[str, int], ctx: ssl.SSLContext | Callable[[], ssl.SSLContext], server_name: str
 ) -> Opener:
-    """TCP to ``server``, TLS handshake (the agent certificate in ``ctx``), ALPN ``h2`` required.
+    """TCP to ``server``, TLS handshake (the agent certificate in ``ctx``), ALPN ``h2`` and a
+    server-role certificate required.
 
     ``ctx`` may be a callable (e.g. a :class:`~clusterproxy_protocol.reloader.ReloadingContext`),
     called at each dial: a renewed certificate or a changed trust bundle applies to the next tunnel.
@@ -94,6 +112,7 @@ def tls_opener(
             selected = tls.selected_alpn_protocol()
             if selected != ALPN:
                 raise HandshakeError(f"server did not select ALPN {ALPN!r} (selected {selected!r})")
+            check_server_role(tls.getpeercert(binary_form=True))
         except BaseException:
             await trio.aclose_forcefully(tcp)
             raise

@@ -13,7 +13,7 @@ from cryptography import x509
 from clusterproxy_protocol.core import Role, TunnelSettings
 from clusterproxy_protocol.driver import Mux, open_mux
 from clusterproxy_protocol.errors import TunnelError
-from clusterproxy_protocol.pki import agent_identity_from_cert
+from clusterproxy_protocol.pki import CertRole, agent_identity_from_cert
 from clusterproxy_protocol.wire import INFO_PATH, SERVER_COUNT_HEADER, SERVER_ID_HEADER, format_address
 from clusterproxy_server.handshake import accept_tls
 from clusterproxy_server.metrics import ServerMetrics
@@ -47,7 +47,13 @@ class AgentPort:
     async def serve(self, tcp: trio.SocketStream) -> None:
         peer = format_address(tcp.socket.getpeername())
         stream = await accept_tls(
-            tcp, self._context(), "agent", self.handshake_timeout, self.metrics, self.log
+            tcp,
+            self._context(),
+            "agent",
+            self.handshake_timeout,
+            self.metrics,
+            self.log,
+            accepted=CertRole.AGENT,
         )
         if stream is None:
             return

@@ -16,6 +16,7 @@ from cryptography import x509
 from clusterproxy_protocol.admin import serve_admin
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
 from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol.pki import CertRole
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
 from clusterproxy_protocol.wire import ALPN_H2, ALPN_HTTP1, format_address
 from clusterproxy_server.admin import admin_routes
@@ -144,7 +145,13 @@ class ProxyServer:
     async def _serve_client(self, tcp: trio.SocketStream) -> None:
         cfg = self.config
         stream = await accept_tls(
-            tcp, self._client_tls.context, "client", cfg.handshake_timeout, self.metrics, self.log
+            tcp,
+            self._client_tls.context,
+            "client",
+            cfg.handshake_timeout,
+            self.metrics,
+            self.log,
+            accepted=CertRole.CLIENT,
         )
         if stream is None:
             return

@@ -1,4 +1,6 @@
-"""The TLS handshake both the agent port and the client port start with."""
+"""The TLS handshake both the agent port and the client port start with, and the role each port
+accepts: agent certificates on the agent port, client certificates on the client port, nothing else
+(see :func:`clusterproxy_protocol.pki.certificate_role`)."""
 
 from __future__ import annotations
 
@@ -6,9 +8,22 @@ import ssl
 
 import structlog
 import trio
+from cryptography import x509
 
+from clusterproxy_protocol.pki import CertRole, RoleCheck, certificate_role
 from clusterproxy_protocol.wire import format_address
 from clusterproxy_server.metrics import ServerMetrics
+
+# A refused peer gets a close_notify; one that does not read it costs no more than this.
+_REFUSAL_CLOSE_TIMEOUT = 1.0
+
+
+def role_refusal(check: RoleCheck, port: str, accepted: CertRole) -> str | None:
+    """Why a certificate with ``check``'s role is refused on ``port``, or None when it is accepted."""
+    if check.role is accepted:
+        return None
+    found = f"role {check.role}" if check.role is not None else f"no role ({check.problem})"
+    return f"a certificate with {found} is refused on the {port} port, which accepts {accepted} certificates only"
 
 
 async def accept_tls(
@@ -18,14 +33,15 @@ async def accept_tls(
     timeout: float,
     metrics: ServerMetrics,
     log: structlog.stdlib.BoundLogger,
+    accepted: CertRole,
 ) -> trio.SSLStream | None:
-    """The mutually authenticated stream, or None (counted, logged, connection closed) on failure."""
+    """The mutually authenticated stream of a peer whose certificate has the ``accepted`` role, or
+    None (counted, logged, connection closed) on failure."""
     peer = format_address(tcp.socket.getpeername())
     stream = trio.SSLStream(tcp, context, server_side=True, https_compatible=True)
     try:
         with trio.fail_after(timeout):
             await stream.do_handshake()
-        return stream
     except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
         cause = exc.__cause__ or exc
         reason = "handshake timeout" if isinstance(exc, trio.TooSlowError) else type(cause).__name__
@@ -33,3 +49,27 @@ async def accept_tls(
         log.info("tls_handshake_failed", port=port, peer=peer, error=str(cause) or reason)
         await trio.aclose_forcefully(tcp)
         return None
+    cert = x509.load_der_x509_certificate(stream.getpeercert(binary_form=True))
+    check = certificate_role(cert)
+    refusal = role_refusal(check, port, accepted)
+    if refusal is None:
+        return stream
+    metrics.rejected.labels(port, "certificate_role").inc()
+    log.warning(
+        "tls_peer_refused",
+        port=port,
+        peer=peer,
+        role=check.found,
+        accepted=accepted.value,
+        subject=cert.subject.rfc4514_string(),
+        error=refusal,
+    )
+    with trio.move_on_after(_REFUSAL_CLOSE_TIMEOUT) as cleanup:
+        cleanup.shield = True
+        try:
+            await stream.aclose()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    if cleanup.cancelled_caught:
+        await trio.aclose_forcefully(stream)
+    return None
