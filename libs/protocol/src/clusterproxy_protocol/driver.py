@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import trio
 
 from clusterproxy_protocol import events as ev
+from clusterproxy_protocol.closing import close_cleanly
 from clusterproxy_protocol.core import CANCEL, NO_ERROR, Role, StreamState, TunnelCore, TunnelSettings
 from clusterproxy_protocol.errors import TunnelClosed, TunnelError, refusal
 from clusterproxy_protocol.logs import get_logger
@@ -494,7 +495,7 @@ class Mux:
                     await self._flush()
                     if not peer_closed:
                         await self._wait_peer_close()
-                await trio.aclose_forcefully(self.transport)
+                await close_cleanly(self.transport, CLOSE_GRACE)  # TLS: close_notify, not a bare FIN
             self._enter(MuxState.FINISHED)
 
     async def _wait_peer_close(self) -> None:

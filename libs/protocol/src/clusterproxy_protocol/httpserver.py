@@ -5,7 +5,8 @@ API): trio + h11, one request per connection, everything bounded.
   certificate, when one was presented and verified, is handed to the handler;
 - request head <= ``max_head`` bytes (431/400 from h11), body <= ``max_body`` (413 before reading a
   declared oversized body), handshake and request deadlines, a cap on concurrent connections;
-- a handler that raises costs that request a 500 (details only in the log), never the server.
+- a handler that raises costs that request a 500 (details only in the log), never the server;
+- an answer sent whole ends cleanly (TLS ``close_notify``, then FIN); one cut short is a reset.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import structlog
 import trio
 from cryptography import x509
 
+from clusterproxy_protocol.closing import close_cleanly
 from clusterproxy_protocol.logs import get_logger
 
 __all__ = ["HttpLimits", "Request", "Response", "serve_http"]
@@ -168,8 +170,9 @@ class _Connection:
         if deadline.cancelled_caught and response is None:
             response = self.error_response(408, "request_timeout", "request not received in time")
         assert response is not None
+        sent = False
         with trio.move_on_after(self.limits.request_timeout):
-            await _send(stream, conn, response, head_only=method == "HEAD")
+            sent = await _send(stream, conn, response, head_only=method == "HEAD")
         if conn.their_state not in (h11.DONE, h11.CLOSED, h11.ERROR):
             with trio.move_on_after(self.limits.linger_timeout):
                 await _linger(stream, self.limits.linger_bytes)
@@ -183,7 +186,10 @@ class _Connection:
                 client=None if peer_cert is None else peer_cert.subject.rfc4514_string(),
                 duration_ms=round((time.monotonic() - started) * 1000, 1),
             )
-        await trio.aclose_forcefully(stream)
+        if sent:
+            await close_cleanly(stream)
+        else:
+            await trio.aclose_forcefully(stream)
 
     async def _read_request(self, stream: trio.abc.Stream, conn: h11.Connection) -> tuple[h11.Request, bytes]:
         head: h11.Request | None = None
@@ -214,7 +220,8 @@ class _Connection:
 
 async def _send(
     stream: trio.abc.Stream, conn: h11.Connection, response: Response, *, head_only: bool
-) -> None:
+) -> bool:
+    """Whether the whole answer went out."""
     headers = [
         ("content-type", response.content_type),
         ("content-length", str(len(response.body))),
@@ -238,7 +245,8 @@ async def _send(
     try:
         await stream.send_all(data)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
+        return False
+    return True
 
 
 async def _linger(stream: trio.abc.Stream, budget: int) -> None:

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import struct
 from dataclasses import dataclass
 
 import trio
 
+from clusterproxy_protocol.closing import CLOSE_GRACE, abort, close_cleanly
 from clusterproxy_protocol.transport import receive_batch
 
+__all__ = ["CHUNK", "CLOSE_GRACE", "RelayResult", "abort", "relay"]
+
 CHUNK = 256 << 10
-CLOSE_GRACE = 2.0  # seconds a graceful close (TLS close_notify) may take before we cut
 _TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
@@ -29,7 +28,9 @@ async def relay(client: trio.abc.Stream, target: trio.abc.Stream) -> RelayResult
 
     EOF in one direction becomes ``send_eof`` on the other stream when it is half-closeable. When
     it is not (TLS to a hub client), EOF toward it ends the whole relay, as an HTTP/1.1 CONNECT
-    proxy does. A failure in either direction aborts both.
+    proxy does. A clean end closes both cleanly (TLS: ``close_notify``); a failure in either
+    direction, or a cancellation from outside, aborts both (RST), so no peer takes it for the end of
+    the data.
     """
     result = RelayResult()
     completed = False
@@ -56,27 +57,11 @@ async def relay(client: trio.abc.Stream, target: trio.abc.Stream) -> RelayResult
             nursery.start_soon(pump, target, client, False)
         completed = True
     finally:
-        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE):
+        # Each close bounds its own time, so a slow first one cannot leave the second open.
+        with trio.CancelScope(shield=True):
             for stream in (client, target):
                 if result.error or not completed:  # failed, or cancelled from outside
                     await abort(stream)
                 else:
-                    try:
-                        await stream.aclose()
-                    except _TRANSPORT_ERRORS:
-                        pass
+                    await close_cleanly(stream, CLOSE_GRACE)
     return result
-
-
-async def abort(stream: trio.abc.Stream) -> None:
-    """Close so that the peer sees an abort (RST), not a clean EOF: a failure must never look like the
-    end of the data."""
-    abort_method = getattr(stream, "abort", None)
-    if abort_method is not None:  # TunnelStream: RST_STREAM
-        abort_method()
-        return
-    inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
-    if isinstance(inner, trio.SocketStream):  # TCP: SO_LINGER 0 makes close() send RST
-        with contextlib.suppress(OSError):
-            inner.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    await trio.aclose_forcefully(stream)

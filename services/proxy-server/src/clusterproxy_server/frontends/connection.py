@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import trio
 
+from clusterproxy_protocol.closing import abort, close_cleanly
 from clusterproxy_protocol.core import TunnelSettings
 from clusterproxy_server.authz import ClientIdentity
 from clusterproxy_server.relaying import ClientRequest
@@ -22,12 +23,20 @@ class ClientConnection:
     tunnel_settings: TunnelSettings
 
 
+SEND_TIMEOUT = 5.0  # seconds a refusal may take to reach a slow reader
+
+
 async def send_and_close(stream: trio.abc.Stream, data: bytes) -> None:
-    """Best effort: send ``data`` (a refusal), close cleanly, and never wait long for a slow reader."""
-    try:
-        with trio.move_on_after(5):
+    """Best effort: send ``data`` (a refusal) and close cleanly (TLS ``close_notify``); a refusal
+    that could not be sent whole in time ends with a reset instead, never with a clean end."""
+    sent = False
+    with trio.move_on_after(SEND_TIMEOUT):
+        try:
             await stream.send_all(data)
-            await stream.aclose()
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
-    await trio.aclose_forcefully(stream)
+            sent = True
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    if sent:
+        await close_cleanly(stream)
+    else:
+        await abort(stream)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import trio
 
+from clusterproxy_protocol.closing import close_cleanly, reset_if_process_dies
 from clusterproxy_server.authz import ClientIdentity
 from clusterproxy_server.frontends import http1_messages as messages
 from clusterproxy_server.frontends.connection import ClientConnection, send_and_close
@@ -34,6 +35,9 @@ class Http1Request:
 
 async def serve(connection: ClientConnection) -> None:
     stream = connection.stream
+    # HTTP/1.1 clients (curl, Go) take a FIN without close_notify for a clean end: if this process
+    # dies mid-transfer, its kernel must reset the connection instead; clean ends send close_notify.
+    reset_if_process_dies(stream)
     try:
         with trio.fail_after(connection.request_timeout):
             request = await messages.read_request(stream, connection.received)
@@ -46,8 +50,8 @@ async def serve(connection: ClientConnection) -> None:
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         await trio.aclose_forcefully(stream)
         return
-    if request is None:
-        await trio.aclose_forcefully(stream)
+    if request is None:  # the client closed without asking anything
+        await close_cleanly(stream)
         return
     authority, early_data = request.target, request.early_data
     is_connect = request.method == "CONNECT"
