@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import struct
 
 import trio
+
+from clusterproxy_protocol.workarounds import ssl_object_of
 
 CLOSE_GRACE = 2.0  # seconds a clean close may take (close_notify out, the peer's close in) before we cut
 _LINGER_RESET = struct.pack("ii", 1, 0)  # on, 0 s: close() sends RST and drops unsent data
@@ -55,6 +58,7 @@ async def close_cleanly(stream: trio.abc.Stream, grace: float = CLOSE_GRACE) -> 
                 # unwrap() is trio's public way to send close_notify whatever https_compatible says;
                 # it waits for the peer's answer, which lets the peer read ours before our socket
                 # closes (closing with its bytes unread would send RST, which can destroy our last).
+                _drop_buffered_input(stream)
                 await stream.unwrap()
             else:
                 await stream.aclose()
@@ -62,6 +66,17 @@ async def close_cleanly(stream: trio.abc.Stream, grace: float = CLOSE_GRACE) -> 
         if tcp is not None:
             await trio.aclose_forcefully(tcp)  # after unwrap() the SSLStream no longer holds it
         await trio.aclose_forcefully(stream)
+
+
+def _drop_buffered_input(stream: trio.SSLStream) -> None:
+    """Discard the peer's records already received but not yet read. Python's ``unwrap()`` calls
+    SSL_shutdown twice in a row, and the second call fails on such a record (OpenSSL 3:
+    APPLICATION_DATA_AFTER_CLOSE_NOTIFY) before trio has sent the close_notify the first one queued:
+    the peer would get a bare FIN. Only records in trio's buffer are read; the socket is not."""
+    ssl_object = ssl_object_of(stream)
+    with contextlib.suppress(ssl.SSLError):  # want-read: the buffer is empty; or the peer closed
+        while ssl_object.read(1 << 16):
+            pass
 
 
 async def abort(stream: trio.abc.Stream) -> None:
