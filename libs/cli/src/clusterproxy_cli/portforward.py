@@ -86,6 +86,9 @@ async def _handle(
         bytes_to_target=result.bytes_to_target,
         bytes_to_client=result.bytes_to_client,
         error=result.error,
+        # The relay ends a failed stream (the hub gone, an EOF without close_notify among them) with
+        # a reset of the local connection, so the local client sees a failure, never a clean end.
+        local_end="reset" if result.error else "closed",
     )
 
 
