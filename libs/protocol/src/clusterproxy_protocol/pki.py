@@ -82,9 +82,9 @@ _ROLE_EKUS: dict[CertRole, tuple[x509.ObjectIdentifier, frozenset[x509.ObjectIde
     CertRole.CLIENT: (ExtendedKeyUsageOID.CLIENT_AUTH, frozenset({ExtendedKeyUsageOID.CLIENT_AUTH})),
 }
 _ROLE_EKU_TEXT = {
-    CertRole.SERVER: "serverAuth (and clientAuth, nothing else)",
-    CertRole.AGENT: "clientAuth only",
-    CertRole.CLIENT: "clientAuth only",
+    CertRole.SERVER: "a server certificate has serverAuth and may have clientAuth, nothing else",
+    CertRole.AGENT: "an agent certificate has clientAuth only",
+    CertRole.CLIENT: "a client certificate has clientAuth only",
 }
 _EKU_NAMES = {ExtendedKeyUsageOID.SERVER_AUTH: "serverAuth", ExtendedKeyUsageOID.CLIENT_AUTH: "clientAuth"}
 
@@ -182,8 +182,7 @@ def certificate_role(cert: x509.Certificate) -> RoleCheck:
     if required not in usages or not set(usages) <= allowed:
         return RoleCheck(
             None,
-            f"the {role} role URI comes with extended key usage {_eku_names(usages)}; "
-            f"a {role} certificate has {_ROLE_EKU_TEXT[role]}",
+            f"the {role} role URI comes with extended key usage {_eku_names(usages)}; {_ROLE_EKU_TEXT[role]}",
         )
     return RoleCheck(role)
 

@@ -14,9 +14,6 @@ from clusterproxy_protocol.pki import CertRole, RoleCheck, certificate_role
 from clusterproxy_protocol.wire import format_address
 from clusterproxy_server.metrics import ServerMetrics
 
-# A refused peer gets a close_notify; one that does not read it costs no more than this.
-_REFUSAL_CLOSE_TIMEOUT = 1.0
-
 
 def role_refusal(check: RoleCheck, port: str, accepted: CertRole) -> str | None:
     """Why a certificate with ``check``'s role is refused on ``port``, or None when it is accepted."""
@@ -64,12 +61,5 @@ async def accept_tls(
         subject=cert.subject.rfc4514_string(),
         error=refusal,
     )
-    with trio.move_on_after(_REFUSAL_CLOSE_TIMEOUT) as cleanup:
-        cleanup.shield = True
-        try:
-            await stream.aclose()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-    if cleanup.cancelled_caught:
-        await trio.aclose_forcefully(stream)
+    await trio.aclose_forcefully(stream)
     return None
