@@ -241,7 +241,9 @@ async def _connect_tls(
                 raise ProxyConnectionError(
                     f"cannot connect to the proxy-server at {where}: {detail}"
                 ) from exc
-            stream = trio.SSLStream(tcp, context, server_hostname=server_hostname)
+            # Not https_compatible: an EOF without close_notify (the hub killed, the connection cut)
+            # must fail the streams still open, never end them as if their data were complete.
+            stream = trio.SSLStream(tcp, context, server_hostname=server_hostname, https_compatible=False)
             try:
                 await stream.do_handshake()
             except trio.BrokenResourceError as exc:
