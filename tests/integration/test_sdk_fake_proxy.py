@@ -26,6 +26,7 @@ from clusterproxy_sdk import (
     ProxyConnectionError,
     TargetUnreachable,
     TLSFiles,
+    TooManyRequests,
     TunnelClosed,
     UnknownCluster,
     open_shared_tunnel,
@@ -89,6 +90,7 @@ async def test_kube_apiserver_uses_bare_cluster_name_without_header(tmp_path: Pa
         (400, MalformedTarget),
         (403, Forbidden),
         (404, UnknownCluster),
+        (429, TooManyRequests),
         (502, TargetUnreachable),
         (503, NoAgentConnected),
         (504, DialTimeout),
@@ -115,13 +117,13 @@ async def test_refusals_raise_typed_errors_with_reason(
 
 async def test_unlisted_status_is_plain_connect_refused(tmp_path: Path) -> None:
     async with (
-        open_fake_proxy(tmp_path, refuse_handler(429, "slow down")) as fake,
+        open_fake_proxy(tmp_path, refuse_handler(418, "short and stout")) as fake,
         open_tunnel(fake.address, fake.client_tls) as tunnel,
     ):
         with pytest.raises(ConnectRefused) as info:
             await tunnel.connect("cluster1", "svc", 80)
     assert type(info.value) is ConnectRefused
-    assert (info.value.status, info.value.reason) == (429, "slow down")
+    assert (info.value.status, info.value.reason) == (418, "short and stout")
 
 
 async def test_many_concurrent_streams_share_one_connection(tmp_path: Path) -> None:

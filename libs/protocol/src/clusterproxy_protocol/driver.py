@@ -356,7 +356,7 @@ class Mux:
             stream.abort()  # cancelled or failed while the peer may still be dialing: tell it to stop
             raise
         stream.close()
-        raise refusal(stream.status, reason or f"status {stream.status}")
+        raise refusal(stream.status, reason or f"status {stream.status}", stream.response_headers)
 
     async def request(
         self,

@@ -7,6 +7,7 @@ HTTP/2, the body on HTTP/1.1), and the client side turns it back into one of the
 from __future__ import annotations
 
 import ssl
+from collections.abc import Mapping
 from typing import ClassVar
 
 import trio
@@ -25,10 +26,14 @@ class ConnectRefused(TunnelError):
 
     status: ClassVar[int] = 0
 
-    def __init__(self, reason: str, *, status: int | None = None) -> None:
+    def __init__(
+        self, reason: str, *, status: int | None = None, headers: Mapping[str, str] | None = None
+    ) -> None:
         if status is not None:
             self.status = status  # type: ignore[misc]
         self.reason = reason
+        # The answer's other headers, when it came over HTTP/2 (cluster-proxy-fault, for one).
+        self.headers: Mapping[str, str] = headers or {}
         super().__init__(f"{self.status} {reason}")
 
 
@@ -42,6 +47,10 @@ class Forbidden(ConnectRefused):
 
 class UnknownCluster(ConnectRefused):
     status = 404
+
+
+class TooManyRequests(ConnectRefused):
+    status = 429
 
 
 class TargetUnreachable(ConnectRefused):
@@ -58,7 +67,15 @@ class DialTimeout(ConnectRefused):
 
 _BY_STATUS: dict[int, type[ConnectRefused]] = {
     cls.status: cls
-    for cls in (MalformedTarget, Forbidden, UnknownCluster, TargetUnreachable, NoAgentConnected, DialTimeout)
+    for cls in (
+        MalformedTarget,
+        Forbidden,
+        UnknownCluster,
+        TooManyRequests,
+        TargetUnreachable,
+        NoAgentConnected,
+        DialTimeout,
+    )
 }
 
 STATUS_PHRASES = {
@@ -69,6 +86,7 @@ STATUS_PHRASES = {
     407: "Proxy Authentication Required",
     408: "Request Timeout",
     413: "Content Too Large",
+    429: "Too Many Requests",
     431: "Request Header Fields Too Large",
     500: "Internal Server Error",
     502: "Bad Gateway",
@@ -77,12 +95,12 @@ STATUS_PHRASES = {
 }
 
 
-def refusal(status: int, reason: str) -> ConnectRefused:
+def refusal(status: int, reason: str, headers: Mapping[str, str] | None = None) -> ConnectRefused:
     """The typed exception for an error status (a plain :class:`ConnectRefused` for unlisted ones)."""
     cls = _BY_STATUS.get(status)
     if cls is None:
-        return ConnectRefused(reason, status=status)
-    return cls(reason)
+        return ConnectRefused(reason, status=status, headers=headers)
+    return cls(reason, headers=headers)
 
 
 def clean_reason(reason: str) -> str:

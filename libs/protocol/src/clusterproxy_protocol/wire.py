@@ -8,6 +8,11 @@ import re
 # Request and response headers of the tunnel and the client port.
 CLUSTER_HEADER = "cluster-proxy-cluster"  # which cluster a client's CONNECT is for
 REASON_HEADER = "cluster-proxy-reason"  # the one-line reason of a refusal
+# On an agent's 5xx answer to a CONNECT: whose failure it is. FAULT_TARGET: the agent did its job and
+# the target refused, was unreachable, did not resolve or did not answer in time. A 5xx without it is
+# the agent's own failure (the proxy-server retries it on another agent and may eject the tunnel).
+FAULT_HEADER = "cluster-proxy-fault"
+FAULT_TARGET = "target"
 SERVER_ID_HEADER = "cluster-proxy-server-id"  # on the server's GET /v1/info to an agent
 SERVER_COUNT_HEADER = "cluster-proxy-server-count"
 

@@ -43,7 +43,8 @@ API:
 
 Errors (all subclasses of :class:`TunnelError`): a refused CONNECT raises a :class:`ConnectRefused`
 subclass carrying ``.status`` and ``.reason``: :class:`MalformedTarget` (400), :class:`Forbidden` (403),
-:class:`UnknownCluster` (404), :class:`TargetUnreachable` (502), :class:`NoAgentConnected` (503),
+:class:`UnknownCluster` (404), :class:`TooManyRequests` (429: this client has too many dials
+waiting for agents), :class:`TargetUnreachable` (502), :class:`NoAgentConnected` (503),
 :class:`DialTimeout` (504); another status gives a plain :class:`ConnectRefused`. :class:`TunnelClosed`
 means the connection to the server is gone (its streams fail at once); broken streams raise
 ``trio.BrokenResourceError`` like sockets do. Malformed arguments raise ``ValueError``.
@@ -59,6 +60,7 @@ from clusterproxy_protocol.errors import (
     MalformedTarget,
     NoAgentConnected,
     TargetUnreachable,
+    TooManyRequests,
     TunnelClosed,
     TunnelError,
     UnknownCluster,
@@ -95,6 +97,7 @@ __all__ = [
     "TLSFiles",
     "TLSSource",
     "TargetUnreachable",
+    "TooManyRequests",
     "Tunnel",
     "TunnelClosed",
     "TunnelError",

@@ -19,9 +19,18 @@ from clusterproxy_agent.dialer import ConnectFailed, Connector, ResolveFailed, R
 from clusterproxy_agent.egress import EgressPolicy, Target, TargetError, normalize_name, parse_target
 from clusterproxy_agent.metrics import AgentMetrics
 from clusterproxy_protocol.driver import IncomingRequest, Mux
+from clusterproxy_protocol.errors import clean_reason
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.relay import relay
-from clusterproxy_protocol.wire import INFO_PATH, SERVER_COUNT_HEADER, SERVER_ID_HEADER, format_authority
+from clusterproxy_protocol.wire import (
+    FAULT_HEADER,
+    FAULT_TARGET,
+    INFO_PATH,
+    REASON_HEADER,
+    SERVER_COUNT_HEADER,
+    SERVER_ID_HEADER,
+    format_authority,
+)
 
 __all__ = ["CAPABILITIES", "Agent", "AgentConfig", "ServerIdentity", "agent_version"]
 
@@ -219,7 +228,10 @@ class Agent:
             status, reason, stream = await self._dial(target)
             if stream is None:
                 log.info("stream_refused", status=status, error=reason)
-                await request.refuse(status, reason)
+                if status >= 500:
+                    await _refuse_for_target(request, status, reason)
+                else:
+                    await request.refuse(status, reason)
                 return
             metrics.dials.labels("ok").inc()
             async with stream:
@@ -275,6 +287,19 @@ class Agent:
             dials.labels("timeout").inc()
             return 504, f"dial to {target} timed out after {_seconds(timeout)} ({phase})", None
         return 0, "", stream
+
+
+async def _refuse_for_target(request: IncomingRequest, status: int, reason: str) -> None:
+    """A refusal that is the target's own failure (refused, unreachable, unresolved, too slow), marked
+    so: the proxy-server neither retries it on another agent nor holds it against this one."""
+    text = clean_reason(reason)
+    head = [(REASON_HEADER, text), (FAULT_HEADER, FAULT_TARGET), ("content-type", "text/plain")]
+    try:
+        await request.respond(status, (text + "\n").encode(), head)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # the server reset the stream (its client went away): nobody is left to tell
+    finally:
+        await request.stream.aclose()
 
 
 def _int_or_none(text: str | None) -> int | None:

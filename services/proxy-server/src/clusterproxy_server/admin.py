@@ -24,6 +24,6 @@ def admin_routes(
         "/healthz": lambda: Response.text("ok"),
         "/readyz": ready,
         "/metrics": lambda: metrics_response(metrics.registry),
-        "/api/v1/agents": lambda: Response.json([t.describe() for t in registry.tunnels()]),
+        "/api/v1/agents": lambda: Response.json(registry.describe()),
         "/api/v1/clusters": clusters,
     }

@@ -10,9 +10,9 @@ import structlog
 import trio
 from cryptography import x509
 
-from clusterproxy_protocol.core import Role, TunnelSettings
+from clusterproxy_protocol.core import CANCEL, Role, TunnelSettings
 from clusterproxy_protocol.driver import Mux, open_mux
-from clusterproxy_protocol.errors import TunnelError
+from clusterproxy_protocol.errors import TunnelClosed, TunnelError
 from clusterproxy_protocol.pki import CertRole, agent_identity_from_cert
 from clusterproxy_protocol.wire import INFO_PATH, SERVER_COUNT_HEADER, SERVER_ID_HEADER, format_address
 from clusterproxy_server.handshake import accept_tls
@@ -82,8 +82,8 @@ class AgentPort:
                 )
 
     async def _register(self, mux: Mux, identity: tuple[str, str] | None, peer: str) -> AgentTunnel | None:
-        def refuse(reason: str) -> None:
-            self.metrics.rejected.labels("agent", "registration").inc()
+        def refuse(reason: str, label: str = "registration") -> None:
+            self.metrics.rejected.labels("agent", label).inc()
             self.log.warning("agent_refused", peer=peer, error=reason)
             mux.close(reason)
 
@@ -108,6 +108,10 @@ class AgentPort:
                 f"cluster {cert_cluster!r} agent {cert_agent!r}"
             )
             return None
+        taken = await self._claim_identity(cert_cluster, cert_agent, peer)
+        if taken is not None:
+            refuse(taken, "duplicate_identity")
+            return None
         tunnel = AgentTunnel(cert_cluster, cert_agent, mux, peer)
         self.registry.add(tunnel)
         self.metrics.tunnels.labels(tunnel.cluster).inc()
@@ -120,3 +124,38 @@ class AgentPort:
             version=info.get("version"),
         )
         return tunnel
+
+    async def _claim_identity(self, cluster: str, agent_id: str, peer: str) -> str | None:
+        """None when no live tunnel holds this agent identity (one that does not answer a PING within
+        the keepalive timeout is closed and replaced); else why the new tunnel is refused.
+
+        Refused rather than replaced while the old one is alive: a second process with a copied
+        certificate, or a misconfigured replica, must not take a working agent's place (or run beside
+        it, taking half its streams). Replaced when the old one is dead: an agent that lost its
+        connection and dialed again must not wait for our keepalive to notice."""
+        existing = self.registry.find(cluster, agent_id)
+        if existing is None:
+            return None
+        timeout = self.keepalive[1]
+        with trio.move_on_after(timeout):
+            try:
+                await existing.mux.ping()
+            except TunnelClosed:
+                pass
+            else:
+                return (
+                    f"agent {agent_id!r} of cluster {cluster!r} is already connected from {existing.peer} and "
+                    "its tunnel answers PINGs: a second tunnel with the same identity is refused"
+                )
+        existing.mux.close(
+            f"replaced by a new tunnel of the same agent from {peer}: no PING answer within {timeout:g}s",
+            error_code=CANCEL,
+        )
+        self.registry.remove(existing)
+        self.metrics.agent_replacements.labels(cluster).inc()
+        self.log.warning(
+            "agent_replaced", cluster=cluster, agent_id=agent_id, old_peer=existing.peer, peer=peer
+        )
+        if self.registry.find(cluster, agent_id) is not None:  # another dial won while we waited
+            return f"agent {agent_id!r} of cluster {cluster!r} registered another tunnel meanwhile"
+        return None

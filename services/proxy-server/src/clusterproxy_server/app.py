@@ -23,12 +23,14 @@ from clusterproxy_server.admin import admin_routes
 from clusterproxy_server.agent_port import AgentPort
 from clusterproxy_server.authz import ClientIdentity, PolicyFile
 from clusterproxy_server.config import ServerConfig
+from clusterproxy_server.ejection import OutlierEjection
 from clusterproxy_server.frontends import FRONTENDS, ClientConnection
 from clusterproxy_server.frontends.connection import send_and_close
 from clusterproxy_server.frontends.http1_messages import error_response
 from clusterproxy_server.frontends.sniff import client_protocol
 from clusterproxy_server.handshake import accept_tls
 from clusterproxy_server.metrics import ServerMetrics
+from clusterproxy_server.pending_dials import PendingDials
 from clusterproxy_server.registry import Registry
 from clusterproxy_server.relaying import Relayer
 
@@ -45,7 +47,7 @@ class BoundAddresses:
 class ProxyServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.registry = Registry(config.known_clusters)
+        self.registry = Registry(config.known_clusters, OutlierEjection(config.ejection))
         self.metrics = ServerMetrics()
         self.log = get_logger("proxy-server", server_id=config.server_id)
         # Read at each handshake: a renewed certificate or a changed trust bundle applies to new
@@ -64,7 +66,17 @@ class ProxyServer:
                 RenewalPolicy(trust_refresh=config.trust_refresh),
             )
             self.metrics.watch_renewer(self.renewer)
-        self.relayer = Relayer(self.registry, self.metrics, self.policy, config.dial_timeout, self.log)
+        self.relayer = Relayer(
+            self.registry,
+            self.metrics,
+            self.policy,
+            config.dial_timeout,
+            self.log,
+            agent_answer_timeout=config.agent_answer_timeout,
+            pending=PendingDials(
+                config.max_pending_dials_per_connection, config.max_pending_dials_per_client
+            ),
+        )
         self.agent_port = AgentPort(
             context=lambda: self._agent_tls.context,
             registry=self.registry,
@@ -166,6 +178,6 @@ class ProxyServer:
             await trio.aclose_forcefully(stream)
             return
         connection = ClientConnection(
-            stream, client, received, self.relayer.proxy, cfg.handshake_timeout, cfg.tunnel
+            stream, client, received, self.relayer.connection_proxy(), cfg.handshake_timeout, cfg.tunnel
         )
         await FRONTENDS[protocol](connection)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clusterproxy_protocol.core import TunnelSettings
+from clusterproxy_server.ejection import EjectionPolicy
 
 
 @dataclass
@@ -21,7 +22,11 @@ class ServerConfig:
     server_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
     server_count: int = 1
     known_clusters: set[str] = field(default_factory=set)
-    dial_timeout: float = 30.0
+    dial_timeout: float = 30.0  # the client's wait for its stream to open, a retry included
+    agent_answer_timeout: float = 12.0  # one agent's answer to a CONNECT (agents' dial timeout + margin)
+    ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
+    max_pending_dials_per_connection: int = 128
+    max_pending_dials_per_client: int = 512
     handshake_timeout: float = 10.0
     keepalive_interval: float = 10.0
     keepalive_timeout: float = 20.0

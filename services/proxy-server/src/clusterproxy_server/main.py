@@ -20,6 +20,7 @@ from clusterproxy_protocol.config import (
     parse_args_or_exit,
     parse_duration,
     parse_hostport,
+    parse_positive_duration,
     parse_positive_int,
     parse_size,
 )
@@ -28,6 +29,7 @@ from clusterproxy_protocol.logs import configure_logging, get_logger
 from clusterproxy_protocol.wire import CLUSTER_NAME
 from clusterproxy_server.app import ProxyServer, ServerConfig
 from clusterproxy_server.authz import load_policy
+from clusterproxy_server.ejection import EjectionPolicy
 
 ENV = "CLUSTER_PROXY_SERVER_"
 SERVER_CERT_NAME = "proxy-server"  # CN of a certificate from the signer (bootstrap tokens name it)
@@ -39,6 +41,16 @@ def _cluster_names(text: str) -> list[str]:
         if not CLUSTER_NAME.match(name):
             raise ConfigError(f"invalid cluster name {name!r}: expected a DNS name like cluster1")
     return names
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidValue(f"invalid fraction {text!r}: expected a number in (0, 1], e.g. 0.5") from None
+    if not 0 < value <= 1:
+        raise InvalidValue(f"invalid fraction {text!r}: must be greater than 0 and at most 1")
+    return value
 
 
 def _tls_host(text: str) -> str:
@@ -143,7 +155,55 @@ def build_parser() -> argparse.ArgumentParser:
         "--dial-timeout",
         type=parse_duration,
         default="30s",
-        help="longest wait for an agent's answer to a CONNECT",
+        help="longest a client waits for its stream to open (an agent's answer, a retry on another "
+        "agent included)",
+    )
+    flag(
+        "--agent-answer-timeout",
+        type=parse_positive_duration,
+        default="12s",
+        help="longest one agent may take to answer a CONNECT; beyond it the agent has failed (it answers "
+        "a slow target itself within its own --dial-timeout, 10s by default): the dial goes once to "
+        "another agent of the cluster and counts toward ejecting the slow one. At most --dial-timeout",
+    )
+    flag(
+        "--ejection-cooldown",
+        type=parse_positive_duration,
+        default="30s",
+        help="how long a tunnel whose agent fails dials far more often than its cluster's other "
+        "tunnels stays out of routing",
+    )
+    flag(
+        "--ejection-window",
+        type=parse_positive_duration,
+        default="1m",
+        help="how far back a tunnel's dial outcomes count for ejection",
+    )
+    flag(
+        "--ejection-min-dials",
+        type=parse_positive_int,
+        default="5",
+        help="dial outcomes a tunnel needs within the window before it can be ejected",
+    )
+    flag(
+        "--ejection-failure-rate",
+        type=_fraction,
+        default="0.5",
+        help="share of a tunnel's dials failed by its agent that ejects it (when also at least twice "
+        "the share of the cluster's other tunnels)",
+    )
+    flag(
+        "--max-pending-dials-per-connection",
+        type=parse_positive_int,
+        default="128",
+        help="dials one client connection may have waiting for an agent's answer; more get 429",
+    )
+    flag(
+        "--max-pending-dials-per-client",
+        type=parse_positive_int,
+        default="512",
+        help="dials one client identity (certificate subject), over all its connections, may have "
+        "waiting for an agent's answer; more get 429",
     )
     flag(
         "--handshake-timeout",
@@ -184,8 +244,19 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             connection_window=args.connection_window,
             max_frame_size=args.max_frame_size,
         )
+        ejection = EjectionPolicy(
+            cooldown=args.ejection_cooldown,
+            min_dials=args.ejection_min_dials,
+            failure_rate=args.ejection_failure_rate,
+            window=args.ejection_window,
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if args.agent_answer_timeout > args.dial_timeout:
+        raise ConfigError(
+            f"--agent-answer-timeout ({args.agent_answer_timeout:g}s) is longer than --dial-timeout "
+            f"({args.dial_timeout:g}s): a client would give up before the agent is judged"
+        )
     config = ServerConfig(
         ca=args.ca,
         cert=args.cert,
@@ -196,6 +267,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         server_count=args.server_count,
         known_clusters=set(args.known_clusters),
         dial_timeout=args.dial_timeout,
+        agent_answer_timeout=args.agent_answer_timeout,
+        ejection=ejection,
+        max_pending_dials_per_connection=args.max_pending_dials_per_connection,
+        max_pending_dials_per_client=args.max_pending_dials_per_client,
         handshake_timeout=args.handshake_timeout,
         keepalive_interval=args.keepalive_interval,
         keepalive_timeout=args.keepalive_timeout,

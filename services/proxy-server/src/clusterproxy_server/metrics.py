@@ -41,6 +41,40 @@ class ServerMetrics:
         self.dial_seconds = Histogram(
             "cluster_proxy_server_dial_seconds", "Time from CONNECT to the agent's answer", registry=r
         )
+        self.pending_dials = Gauge(
+            "cluster_proxy_server_pending_dials", "Dials sent toward agents and not answered yet", registry=r
+        )
+        self.pending_dial_refusals = Counter(
+            "cluster_proxy_server_pending_dial_refusals_total",
+            "Requests refused with 429 at a pending-dial bound, by bound (connection, client)",
+            ["scope"],
+            registry=r,
+        )
+        self.agent_dial_failures = Counter(
+            "cluster_proxy_server_agent_dial_failures_total",
+            "Dials that failed at the agent itself (kind: status, an answer not marked as the target's; "
+            "timeout, no answer within the agent answer timeout)",
+            ["cluster", "agent_id", "kind"],
+            registry=r,
+        )
+        self.dial_retries = Counter(
+            "cluster_proxy_server_dial_retries_total",
+            "Dials sent to another tunnel after an agent-level failure",
+            ["cluster"],
+            registry=r,
+        )
+        self.agent_ejections = Counter(
+            "cluster_proxy_server_agent_ejections_total",
+            "Tunnels taken out of routing for a cool-down (outlier ejection)",
+            ["cluster", "agent_id"],
+            registry=r,
+        )
+        self.agent_replacements = Counter(
+            "cluster_proxy_server_agent_replacements_total",
+            "Tunnels replaced by a new tunnel of the same agent identity (the old one did not answer a PING)",
+            ["cluster"],
+            registry=r,
+        )
 
     def watch_renewer(self, renewer: RenewerCounters) -> None:
         """Export a :class:`~clusterproxy_protocol.reloader.CertRenewer`'s counters."""

@@ -1,4 +1,4 @@
-"""Live agent tunnels by cluster, and the choice of a tunnel for a new stream."""
+"""Live agent tunnels by cluster, and the choice of a tunnel for a new stream (ejected tunnels last)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from clusterproxy_protocol.driver import Mux
 from clusterproxy_protocol.errors import NoAgentConnected, UnknownCluster
+from clusterproxy_server.ejection import Ejection, EjectionPolicy, OutlierEjection, TunnelHealth
 
 
 @dataclass(eq=False)
@@ -16,6 +17,7 @@ class AgentTunnel:
     mux: Mux
     peer: str
     connected_since: float = field(default_factory=time.time)
+    health: TunnelHealth = field(default_factory=TunnelHealth)
 
     @property
     def usable(self) -> bool:
@@ -32,13 +34,17 @@ class AgentTunnel:
             "bytes_out": self.mux.bytes_out,
             "last_rtt": self.mux.last_rtt,
             "draining": self.mux.peer_draining,
+            "ejections": self.health.ejections,
         }
 
 
 class Registry:
-    def __init__(self, known_clusters: set[str] | None = None) -> None:
+    def __init__(
+        self, known_clusters: set[str] | None = None, ejection: OutlierEjection | None = None
+    ) -> None:
         self.known_clusters: set[str] = set(known_clusters or ())
         self._tunnels: dict[str, list[AgentTunnel]] = {}
+        self.ejection = ejection or OutlierEjection(EjectionPolicy())
 
     def add(self, tunnel: AgentTunnel) -> None:
         self.known_clusters.add(tunnel.cluster)
@@ -51,13 +57,25 @@ class Registry:
         if not tunnels:
             self._tunnels.pop(tunnel.cluster, None)
 
+    def find(self, cluster: str, agent_id: str) -> AgentTunnel | None:
+        """The live tunnel of that agent identity, if one is registered."""
+        for tunnel in self._tunnels.get(cluster, ()):
+            if tunnel.agent_id == agent_id:
+                return tunnel
+        return None
+
     def tunnels(self, cluster: str | None = None) -> list[AgentTunnel]:
         if cluster is not None:
             return list(self._tunnels.get(cluster, ()))
         return [t for group in self._tunnels.values() for t in group]
 
+    def describe(self) -> list[dict[str, object]]:
+        """Every live tunnel for the admin API, with whether it is out of routing now."""
+        return [{**t.describe(), "ejected": self.ejection.is_ejected(t.health)} for t in self.tunnels()]
+
     def pick(self, cluster: str, exclude: set[AgentTunnel] = frozenset()) -> AgentTunnel:  # type: ignore[assignment]
-        """The usable tunnel of ``cluster`` with the fewest open streams."""
+        """The usable tunnel of ``cluster`` with the fewest open streams, among those not ejected when
+        there are any: an ejected tunnel still serves rather than leave the cluster unreachable."""
         if cluster not in self.known_clusters:
             raise UnknownCluster(f"unknown cluster {cluster!r}")
         candidates = [t for t in self._tunnels.get(cluster, ()) if t.usable and t not in exclude]
@@ -67,4 +85,10 @@ class Registry:
                     f"every agent of cluster {cluster!r} is draining or at its stream limit"
                 )
             raise NoAgentConnected(f"no agent of cluster {cluster!r} is connected to this server")
-        return min(candidates, key=lambda t: t.mux.open_streams)
+        in_routing = [t for t in candidates if not self.ejection.is_ejected(t.health)]
+        return min(in_routing or candidates, key=lambda t: t.mux.open_streams)
+
+    def record_dial(self, tunnel: AgentTunnel, failed: bool) -> Ejection | None:
+        """One agent-level dial outcome of ``tunnel``; an :class:`Ejection` when it leaves routing now."""
+        others = [t.health for t in self._tunnels.get(tunnel.cluster, ()) if t is not tunnel and t.usable]
+        return self.ejection.record(tunnel.health, failed, others)

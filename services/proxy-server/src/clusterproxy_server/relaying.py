@@ -2,12 +2,14 @@
 
 A frontend adapts its connection to a :class:`ClientRequest` (what the client asked for, how to accept
 and how to refuse it); :meth:`Relayer.proxy` does the rest the same way for all of them: route, authorize,
-pick a tunnel, dial through the agent, relay, count.
+bound the client's pending dials, pick a tunnel, dial through the agent (once more on another tunnel
+when the first agent failed by itself), relay, count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 import structlog
@@ -23,10 +25,26 @@ from clusterproxy_protocol.errors import (
     TunnelClosed,
 )
 from clusterproxy_protocol.relay import relay
+from clusterproxy_protocol.wire import FAULT_HEADER, FAULT_TARGET
 from clusterproxy_server.authz import ClientIdentity, PolicyFile
 from clusterproxy_server.metrics import ServerMetrics
+from clusterproxy_server.pending_dials import ConnectionDials, PendingDials, ScopedTooManyRequests
 from clusterproxy_server.registry import AgentTunnel, Registry
 from clusterproxy_server.routing import Route, resolve
+
+RETRIES_ON_AGENT_FAILURE = 1  # another tunnel of the cluster, once: a second failure is the answer
+
+
+def agent_fault(refused: ConnectRefused) -> bool:
+    """Did the agent fail by itself (rather than answer about the request or its target)?
+
+    4xx: the request was wrong or not allowed (bad target, egress policy): the agent did its job.
+    A 5xx marked ``cluster-proxy-fault: target``: the agent dialed and the target refused, was
+    unreachable or too slow. Any other answer (a 5xx without the mark, a status no agent sends) is the
+    agent's own failure."""
+    if 400 <= refused.status < 500:
+        return False
+    return refused.headers.get(FAULT_HEADER, "").strip().lower() != FAULT_TARGET
 
 
 class ClientRequest(Protocol):
@@ -55,11 +73,16 @@ class Relayer:
         policy: PolicyFile | None,
         dial_timeout: float,
         log: structlog.stdlib.BoundLogger,
+        *,
+        agent_answer_timeout: float | None = None,
+        pending: PendingDials | None = None,
     ) -> None:
         self.registry = registry
         self.metrics = metrics
         self.policy = policy
-        self.dial_timeout = dial_timeout
+        self.dial_timeout = dial_timeout  # the whole dial, retry included
+        self.agent_answer_timeout = agent_answer_timeout or dial_timeout  # one agent's answer
+        self.pending = pending or PendingDials(per_connection=128, per_client=512)
         self.log = log
         self.open = 0
         self._idle = trio.Event()
@@ -69,15 +92,26 @@ class Relayer:
         """Until no stream is being relayed."""
         await self._idle.wait()
 
-    async def proxy(self, request: ClientRequest) -> None:
+    def connection_proxy(self) -> Callable[[ClientRequest], Awaitable[None]]:
+        """:meth:`proxy` for the requests of one client connection (its pending dials counted together)."""
+        return functools.partial(self.proxy, connection=ConnectionDials())
+
+    async def proxy(self, request: ClientRequest, connection: ConnectionDials | None = None) -> None:
         log = self.log.bind(frontend=request.frontend, client=request.client.name, target=request.authority)
         try:
             route = resolve(request.authority, dict(request.headers), self.registry.known_clusters)
             log = log.bind(cluster=route.cluster)
             self._authorize(request.client, route.cluster)
-            with self.metrics.dial_seconds.time():
-                upstream, tunnel = await self._dial(route)
+            with self.pending.hold(connection or ConnectionDials(), request.client.describe()):
+                self.metrics.pending_dials.inc()
+                try:
+                    with self.metrics.dial_seconds.time():
+                        upstream, tunnel = await self._dial(route, log)
+                finally:
+                    self.metrics.pending_dials.dec()
         except ConnectRefused as exc:
+            if isinstance(exc, ScopedTooManyRequests):
+                self.metrics.pending_dial_refusals.labels(exc.scope).inc()
             self.metrics.streams.labels(request.frontend, str(exc.status)).inc()
             log.info("stream_refused", status=exc.status, error=exc.reason)
             await request.refuse(exc.status, exc.reason)
@@ -122,26 +156,73 @@ class Relayer:
         if not decision.allowed:
             raise Forbidden(decision.reason)
 
-    async def _dial(self, route: Route) -> tuple[TunnelStream, AgentTunnel]:
-        """Open the stream on the least-loaded tunnel; a tunnel that dies meanwhile makes us try the next."""
-        lost: set[AgentTunnel] = set()
+    async def _dial(
+        self, route: Route, log: structlog.stdlib.BoundLogger
+    ) -> tuple[TunnelStream, AgentTunnel]:
+        """Open the stream on the least-loaded tunnel in routing. A tunnel that dies meanwhile makes us
+        try the next; an agent that fails by itself (:func:`agent_fault`, or no answer within the agent
+        answer timeout) is counted against its tunnel and the dial goes once more to another tunnel."""
+        lost: set[AgentTunnel] = set()  # died while dialing
+        failed: set[AgentTunnel] = set()  # failed at the agent level
+        failure: ConnectRefused | None = None
+        deadline = trio.current_time() + self.dial_timeout
         while True:
             try:
-                tunnel = self.registry.pick(route.cluster, exclude=lost)
+                tunnel = self.registry.pick(route.cluster, exclude=lost | failed)
             except NoAgentConnected:
+                if failure is not None:
+                    raise failure from None
                 if lost:
                     names = ", ".join(sorted(t.agent_id for t in lost))
                     raise TargetUnreachable(
                         f"agent {names} of cluster {route.cluster!r} disconnected while dialing"
                     ) from None
                 raise
+            wait = min(self.agent_answer_timeout, deadline - trio.current_time())
             try:
-                with trio.fail_after(self.dial_timeout):
-                    return await tunnel.mux.open_connect(route.authority), tunnel
+                with trio.fail_after(max(wait, 0)):
+                    stream = await tunnel.mux.open_connect(route.authority)
             except TunnelClosed:
                 lost.add(tunnel)
+                continue
             except trio.TooSlowError:
-                raise DialTimeout(
-                    f"agent {tunnel.agent_id} of cluster {route.cluster!r} did not answer within "
-                    f"{self.dial_timeout:g}s"
-                ) from None
+                failure = DialTimeout(
+                    f"agent {tunnel.agent_id} of cluster {route.cluster!r} did not answer within {wait:g}s"
+                )
+                if wait < self.agent_answer_timeout:
+                    raise failure from None  # the client's own budget ran out, not the agent's
+                self._agent_failed(tunnel, "timeout", failure.reason, log)
+            except ConnectRefused as exc:
+                if not agent_fault(exc):
+                    self.registry.record_dial(tunnel, failed=False)
+                    raise
+                failure = exc
+                self._agent_failed(tunnel, "status", f"{exc.status} {exc.reason}", log)
+            else:
+                self.registry.record_dial(tunnel, failed=False)
+                return stream, tunnel
+            failed.add(tunnel)
+            if len(failed) > RETRIES_ON_AGENT_FAILURE or trio.current_time() >= deadline:
+                raise failure
+            self.metrics.dial_retries.labels(route.cluster).inc()
+
+    def _agent_failed(
+        self, tunnel: AgentTunnel, kind: str, error: str, log: structlog.stdlib.BoundLogger
+    ) -> None:
+        self.metrics.agent_dial_failures.labels(tunnel.cluster, tunnel.agent_id, kind).inc()
+        log.warning("dial_failed_at_agent", agent_id=tunnel.agent_id, kind=kind, error=error)
+        ejection = self.registry.record_dial(tunnel, failed=True)
+        if ejection is None:
+            return
+        self.metrics.agent_ejections.labels(tunnel.cluster, tunnel.agent_id).inc()
+        self.log.warning(
+            "agent_ejected",
+            cluster=tunnel.cluster,
+            agent_id=tunnel.agent_id,
+            peer=tunnel.peer,
+            failed=ejection.failed,
+            dials=ejection.total,
+            others_failed=ejection.others_failed,
+            others_dials=ejection.others_total,
+            cooldown=ejection.cooldown,
+        )
