@@ -23,6 +23,11 @@ def test_defaults(pki: PkiFiles) -> None:
     assert (config.max_pending_dials_per_connection, config.max_pending_dials_per_client) == (128, 512)
 
 
+def test_the_answer_timeout_follows_a_shorter_dial_timeout(pki: PkiFiles) -> None:
+    config = parse(pki, "--dial-timeout", "10s")
+    assert (config.dial_timeout, config.agent_answer_timeout) == (10.0, 10.0)
+
+
 def test_flags_and_their_environment_twins(pki: PkiFiles) -> None:
     config = parse(
         pki,

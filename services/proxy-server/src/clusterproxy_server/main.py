@@ -32,6 +32,7 @@ from clusterproxy_server.authz import load_policy
 from clusterproxy_server.ejection import EjectionPolicy
 
 ENV = "CLUSTER_PROXY_SERVER_"
+AGENT_ANSWER_TIMEOUT = 12.0  # the agents' default --dial-timeout (10 s) plus a margin
 SERVER_CERT_NAME = "proxy-server"  # CN of a certificate from the signer (bootstrap tokens name it)
 
 
@@ -161,10 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     flag(
         "--agent-answer-timeout",
         type=parse_positive_duration,
-        default="12s",
         help="longest one agent may take to answer a CONNECT; beyond it the agent has failed (it answers "
-        "a slow target itself within its own --dial-timeout, 10s by default): the dial goes once to "
-        "another agent of the cluster and counts toward ejecting the slow one. At most --dial-timeout",
+        "a slow target itself within its own --dial-timeout, 10s by default: keep this above the "
+        "agents' value): the dial goes once to another agent of the cluster and counts toward "
+        "ejecting the slow one. At most --dial-timeout. Default: 12s, or --dial-timeout if shorter",
     )
     flag(
         "--ejection-cooldown",
@@ -252,7 +253,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if args.agent_answer_timeout > args.dial_timeout:
+    answer_timeout = args.agent_answer_timeout or min(AGENT_ANSWER_TIMEOUT, args.dial_timeout)
+    if answer_timeout > args.dial_timeout:
         raise ConfigError(
             f"--agent-answer-timeout ({args.agent_answer_timeout:g}s) is longer than --dial-timeout "
             f"({args.dial_timeout:g}s): a client would give up before the agent is judged"
@@ -267,7 +269,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         server_count=args.server_count,
         known_clusters=set(args.known_clusters),
         dial_timeout=args.dial_timeout,
-        agent_answer_timeout=args.agent_answer_timeout,
+        agent_answer_timeout=answer_timeout,
         ejection=ejection,
         max_pending_dials_per_connection=args.max_pending_dials_per_connection,
         max_pending_dials_per_client=args.max_pending_dials_per_client,

@@ -189,8 +189,8 @@ class Relayer:
                 failure = DialTimeout(
                     f"agent {tunnel.agent_id} of cluster {route.cluster!r} did not answer within {wait:g}s"
                 )
-                if wait < self.agent_answer_timeout:
-                    raise failure from None  # the client's own budget ran out, not the agent's
+                if failed and wait < self.agent_answer_timeout:
+                    raise failure from None  # a retry cut short by the client's budget: not the agent's fault
                 self._agent_failed(tunnel, "timeout", failure.reason, log)
             except ConnectRefused as exc:
                 if not agent_fault(exc):
