@@ -31,11 +31,12 @@ from clusterproxy_protocol.errors import (
     refusal,
 )
 from clusterproxy_protocol.pki import DevCA
-from clusterproxy_protocol.wire import FAULT_HEADER, FAULT_TARGET
+from clusterproxy_protocol.wire import CLUSTER_HEADER, FAULT_HEADER, FAULT_TARGET
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from clusterproxy_server.app import ProxyServer, ServerConfig
 from clusterproxy_server.ejection import EjectionPolicy
 from clusterproxy_server.relaying import agent_fault
+from tests.support.clients import client_context, h1_connect
 from tests.support.pki import PkiFiles
 from tests.support.rogue_agent import Behaviour, RogueAgent, start_real_agent
 from tests.support.targets import Blackhole, closed_port, serve_echo
@@ -149,6 +150,39 @@ async def test_agent_answering_502_is_retried_on_another_tunnel_and_ejected(
     intact, errors = await concurrent_echoes(bound.client[1], pki, echo.port, 20)
     assert (intact, errors) == (20, [])
     assert rogue.connects == dialed_before, "an ejected tunnel is out of routing for its cool-down"
+
+
+async def test_http1_connects_meet_a_502_answering_agent_without_failing(
+    nursery: trio.Nursery, pki: PkiFiles
+) -> None:
+    """The curl path (HTTP/1.1 CONNECT), with ejection kept out of the way: the retry alone saves them."""
+    server, bound = await start_server(nursery, pki, ejection=EjectionPolicy(min_dials=1000))
+    echo = await serve_echo(nursery)
+    rogue, _ = await rogue_then_healthy(nursery, server, bound.agent[1], pki, Behaviour.ANSWER_502)
+    context = client_context(pki, alpn=["http/1.1"])
+    results: list[bool] = []
+
+    async def one() -> None:
+        reply = await h1_connect(
+            bound.client[1], context, f"127.0.0.1:{echo.port}", {CLUSTER_HEADER: "cluster1"}
+        )
+        if reply.stream is None:
+            results.append(False)
+            return
+        payload = os.urandom(16 << 10)
+        await reply.stream.send_all(payload)
+        echoed = b""
+        while len(echoed) < len(payload):
+            echoed += await reply.stream.receive_some(65536)
+        await reply.stream.aclose()
+        results.append(hashlib.sha256(echoed).digest() == hashlib.sha256(payload).digest())
+
+    async with trio.open_nursery() as requests:
+        for _ in range(20):
+            requests.start_soon(one)
+    assert results.count(True) == 20
+    assert rogue.connects >= 5
+    assert [entry["ejections"] for entry in server.registry.describe()] == [0, 0]
 
 
 async def test_blackholing_agent_costs_one_answer_timeout_not_the_dial_timeout(
