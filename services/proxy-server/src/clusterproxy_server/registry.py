@@ -73,9 +73,16 @@ class Registry:
         """Every live tunnel for the admin API, with whether it is out of routing now."""
         return [{**t.describe(), "ejected": self.ejection.is_ejected(t.health)} for t in self.tunnels()]
 
-    def pick(self, cluster: str, exclude: set[AgentTunnel] = frozenset()) -> AgentTunnel:  # type: ignore[assignment]
+    def pick(
+        self,
+        cluster: str,
+        exclude: set[AgentTunnel] = frozenset(),  # type: ignore[assignment]
+        *,
+        fall_back_to_ejected: bool = True,
+    ) -> AgentTunnel:
         """The usable tunnel of ``cluster`` with the fewest open streams, among those not ejected when
-        there are any: an ejected tunnel still serves rather than leave the cluster unreachable."""
+        there are any: an ejected tunnel still serves rather than leave the cluster unreachable (unless
+        ``fall_back_to_ejected`` is false: then NoAgentConnected)."""
         if cluster not in self.known_clusters:
             raise UnknownCluster(f"unknown cluster {cluster!r}")
         candidates = [t for t in self._tunnels.get(cluster, ()) if t.usable and t not in exclude]
@@ -86,6 +93,8 @@ class Registry:
                 )
             raise NoAgentConnected(f"no agent of cluster {cluster!r} is connected to this server")
         in_routing = [t for t in candidates if not self.ejection.is_ejected(t.health)]
+        if not in_routing and not fall_back_to_ejected:
+            raise NoAgentConnected(f"every other agent of cluster {cluster!r} is ejected")
         return min(in_routing or candidates, key=lambda t: t.mux.open_streams)
 
     def record_dial(self, tunnel: AgentTunnel, failed: bool) -> Ejection | None:

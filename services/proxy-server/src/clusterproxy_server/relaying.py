@@ -168,7 +168,10 @@ class Relayer:
         deadline = trio.current_time() + self.dial_timeout
         while True:
             try:
-                tunnel = self.registry.pick(route.cluster, exclude=lost | failed)
+                # A retry never goes to an ejected tunnel: that would be a second failure, not a rescue.
+                tunnel = self.registry.pick(
+                    route.cluster, exclude=lost | failed, fall_back_to_ejected=not failed
+                )
             except NoAgentConnected:
                 if failure is not None:
                     raise failure from None
