@@ -13,6 +13,16 @@ Flow control, the reason for most of this module:
   already bound the memory, and releasing the connection window at once means a stalled stream can
   never starve the others (the upstream head-of-line problem).
 
+Abuse limits (``TunnelSettings``): a peer may keep at most ``max_concurrent_streams`` streams open
+(the excess is refused with ``REFUSED_STREAM``, not by ending the connection); it may reset at most
+``reset_budget`` of the streams it opened per ``RESET_BUDGET_WINDOW`` (rapid reset), may leave at
+most ``max_reply_backlog`` bytes of our replies unread, and may not announce a frame larger than
+``max_frame_size``. Each trip is reported as a :class:`~clusterproxy_protocol.events.LimitExceeded`;
+the connection-level ones end the connection with ``GOAWAY ENHANCE_YOUR_CALM`` (or
+``FRAME_SIZE_ERROR``). The limits on time (a frame that started arriving, a stalled stream, an idle
+connection) need a clock and a timer, so the driver keeps them; the core only tells when the frame
+now arriving started (:attr:`TunnelCore.partial_frame_since`).
+
 Draining: ``h2`` treats a received GOAWAY as the end of the connection, so a graceful drain is
 announced with ``SETTINGS_MAX_CONCURRENT_STREAMS = 0`` (no new streams, existing ones go on) and the
 GOAWAY is sent only when the tunnel is done.
@@ -21,7 +31,9 @@ GOAWAY is sent only when the tunnel is done.
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import h2.config
@@ -34,11 +46,20 @@ import h2.settings
 from clusterproxy_protocol import events as ev
 from clusterproxy_protocol.errors import clean_reason
 from clusterproxy_protocol.wire import REASON_HEADER
-from clusterproxy_protocol.workarounds import LazyCountingH2Connection
+from clusterproxy_protocol.workarounds import TunnelH2Connection
 
 CANCEL = h2.errors.ErrorCodes.CANCEL
 NO_ERROR = h2.errors.ErrorCodes.NO_ERROR
+REFUSED_STREAM = h2.errors.ErrorCodes.REFUSED_STREAM
+ENHANCE_YOUR_CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+FRAME_SIZE_ERROR = h2.errors.ErrorCodes.FRAME_SIZE_ERROR
 H2_DEFAULT_WINDOW = 65535
+RESET_BUDGET_WINDOW = 10.0  # seconds: reset_budget resets per this long, refilled evenly
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+FRAME_HEADER = 9
+HEADERS_TYPES = (0x1, 0x5)  # HEADERS, PUSH_PROMISE: may start a header block
+CONTINUATION = 0x9
+END_HEADERS = 0x4
 
 
 class Role(enum.Enum):
@@ -54,6 +75,13 @@ class TunnelSettings:
     max_concurrent_streams: int = 20_000
     max_header_list_size: int = 16 << 10
     outbound_high_water: int = 1 << 20
+    # Abuse limits; 0 turns a limit off. The defaults suit a tunnel between our own processes; the
+    # proxy-server's client port is stricter (its flags).
+    reset_budget: int = 0  # streams the peer opened and reset, per RESET_BUDGET_WINDOW
+    max_reply_backlog: int = 256 << 10  # bytes of our control replies a peer may leave unread
+    frame_timeout: float = 30.0  # seconds for a frame (or header block) to arrive once started
+    stall_timeout: float = 0.0  # seconds a stream may make no progress either way while blocked
+    idle_timeout: float = 0.0  # seconds a connection may have no stream open
 
     def __post_init__(self) -> None:
         if not H2_DEFAULT_WINDOW <= self.stream_window <= 2**31 - 1:
@@ -62,6 +90,16 @@ class TunnelSettings:
             raise ValueError(f"connection window {self.connection_window} outside 65535..2^31-1")
         if not 16384 <= self.max_frame_size <= 16777215:
             raise ValueError(f"max frame size {self.max_frame_size} outside 16384..16777215")
+        if not 1 <= self.max_concurrent_streams <= 2**31 - 1:
+            raise ValueError(f"max concurrent streams {self.max_concurrent_streams} outside 1..2^31-1")
+        for name in ("reset_budget", "max_reply_backlog"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name.replace('_', ' ')} {getattr(self, name)} is negative")
+        if 0 < self.max_reply_backlog < 4096:
+            raise ValueError(f"max reply backlog {self.max_reply_backlog} below 4096 bytes (0 turns it off)")
+        for name in ("frame_timeout", "stall_timeout", "idle_timeout"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name.replace('_', ' ')} {getattr(self, name)} is negative")
 
 
 @dataclass(slots=True)
@@ -84,11 +122,28 @@ class StreamState:
 
 
 class TunnelCore:
-    def __init__(self, role: Role, settings: TunnelSettings | None = None) -> None:
+    def __init__(
+        self,
+        role: Role,
+        settings: TunnelSettings | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.role = role
         self.settings = settings or TunnelSettings()
+        self._clock = clock
         config = h2.config.H2Configuration(client_side=role is Role.OPENER, header_encoding="utf-8")
-        self._conn = LazyCountingH2Connection(config=config)
+        self._conn = TunnelH2Connection(config=config)
+        self._inbound_parity = 1 if role is Role.ACCEPTOR else 0  # stream ids the peer opens
+        self._reset_tokens = float(self.settings.reset_budget)
+        self._reset_checked_at = clock()
+        # Frame boundaries, followed as bytes arrive (before h2 buffers them): an oversized frame is
+        # refused at its header, and the driver learns when the frame now arriving started.
+        self._preface_left = len(PREFACE) if role is Role.ACCEPTOR else 0
+        self._frame_head = b""
+        self._frame_left = 0
+        self._header_block_since: float | None = None
+        self._frame_since: float | None = None
+        self.partial_frame_since: float | None = None
         self._streams: dict[int, StreamState] = {}
         self._conn_unacked = 0
         self._pending_out = 0
@@ -203,17 +258,20 @@ class TunnelCore:
         if end_stream:
             state.local_ended = True
 
-    def refuse(self, stream_id: int, status: int, reason: str) -> None:
-        """Answer with an error status; the reason goes in a header and, for humans, in the body."""
-        reason = clean_reason(reason)
-        body = (reason + "\n").encode()
-        self.respond(
-            stream_id,
-            status,
-            [(REASON_HEADER, reason), ("content-type", "text/plain"), ("content-length", str(len(body)))],
-        )
+    def refuse(self, stream_id: int, status: int, reason: str) -> bool:
+        """Answer with an error status at once; the reason goes in a header and, for humans, in the body.
+
+        When the windows cannot take the whole body now, the stream is reset (``REFUSED_STREAM``)
+        instead and False returned: a short body ended with END_STREAM would be a malformed reply. A
+        caller that can wait sends :func:`error_reply` through the stream instead."""
+        head, body = error_reply(reason)
+        if self.send_window(stream_id) < len(body):
+            self.reset(stream_id, REFUSED_STREAM)
+            return False
+        self.respond(stream_id, status, [*head, ("content-length", str(len(body)))])
         self.send_data(stream_id, body)
         self.end_stream(stream_id)
+        return True
 
     # -- both -------------------------------------------------------------------------------------
 
@@ -224,7 +282,9 @@ class TunnelCore:
         if self.closed:
             return 0
         try:
-            return self._conn.local_flow_control_window(stream_id)
+            # Negative after the peer lowers SETTINGS_INITIAL_WINDOW_SIZE under data in flight
+            # (RFC 9113 6.9.2): nothing may be sent until WINDOW_UPDATEs bring it above zero.
+            return max(0, self._conn.local_flow_control_window(stream_id))
         except h2.exceptions.StreamClosedError:
             return 0
 
@@ -341,6 +401,14 @@ class TunnelCore:
             self.closed = True
             self._close_all_streams()
             return [ev.ConnectionEnded(NO_ERROR, "peer closed the connection")]
+        oversized = self._follow_frames(data)
+        if oversized:
+            limit = self.settings.max_frame_size
+            return self._give_up(
+                "frame_size",
+                f"peer announced a frame of {oversized} bytes (limit {limit})",
+                FRAME_SIZE_ERROR,
+            )
         try:
             h2_events = self._conn.receive_data(data)
         except h2.exceptions.ProtocolError as exc:
@@ -351,7 +419,76 @@ class TunnelCore:
         out: list[ev.Event] = []
         for event in h2_events:
             self._translate(event, out)
+            if self.closed:
+                return out  # a limit ended the connection: the rest of this read is not acted on
+        cap = self.settings.max_reply_backlog
+        if cap:
+            # What h2 holds beyond the DATA we queued is replies (SETTINGS and PING ACKs, RST_STREAMs,
+            # WINDOW_UPDATEs) and frame headers: it grows only while the peer sends and does not read.
+            backlog = self._conn.queued_output - self._pending_out
+            if backlog > cap:
+                out += self._give_up(
+                    "reply_backlog", f"peer left {backlog} bytes of replies unread (limit {cap})"
+                )
         return out
+
+    def _give_up(self, limit: str, reason: str, error_code: int = ENHANCE_YOUR_CALM) -> list[ev.Event]:
+        """A connection-level limit tripped: GOAWAY with ``reason``, every stream broken."""
+        self.close(error_code, reason)
+        self._close_all_streams()
+        return [ev.LimitExceeded(limit, reason), ev.ConnectionEnded(error_code, reason)]
+
+    def _follow_frames(self, data: bytes) -> int:
+        """Follow frame boundaries through ``data``; the length of an oversized frame, else 0.
+
+        Also keeps :attr:`partial_frame_since`: when the frame (or header block) that has started but
+        not finished arriving began, None when the input ends on a boundary."""
+        pos, end = 0, len(data)
+        if self._preface_left:
+            done = len(PREFACE) - self._preface_left
+            take = min(self._preface_left, end)
+            if data[:take] != PREFACE[done : done + take]:
+                self._preface_left = -1  # not HTTP/2: h2 says so with a protocol error
+                return 0
+            self._preface_left -= take
+            pos = take
+        elif self._preface_left < 0:
+            return 0
+        started_here = False
+        while pos < end:
+            if self._frame_left:
+                step = min(self._frame_left, end - pos)
+                pos += step
+                self._frame_left -= step
+                continue
+            need = FRAME_HEADER - len(self._frame_head)
+            if end - pos < need:
+                self._frame_head += data[pos:]
+                started_here = True
+                break
+            head = self._frame_head + data[pos : pos + need] if self._frame_head else data[pos : pos + need]
+            self._frame_head = b""
+            pos += need
+            started_here = True
+            length = int.from_bytes(head[:3], "big")
+            if length > self.settings.max_frame_size:
+                return length
+            frame_type, flags = head[3], head[4]
+            if frame_type in HEADERS_TYPES and not flags & END_HEADERS:
+                self._header_block_since = self._clock()
+            elif frame_type == CONTINUATION and flags & END_HEADERS:
+                self._header_block_since = None
+            self._frame_left = length
+        if self._frame_left or self._frame_head:
+            if started_here or self._frame_since is None:
+                self._frame_since = self._clock()
+        else:
+            self._frame_since = None
+        since = self._frame_since
+        if self._header_block_since is not None and (since is None or self._header_block_since < since):
+            since = self._header_block_since
+        self.partial_frame_since = since
+        return 0
 
     def goodbye_received(self, data: bytes) -> bool:
         """After our own close: does ``data`` hold the peer's GOAWAY (so it is closing too)?"""
@@ -366,6 +503,10 @@ class TunnelCore:
             case h2.events.DataReceived(stream_id=sid, data=data, flow_controlled_length=length):
                 self._on_data(sid, data, length or 0, out)
             case h2.events.RequestReceived(stream_id=sid, headers=headers, stream_ended=ended):
+                limit = self._conn.local_settings.max_concurrent_streams
+                if self._conn.inbound_streams_open() > limit:
+                    self._refuse_stream(sid, limit, out)
+                    return
                 fields = dict(headers or [])
                 self._streams[sid] = StreamState(sid, remote_ended=ended is not None)
                 out.append(
@@ -395,6 +536,8 @@ class TunnelCore:
                     self._drop_buffer(state)
                     self._forget_if_finished(state)
                     out.append(ev.StreamReset(sid, state.reset_code))
+                if sid % 2 == self._inbound_parity:
+                    self._charge_reset(out)
             case h2.events.WindowUpdated(stream_id=sid):
                 out.append(ev.WindowOpened(sid or 0))
             case h2.events.RemoteSettingsChanged(changed_settings=changed):
@@ -417,6 +560,30 @@ class TunnelCore:
                 )
             case h2.events.TrailersReceived(stream_id=sid):
                 pass  # a tunnel stream carries no trailers worth keeping; END_STREAM follows in its own event
+
+    def _refuse_stream(self, sid: int, limit: int, out: list[ev.Event]) -> None:
+        """A stream beyond the concurrent-stream limit: REFUSED_STREAM (the peer may retry it later)."""
+        try:
+            self._conn.reset_stream(sid, REFUSED_STREAM)
+        except h2.exceptions.StreamClosedError:
+            pass  # already closed on the wire: nothing to refuse
+        out.append(ev.LimitExceeded("concurrent_streams", f"more than {limit} concurrent streams", sid))
+        self._charge_reset(out)
+
+    def _charge_reset(self, out: list[ev.Event]) -> None:
+        """One more stream the peer opened and that ended in a reset (its own, or our refusal)."""
+        budget = self.settings.reset_budget
+        if not budget or self.closed:
+            return
+        now = self._clock()
+        refill = (now - self._reset_checked_at) * budget / RESET_BUDGET_WINDOW
+        self._reset_checked_at = now
+        self._reset_tokens = min(float(budget), self._reset_tokens + refill) - 1
+        if self._reset_tokens < 0:
+            out += self._give_up(
+                "reset_budget",
+                f"peer reset or had refused more than {budget} streams in {RESET_BUDGET_WINDOW:g}s",
+            )
 
     def _on_data(self, sid: int, data: bytes, length: int, out: list[ev.Event]) -> None:
         self._ack_connection(length)
@@ -446,3 +613,10 @@ class TunnelCore:
                 state.reset_code = CANCEL
                 self._drop_buffer(state)
             del self._streams[state.stream_id]
+
+
+def error_reply(reason: str) -> tuple[list[tuple[str, str]], bytes]:
+    """The headers (without content-length) and body of an error reply: the reason in a header and,
+    for humans, in the body."""
+    reason = clean_reason(reason)
+    return [(REASON_HEADER, reason), ("content-type", "text/plain")], (reason + "\n").encode()

@@ -4,6 +4,13 @@ One :class:`Mux` per HTTP/2 connection. It owns the transport: one reader task f
 writer task is the only one that ever writes (it sends whatever the core has queued, so many small
 operations coalesce into one ``send_all``). Every proxied connection is a :class:`TunnelStream`, a
 ``trio.abc.HalfCloseableStream``. A Mux's life is one :class:`MuxState`.
+
+The abuse limits that need a clock live here (the rest are the core's): a frame that started
+arriving must finish within ``frame_timeout``; a stream blocked on flow control with no progress
+either way for ``stall_timeout`` is reset, and so is a connection whose peer reads nothing for that
+long; a connection with no stream for ``idle_timeout`` is closed; a stream the peer resets before we
+answered it cancels its handler (no work for a stream that is gone). Every trip goes to the
+``on_limit`` callback (metrics), flagged ``first`` once per limit and connection (logs).
 """
 
 from __future__ import annotations
@@ -19,7 +26,16 @@ import trio
 
 from clusterproxy_protocol import events as ev
 from clusterproxy_protocol.closing import close_cleanly
-from clusterproxy_protocol.core import CANCEL, NO_ERROR, Role, StreamState, TunnelCore, TunnelSettings
+from clusterproxy_protocol.core import (
+    CANCEL,
+    ENHANCE_YOUR_CALM,
+    NO_ERROR,
+    Role,
+    StreamState,
+    TunnelCore,
+    TunnelSettings,
+    error_reply,
+)
 from clusterproxy_protocol.errors import TunnelClosed, TunnelError, refusal
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.transport import receive_batch
@@ -33,6 +49,7 @@ MAX_REASON_BODY = 4096
 CLOSE_GRACE = 1.0  # seconds the peer gets to read our GOAWAY and close first
 
 RequestHandler = Callable[["IncomingRequest"], Awaitable[None]]
+LimitHandler = Callable[[ev.LimitExceeded, bool], None]  # (what tripped, first time on this connection)
 
 
 class _Busy:
@@ -68,6 +85,9 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         self._response = trio.Event()
         self.status = 0
         self.response_headers: dict[str, str] = {}
+        self.unanswered_work: trio.CancelScope | None = None  # the handler, until it answers the peer
+        self._blocked_since: float | None = None
+        self._blocked_bytes_in = 0
 
     @property
     def bytes_in(self) -> int:
@@ -100,9 +120,10 @@ class TunnelStream(trio.abc.HalfCloseableStream):
                 sent = mux.core.send_data(self.stream_id, view)
                 if sent:
                     view = view[sent:]
+                    self._blocked_since = None
                     mux.kick()
                 else:
-                    await self._send_lot.park()
+                    await self._wait_for_window()
                     self._check_send()
 
     async def wait_send_all_might_not_block(self) -> None:
@@ -110,8 +131,30 @@ class TunnelStream(trio.abc.HalfCloseableStream):
             await trio.lowlevel.checkpoint()
             self._check_send()
             while self._mux.core.send_window(self.stream_id) <= 0:
-                await self._send_lot.park()
+                await self._wait_for_window()
                 self._check_send()
+            self._blocked_since = None
+
+    async def _wait_for_window(self) -> None:
+        """Park until a window may have opened; a stall (no window and no byte from the peer for
+        ``stall_timeout``) resets the stream and raises BrokenResourceError."""
+        timeout = self._mux.core.settings.stall_timeout
+        if not timeout:
+            await self._send_lot.park()
+            return
+        bytes_in = self._state.bytes_in
+        if self._blocked_since is None or bytes_in != self._blocked_bytes_in:
+            self._blocked_since = trio.current_time()
+            self._blocked_bytes_in = bytes_in
+        with trio.move_on_at(self._blocked_since + timeout):
+            await self._send_lot.park()
+            return
+        if self._state.bytes_in != self._blocked_bytes_in or self._mux.core.send_window(self.stream_id) > 0:
+            return  # progress at the last moment: the caller looks again
+        detail = f"no flow-control window and no data from the peer for {timeout:g}s"
+        self._mux.report_limit(ev.LimitExceeded("stream_stall", detail, self.stream_id))
+        self.abort()
+        raise trio.BrokenResourceError(f"stream stalled: {detail}")
 
     async def send_eof(self) -> None:
         with self._send_busy:
@@ -199,8 +242,11 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         self._send_lot.unpark_all()
 
     def on_broken(self) -> None:
-        """Reset by the peer, or the connection died: every waiter wakes up to fail."""
+        """Reset by the peer, or the connection died: every waiter wakes up to fail, and a handler
+        that has not answered yet stops working for nobody."""
         self._response.set()
+        if self.unanswered_work is not None:
+            self.unanswered_work.cancel()
         self._wake()
 
     def _wake(self) -> None:
@@ -231,21 +277,29 @@ class IncomingRequest:
     async def accept(self, headers: list[tuple[str, str]] = ()) -> TunnelStream:  # type: ignore[assignment]
         # The peer may have reset the stream, or the connection died, while we were working on it.
         self.stream.raise_unless_answerable()
+        self.stream.unanswered_work = None
         self.mux.core.respond(self.stream.stream_id, 200, list(headers))
         self.mux.kick()
         await trio.lowlevel.checkpoint()
         return self.stream
 
     async def refuse(self, status: int, reason: str) -> None:
-        if self.stream.answerable:
-            self.mux.core.refuse(self.stream.stream_id, status, reason)
-            self.mux.kick()
-        await self.stream.aclose()
+        """Answer with an error status and the reason. The body waits for the peer's window (a short
+        body with END_STREAM would be a malformed reply), up to the stall timeout, which resets it."""
+        head, body = error_reply(reason)
+        try:
+            await self.respond(status, body, head)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # gone, or reset for stalling: nobody is left to tell
+        finally:
+            await self.stream.aclose()
 
     async def respond(self, status: int, body: bytes, headers: list[tuple[str, str]] = ()) -> None:  # type: ignore[assignment]
         head = [("content-length", str(len(body))), *headers]
         self.stream.raise_unless_answerable()
+        self.stream.unanswered_work = None
         self.mux.core.respond(self.stream.stream_id, status, head)
+        self.mux.kick()
         await self.stream.send_all(body)
         await self.stream.send_eof()
         await self.stream.aclose()
@@ -298,15 +352,19 @@ class Mux:
         settings: TunnelSettings | None,
         handler: RequestHandler | None,
         received: bytes = b"",
+        on_limit: LimitHandler | None = None,
     ) -> None:
         self.transport = transport
         self._received = received
-        self.core = TunnelCore(role, settings)
+        self.core = TunnelCore(role, settings, clock=trio.current_time)
         self._handler = handler
+        self._on_limit = on_limit
+        self.limits_tripped: dict[str, int] = {}  # limit -> how many times on this connection
         self._streams: dict[int, TunnelStream] = {}
         self._write_wanted = trio.Event()
         self._drained_lot = trio.lowlevel.ParkingLot()
         self._idle_lot = trio.lowlevel.ParkingLot()
+        self._busy_lot = trio.lowlevel.ParkingLot()
         self._pings: dict[bytes, trio.Event] = {}
         self.state = MuxState.OPEN
         self.dead_reason = ""  # why it left OPEN
@@ -409,6 +467,13 @@ class Mux:
             self.core.close(error_code, reason)
             self._die(reason)
 
+    def report_limit(self, event: ev.LimitExceeded) -> None:
+        """Count a limit that tripped and tell ``on_limit`` (``first``: not seen on this connection)."""
+        seen = self.limits_tripped.get(event.limit, 0)
+        self.limits_tripped[event.limit] = seen + 1
+        if self._on_limit is not None:
+            self._on_limit(event, seen == 0)
+
     # -- internals used by streams ----------------------------------------------------------------
 
     def kick(self) -> None:
@@ -439,9 +504,14 @@ class Mux:
             )
         stream_id = start()
         stream = TunnelStream(self, self.core.stream(stream_id))  # type: ignore[arg-type]
-        self._streams[stream_id] = stream
+        self._add(stream)
         self.kick()
         return stream
+
+    def _add(self, stream: TunnelStream) -> None:
+        self._streams[stream.stream_id] = stream
+        if len(self._streams) == 1:
+            self._busy_lot.unpark_all()
 
     # -- life -------------------------------------------------------------------------------------
 
@@ -483,6 +553,8 @@ class Mux:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._reader)
+                if self.core.settings.idle_timeout:
+                    nursery.start_soon(self._close_when_idle, self.core.settings.idle_timeout)
                 task_status.started()
                 await self._writer()  # returns once the connection is dead
                 nursery.cancel_scope.cancel()  # handlers still running have broken streams by now
@@ -517,6 +589,7 @@ class Mux:
                 pass
 
     async def _writer(self) -> None:
+        stall_timeout = self.core.settings.stall_timeout or math.inf
         with self._writer_scope:
             while True:
                 await self._write_wanted.wait()
@@ -525,27 +598,56 @@ class Mux:
                 self._drained_lot.unpark_all()
                 if data:
                     try:
-                        await self.transport.send_all(data)
+                        with trio.move_on_after(stall_timeout) as write_scope:
+                            await self.transport.send_all(data)
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                         self._die(f"write failed: {_describe(exc)}")
+                        return
+                    if write_scope.cancelled_caught and not self.dead:
+                        detail = f"peer read nothing for {stall_timeout:g}s"
+                        self.report_limit(ev.LimitExceeded("stream_stall", detail))
+                        self._die(f"write stalled: {detail}")
                         return
                 if self.dead:
                     return
 
     async def _reader(self) -> None:
+        frame_timeout = self.core.settings.frame_timeout
         with self._reader_scope:
             if self._received:
                 self._dispatch(self.core.receive_bytes(self._received))
                 self._received = b""
                 self.kick()
             while not self.dead:
+                since = self.core.partial_frame_since
+                deadline = since + frame_timeout if since is not None and frame_timeout else math.inf
+                data = None
                 try:
-                    data = await receive_batch(self.transport, RECEIVE_SIZE)
+                    with trio.move_on_at(deadline):
+                        data = await receive_batch(self.transport, RECEIVE_SIZE)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                     self._die(f"read failed: {_describe(exc)}", peer_closed=True)
                     return
+                if data is None:
+                    detail = f"a frame started arriving and did not finish within {frame_timeout:g}s"
+                    self.report_limit(ev.LimitExceeded("frame_timeout", detail))
+                    self.close(detail, error_code=ENHANCE_YOUR_CALM)
+                    return
                 self._dispatch(self.core.receive_bytes(data))
                 self.kick()
+
+    async def _close_when_idle(self, timeout: float) -> None:
+        while not self.dead:
+            if self._streams:
+                await self._idle_lot.park()
+                continue
+            with trio.move_on_after(timeout):
+                await self._busy_lot.park()
+                continue
+            if not self._streams and not self.dead:
+                detail = f"no stream open for {timeout:g}s"
+                self.report_limit(ev.LimitExceeded("idle_timeout", detail))
+                self.close(f"idle: {detail}")
 
     def _dispatch(self, events: list[ev.Event]) -> None:
         for event in events:
@@ -571,6 +673,8 @@ class Mux:
                     stream = self._streams.get(sid)
                     if stream is not None:
                         stream.on_broken()
+                case ev.LimitExceeded():
+                    self.report_limit(event)
                 case ev.RequestReceived():
                     self._start_handler(event)
                 case ev.PingAcked(payload=payload):
@@ -584,22 +688,28 @@ class Mux:
         state = self.core.stream(event.stream_id)
         assert state is not None
         stream = TunnelStream(self, state)
-        self._streams[event.stream_id] = stream
+        self._add(stream)
         if self._handler is None or self._nursery is None:
             self.core.refuse(event.stream_id, 405, "this side of the tunnel accepts no streams")
             stream.close()
             return
         request = IncomingRequest(event.method, event.authority, event.path, event.headers, stream, self)
-        self._nursery.start_soon(self._run_handler, request)
+        # Made now, not in the task: a reset later in this same read must reach it (on_broken).
+        stream.unanswered_work = trio.CancelScope()
+        self._nursery.start_soon(self._run_handler, request, stream.unanswered_work)
 
-    async def _run_handler(self, request: IncomingRequest) -> None:
+    async def _run_handler(self, request: IncomingRequest, unanswered_work: trio.CancelScope) -> None:
         try:
-            await self._handler(request)  # type: ignore[misc]
+            with unanswered_work:
+                if not request.stream.answerable:
+                    return  # reset (or the connection lost) before the handler started: no work at all
+                await self._handler(request)  # type: ignore[misc]
         except Exception:
             # A bug in one stream's handler costs that stream, never the whole tunnel.
             _log.exception("stream_handler_failed", stream_id=request.stream.stream_id)
             request.stream.abort()
         finally:
+            request.stream.unanswered_work = None
             request.stream.close()
 
 
@@ -618,14 +728,16 @@ async def open_mux(
     handler: RequestHandler | None = None,
     keepalive: tuple[float, float] | None = None,
     received: bytes = b"",
+    on_limit: LimitHandler | None = None,
 ) -> AsyncIterator[Mux]:
     """Run an HTTP/2 tunnel connection over ``transport`` for the duration of the block.
 
     ``keepalive`` is ``(interval, timeout)``: a PING every interval; a PING not answered within the
     timeout declares the connection dead, which fails all its streams at once. ``received`` are bytes
     the caller already read from ``transport`` (to tell the protocol apart); they are processed first.
+    ``on_limit`` hears of every abuse limit that trips (see the module's docstring).
     """
-    mux = Mux(transport, role, settings, handler, received)
+    mux = Mux(transport, role, settings, handler, received, on_limit)
     async with trio.open_nursery() as nursery:
         await nursery.start(mux.run)
         if keepalive is not None:

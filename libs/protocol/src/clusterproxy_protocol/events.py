@@ -79,6 +79,17 @@ class ConnectionEnded:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class LimitExceeded:
+    """The peer went past an abuse limit. ``stream_id`` 0: the connection ends (a ``ConnectionEnded``
+    follows); otherwise only that stream was refused or reset."""
+
+    limit: str  # concurrent_streams, reset_budget, reply_backlog, frame_size (the core's);
+    # frame_timeout, stream_stall, idle_timeout (the driver's)
+    detail: str
+    stream_id: int = 0
+
+
 Event = (
     RequestReceived
     | ResponseReceived
@@ -88,5 +99,6 @@ Event = (
     | WindowOpened
     | PeerSettingsChanged
     | PingAcked
+    | LimitExceeded
     | ConnectionEnded
 )

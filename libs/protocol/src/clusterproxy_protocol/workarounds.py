@@ -8,8 +8,11 @@ The tunnel relies on three private internals, all for speed (the numbers are in 
   ``DataFrame`` a repr with the same text built from the first 11 bytes only. It changes a class for
   the whole process, so only programs apply it (the services' entry points), never an import.
 * **h2** ``H2Connection._open_streams``: h2 counts open streams, for every new stream, by walking all
-  of them: O(n) per stream. :class:`LazyCountingH2Connection` (a subclass, no global patch) counts exactly only
-  when a limit is near. Checked when the first one is made.
+  of them: O(n) per stream. :class:`TunnelH2Connection` (a subclass, no global patch) counts exactly only
+  when a limit is near. The same subclass (not for speed, for the abuse limits) lets the core refuse a
+  stream beyond the concurrent-stream limit with ``REFUSED_STREAM`` where h2 would end the whole
+  connection, and reads the size of h2's outbound buffer (``_data_to_send``) to cap the replies queued
+  for a peer that does not read. Checked when the first one is made.
 * **trio** ``SSLStream._ssl_object``: ``SSLStream.receive_some`` decrypts one TLS record (16 KiB) per
   call even when the socket read brought in several; :func:`ssl_object_of` hands
   :func:`clusterproxy_protocol.transport.receive_batch` the ``ssl.SSLObject`` to take the rest from.
@@ -109,21 +112,31 @@ def check_hyperframe_body_repr() -> None:
 # -- h2: counting open streams -----------------------------------------------------------------------
 
 
-class LazyCountingH2Connection(h2.connection.H2Connection):
-    """h2 counts open streams, for every new stream, by walking all of them (dropping closed ones as it
-    goes): O(n) per stream, so 10k streams cost O(n^2) (15 % of the server's CPU at 3k streams, py-spy).
+class TunnelH2Connection(h2.connection.H2Connection):
+    """The core's h2 connection: cheap stream counting, stream refusal, outbound buffer size.
 
-    Here the count is exact only when it could matter: the number of known streams is an upper bound,
-    and while it is below every stream limit it is returned as is. Closed streams are swept once the
-    table has doubled since the last sweep, which keeps the cost amortized O(1)."""
+    * h2 counts open streams, for every new stream, by walking all of them (dropping closed ones as it
+      goes): O(n) per stream, so 10k streams cost O(n^2) (15 % of the server's CPU at 3k streams,
+      py-spy). Here the count is exact only when it could matter: the number of known streams is an
+      upper bound, and while it is below every stream limit it is returned as is. Closed streams are
+      swept once the table has doubled since the last sweep, which keeps the cost amortized O(1).
+    * h2 answers a HEADERS beyond our concurrent-stream limit by ending the connection. RFC 9113
+      5.1.2 allows a stream error, which costs the peer one stream, not all of them: h2's check is
+      made to pass (``open_inbound_streams`` reads 0 while h2 takes a HEADERS frame, so the header
+      block still goes through HPACK) and the core refuses the stream with ``REFUSED_STREAM``
+      (:meth:`inbound_streams_open` is the real count).
+    * :attr:`queued_output` is the size of h2's outbound buffer, without copying it."""
 
     _swept_size = 0
+    _taking_headers = False
 
     def __init__(self, config: h2.config.H2Configuration | None = None) -> None:
         _check_h2_open_streams_once()
         super().__init__(config=config)
 
     def _open_streams(self, remainder: int) -> int:
+        if self._taking_headers:
+            return 0
         bound = len(self.streams)
         limit = min(self.local_settings.max_concurrent_streams, self.remote_settings.max_concurrent_streams)
         if bound < limit and bound < 2 * self._swept_size + 64:
@@ -132,10 +145,28 @@ class LazyCountingH2Connection(h2.connection.H2Connection):
         self._swept_size = len(self.streams)
         return count
 
+    def _receive_headers_frame(self, frame: hyperframe.frame.HeadersFrame) -> tuple[list, list]:  # type: ignore[type-arg]
+        self._taking_headers = True
+        try:
+            return super()._receive_headers_frame(frame)
+        finally:
+            self._taking_headers = False
+
+    def inbound_streams_open(self) -> int:
+        """Streams the peer opened that are open now (cheap while far below every limit)."""
+        return self._open_streams(0 if self.config.client_side else 1)
+
+    @property
+    def queued_output(self) -> int:
+        """Bytes h2 has queued for the peer and :meth:`data_to_send` has not taken yet."""
+        return len(self._data_to_send)
+
 
 def check_h2_open_streams() -> None:
     """h2 counts open streams through ``_open_streams(remainder)``, its ``streams`` table holds every
-    stream not yet swept, and both settings carry ``max_concurrent_streams``."""
+    stream not yet swept, both settings carry ``max_concurrent_streams``, a received HEADERS is
+    checked against the limit through ``open_inbound_streams``, and the outbound buffer is the
+    bytearray ``_data_to_send``."""
     base = h2.connection.H2Connection
     count = base.__dict__.get("_open_streams")
     if not inspect.isfunction(count) or _parameter_names(count) != ["self", "remainder"]:
@@ -144,9 +175,20 @@ def check_h2_open_streams() -> None:
         counter = base.__dict__.get(name)
         if not isinstance(counter, property) or "_open_streams" not in counter.fget.__code__.co_names:  # type: ignore[union-attr]
             raise InternalChanged("h2", f"H2Connection.{name}", "no longer counts through _open_streams")
+    headers = base.__dict__.get("_receive_headers_frame")
+    if (
+        not inspect.isfunction(headers)
+        or _parameter_names(headers) != ["self", "frame"]
+        or "open_inbound_streams" not in headers.__code__.co_names
+    ):
+        raise InternalChanged(
+            "h2", "H2Connection._receive_headers_frame", "no longer checks open_inbound_streams"
+        )
     connection = base()
     if not isinstance(connection.streams, dict):
         raise InternalChanged("h2", "H2Connection.streams", "is not a dict")
+    if not isinstance(getattr(connection, "_data_to_send", None), bytearray):
+        raise InternalChanged("h2", "H2Connection._data_to_send", "is not a bytearray")
     for settings in ("local_settings", "remote_settings"):
         if not isinstance(getattr(getattr(connection, settings), "max_concurrent_streams", None), int):
             raise InternalChanged("h2", f"H2Connection.{settings}.max_concurrent_streams", "is not an int")
