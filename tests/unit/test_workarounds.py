@@ -160,3 +160,13 @@ def test_the_services_apply_them_first_thing(entry_point: str) -> None:
         "assert '_body_repr' in hyperframe.frame.DataFrame.__dict__\n"
     )
     subprocess.run([sys.executable, "-c", program], check=True, stdout=subprocess.DEVNULL)
+
+
+def test_h2_taking_headers_without_its_stream_limit_check_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The core refuses excess streams itself only because h2's check goes through open_inbound_streams."""
+    monkeypatch.setattr(h2.connection.H2Connection, "_receive_headers_frame", lambda self, frame: ([], []))
+    with pytest.raises(InternalChanged) as info:
+        workarounds.check_h2_open_streams()
+    _assert_names(info.value, "h2", "H2Connection._receive_headers_frame")

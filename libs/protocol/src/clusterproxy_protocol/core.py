@@ -462,14 +462,13 @@ class TunnelCore:
                 self._frame_left -= step
                 continue
             need = FRAME_HEADER - len(self._frame_head)
+            started_here = started_here or not self._frame_head  # a frame starts at its header's first byte
             if end - pos < need:
                 self._frame_head += data[pos:]
-                started_here = True
                 break
             head = self._frame_head + data[pos : pos + need] if self._frame_head else data[pos : pos + need]
             self._frame_head = b""
             pos += need
-            started_here = True
             length = int.from_bytes(head[:3], "big")
             if length > self.settings.max_frame_size:
                 return length
@@ -503,9 +502,9 @@ class TunnelCore:
             case h2.events.DataReceived(stream_id=sid, data=data, flow_controlled_length=length):
                 self._on_data(sid, data, length or 0, out)
             case h2.events.RequestReceived(stream_id=sid, headers=headers, stream_ended=ended):
-                limit = self._conn.local_settings.max_concurrent_streams
-                if self._conn.inbound_streams_open() > limit:
-                    self._refuse_stream(sid, limit, out)
+                if sid in self._conn.streams_over_limit:
+                    self._conn.streams_over_limit.discard(sid)
+                    self._refuse_stream(sid, self._conn.local_settings.max_concurrent_streams, out)
                     return
                 fields = dict(headers or [])
                 self._streams[sid] = StreamState(sid, remote_ended=ended is not None)

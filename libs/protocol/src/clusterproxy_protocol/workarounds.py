@@ -123,8 +123,8 @@ class TunnelH2Connection(h2.connection.H2Connection):
     * h2 answers a HEADERS beyond our concurrent-stream limit by ending the connection. RFC 9113
       5.1.2 allows a stream error, which costs the peer one stream, not all of them: h2's check is
       made to pass (``open_inbound_streams`` reads 0 while h2 takes a HEADERS frame, so the header
-      block still goes through HPACK) and the core refuses the stream with ``REFUSED_STREAM``
-      (:meth:`inbound_streams_open` is the real count).
+      block still goes through HPACK), the stream is noted in :attr:`streams_over_limit`, and the
+      core refuses it with ``REFUSED_STREAM``.
     * :attr:`queued_output` is the size of h2's outbound buffer, without copying it."""
 
     _swept_size = 0
@@ -146,15 +146,24 @@ class TunnelH2Connection(h2.connection.H2Connection):
         return count
 
     def _receive_headers_frame(self, frame: hyperframe.frame.HeadersFrame) -> tuple[list, list]:  # type: ignore[type-arg]
+        over_limit = (
+            frame.stream_id not in self.streams
+            and self.open_inbound_streams >= self.local_settings.max_concurrent_streams
+        )
         self._taking_headers = True
         try:
-            return super()._receive_headers_frame(frame)
+            result = super()._receive_headers_frame(frame)
         finally:
             self._taking_headers = False
+        if over_limit:
+            self.streams_over_limit.add(frame.stream_id)
+        return result
 
-    def inbound_streams_open(self) -> int:
-        """Streams the peer opened that are open now (cheap while far below every limit)."""
-        return self._open_streams(0 if self.config.client_side else 1)
+    @functools.cached_property
+    def streams_over_limit(self) -> set[int]:
+        """Streams the peer opened beyond the concurrent-stream limit, counted when their HEADERS
+        arrived; the core refuses each one and removes it from here."""
+        return set()
 
     @property
     def queued_output(self) -> int:
