@@ -184,6 +184,17 @@ def parse_positive_int(text: str | int) -> int:
     return value
 
 
+def parse_count(text: str | int) -> int:
+    """An integer >= 0 (0 often meaning "no limit")."""
+    try:
+        value = int(str(text).strip(), 10)
+    except ValueError:
+        raise InvalidValue(f"invalid number {text!r}: expected an integer >= 0") from None
+    if value < 0:
+        raise InvalidValue(f"invalid number {text!r}: expected an integer >= 0")
+    return value
+
+
 _TRUE = {"1", "true", "yes", "on", "y", "t"}
 _FALSE = {"0", "false", "no", "off", "n", "f", ""}
 

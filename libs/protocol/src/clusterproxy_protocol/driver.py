@@ -21,6 +21,7 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -711,6 +712,24 @@ class Mux:
         finally:
             request.stream.unanswered_work = None
             request.stream.close()
+
+
+def limit_reporter(log: Any, count: Callable[[str], None], **identity: object) -> LimitHandler:
+    """An ``on_limit`` for :func:`open_mux`: ``count(limit)`` every time (a metric), a warning with the
+    peer's ``identity`` the first time each limit trips on the connection."""
+
+    def report(event: ev.LimitExceeded, first: bool) -> None:
+        count(event.limit)
+        if first:
+            log.warning(
+                "http2_limit_exceeded",
+                limit=event.limit,
+                detail=event.detail,
+                stream_id=event.stream_id or None,
+                **identity,
+            )
+
+    return report
 
 
 def _describe(exc: BaseException) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import signal
 import socket
@@ -27,11 +28,14 @@ from clusterproxy_protocol.config import (
     add_flag,
     existing_file,
     parse_args_or_exit,
+    parse_count,
     parse_dialable_hostport,
     parse_duration,
     parse_hostport,
     parse_positive_duration,
+    parse_size,
 )
+from clusterproxy_protocol.core import TunnelSettings
 from clusterproxy_protocol.logs import configure_logging, get_logger
 from clusterproxy_protocol.pki import agent_uri
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
@@ -89,6 +93,11 @@ def _default_agent_id() -> str:
 
 # --- settings ---------------------------------------------------------------------------------------------
 
+# The tunnel's abuse limits. No reset budget by default: the only peer is the authenticated hub, which
+# carries every hub client's resets (each client connection has its own budget there); a budget here
+# would let one client's abuse take down the tunnel every client shares.
+TUNNEL = TunnelSettings(stall_timeout=60.0)
+
 
 @dataclass
 class AgentSettings:
@@ -117,6 +126,7 @@ class AgentSettings:
     signer: str | None = None
     bootstrap_token: str | None = None
     trust_refresh: float = 60.0
+    tunnel: TunnelSettings = TUNNEL  # HTTP/2 settings and abuse limits of the tunnel
 
     def __post_init__(self) -> None:
         if not self.server_name:
@@ -302,6 +312,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, how long open streams may take to finish",
     )
     flag(
+        "--reset-budget",
+        type=parse_count,
+        default=str(TUNNEL.reset_budget),
+        help="streams the server may open and then reset per 10 s on one tunnel before it is closed "
+        "(GOAWAY ENHANCE_YOUR_CALM); 0: no limit (the server budgets each of its clients)",
+    )
+    flag(
+        "--max-reply-backlog",
+        type=parse_size,
+        default="256KiB",
+        help="bytes of control replies (PING/SETTINGS ACKs, RST_STREAMs) the server may leave unread "
+        "before the tunnel is closed; 0: no limit",
+    )
+    flag(
+        "--frame-timeout",
+        metavar="DURATION",
+        type=parse_duration,
+        default="30s",
+        help="an HTTP/2 frame must arrive whole within this of its first byte, else the tunnel is "
+        "closed; 0: no limit",
+    )
+    flag(
+        "--stream-stall-timeout",
+        metavar="DURATION",
+        type=parse_duration,
+        default="60s",
+        help="a stream blocked on flow control with no byte either way this long is reset; 0: never",
+    )
+    flag(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error", "critical"],
@@ -351,6 +390,16 @@ def parse_settings(
         log_level=args.log_level,
         log_format=args.log_format,
     )
+    try:
+        settings.tunnel = dataclasses.replace(
+            TUNNEL,
+            reset_budget=args.reset_budget,
+            max_reply_backlog=args.max_reply_backlog,
+            frame_timeout=args.frame_timeout,
+            stall_timeout=args.stream_stall_timeout,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.signer:
         settings.signer = args.signer
         settings.bootstrap_token = (args.bootstrap_token or "").strip() or None
@@ -407,6 +456,7 @@ class Service:
             keepalive=(settings.keepalive_interval, settings.keepalive_timeout),
             backoff_initial=settings.backoff_initial,
             backoff_max=settings.backoff_max,
+            settings=settings.tunnel,
         )
         self.tls = settings.reloading_context()
         opener = tls_opener(settings.server, self.tls, settings.server_name)

@@ -56,7 +56,17 @@ class AgentMetrics:
         self.open_streams = Gauge(
             PREFIX + "open_streams", "Proxied streams being dialled or relayed", registry=r
         )
+        self.http2_limits = Counter(
+            PREFIX + "http2_limit_trips",
+            "HTTP/2 abuse limits that tripped on tunnels, by limit (concurrent_streams, reset_budget, "
+            "reply_backlog, frame_size, frame_timeout, stream_stall)",
+            ["limit"],
+            registry=r,
+        )
         r.register(_ByteCounters(byte_totals))
+
+    def count_limit(self, limit: str) -> None:
+        self.http2_limits.labels(limit).inc()
 
     def watch_renewer(self, renewer: RenewerCounters) -> None:
         """Export a :class:`~clusterproxy_protocol.reloader.CertRenewer`'s counters."""

@@ -16,7 +16,7 @@ from cryptography import x509
 
 from clusterproxy_agent.agent import Agent
 from clusterproxy_protocol.core import Role, TunnelSettings
-from clusterproxy_protocol.driver import open_mux
+from clusterproxy_protocol.driver import limit_reporter, open_mux
 from clusterproxy_protocol.errors import describe_exception
 from clusterproxy_protocol.pki import CertRole, certificate_role
 from clusterproxy_protocol.wire import format_authority
@@ -209,6 +209,7 @@ class TunnelRunner:
                 settings=self.options.settings,
                 handler=self.agent.handle,
                 keepalive=self.options.keepalive,
+                on_limit=limit_reporter(self.log, self.agent.metrics.count_limit),
             ) as mux:
                 with self.agent.tunnel(mux, self.options.address):
                     self.log.info("tunnel_connected")

@@ -11,7 +11,7 @@ import trio
 from cryptography import x509
 
 from clusterproxy_protocol.core import CANCEL, Role, TunnelSettings
-from clusterproxy_protocol.driver import Mux, open_mux
+from clusterproxy_protocol.driver import Mux, limit_reporter, open_mux
 from clusterproxy_protocol.errors import TunnelClosed, TunnelError
 from clusterproxy_protocol.pki import CertRole, agent_identity_from_cert
 from clusterproxy_protocol.wire import INFO_PATH, SERVER_COUNT_HEADER, SERVER_ID_HEADER, format_address
@@ -60,8 +60,11 @@ class AgentPort:
         identity = agent_identity_from_cert(
             x509.load_der_x509_certificate(stream.getpeercert(binary_form=True))
         )
+        on_limit = limit_reporter(
+            self.log, self.metrics.count_limit("agent"), port="agent", peer=peer, identity=identity
+        )
         async with open_mux(
-            stream, Role.OPENER, settings=self.tunnel_settings, keepalive=self.keepalive
+            stream, Role.OPENER, settings=self.tunnel_settings, keepalive=self.keepalive, on_limit=on_limit
         ) as mux:
             tunnel = await self._register(mux, identity, peer)
             if tunnel is None:

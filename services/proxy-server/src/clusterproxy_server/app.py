@@ -15,6 +15,7 @@ from cryptography import x509
 
 from clusterproxy_protocol.admin import serve_admin
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
+from clusterproxy_protocol.driver import limit_reporter
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.pki import CertRole
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
@@ -156,6 +157,7 @@ class ProxyServer:
 
     async def _serve_client(self, tcp: trio.SocketStream) -> None:
         cfg = self.config
+        peer = format_address(tcp.socket.getpeername())
         stream = await accept_tls(
             tcp,
             self._client_tls.context,
@@ -177,7 +179,20 @@ class ProxyServer:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await trio.aclose_forcefully(stream)
             return
+        on_limit = limit_reporter(
+            self.log,
+            self.metrics.count_limit("client"),
+            port="client",
+            peer=peer,
+            client=client.name,
+        )
         connection = ClientConnection(
-            stream, client, received, self.relayer.connection_proxy(), cfg.handshake_timeout, cfg.tunnel
+            stream,
+            client,
+            received,
+            self.relayer.connection_proxy(),
+            cfg.handshake_timeout,
+            cfg.client_tunnel,
+            on_limit,
         )
         await FRONTENDS[protocol](connection)

@@ -10,6 +10,14 @@ from pathlib import Path
 from clusterproxy_protocol.core import TunnelSettings
 from clusterproxy_server.ejection import EjectionPolicy
 
+# The HTTP/2 abuse limits' defaults (main.py's flags say the same). A client connection gets a few
+# hundred streams and is closed when idle; an agent opens no streams, so a reset budget costs it
+# nothing, and its tunnel is kept up by PINGs, not by streams.
+CLIENT_TUNNEL = TunnelSettings(
+    max_concurrent_streams=256, reset_budget=500, stall_timeout=60.0, idle_timeout=300.0
+)
+AGENT_TUNNEL = TunnelSettings(reset_budget=500, stall_timeout=60.0)
+
 
 @dataclass
 class ServerConfig:
@@ -31,7 +39,8 @@ class ServerConfig:
     keepalive_interval: float = 10.0
     keepalive_timeout: float = 20.0
     drain_timeout: float = 30.0
-    tunnel: TunnelSettings = field(default_factory=TunnelSettings)
+    tunnel: TunnelSettings = AGENT_TUNNEL  # agent tunnels
+    client_tunnel: TunnelSettings = CLIENT_TUNNEL  # HTTP/2 connections on the client port
     # cert-signer: bootstrap (``main.serve``) and renewal; None keeps the files as they are
     signer: str | None = None
     bootstrap_token: str | None = None

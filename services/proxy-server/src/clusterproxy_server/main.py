@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from clusterproxy_protocol.config import (
     add_flag,
     existing_file,
     parse_args_or_exit,
+    parse_count,
     parse_duration,
     parse_hostport,
     parse_positive_duration,
@@ -29,6 +31,7 @@ from clusterproxy_protocol.logs import configure_logging, get_logger
 from clusterproxy_protocol.wire import CLUSTER_NAME
 from clusterproxy_server.app import ProxyServer, ServerConfig
 from clusterproxy_server.authz import load_policy
+from clusterproxy_server.config import AGENT_TUNNEL, CLIENT_TUNNEL
 from clusterproxy_server.ejection import EjectionPolicy
 
 ENV = "CLUSTER_PROXY_SERVER_"
@@ -228,6 +231,49 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--stream-window", type=parse_size, default="1MiB", help="HTTP/2 stream window")
     flag("--connection-window", type=parse_size, default="32MiB", help="HTTP/2 connection window")
     flag("--max-frame-size", type=parse_size, default="64KiB", help="HTTP/2 max frame size")
+    # HTTP/2 abuse limits (docs/protocol.md, "Abuse limits"); defaults as in config.CLIENT_TUNNEL/AGENT_TUNNEL
+    flag(
+        "--client-max-streams",
+        type=parse_positive_int,
+        default=str(CLIENT_TUNNEL.max_concurrent_streams),
+        help="concurrent streams per client HTTP/2 connection (advertised; the excess is refused "
+        "with REFUSED_STREAM)",
+    )
+    flag(
+        "--client-idle-timeout",
+        type=parse_duration,
+        default="5m",
+        help="a client HTTP/2 connection with no stream open this long is closed; 0: never",
+    )
+    flag(
+        "--reset-budget",
+        type=parse_count,
+        default=str(CLIENT_TUNNEL.reset_budget),
+        help="streams a peer may open and then reset (or have refused) per 10 s on one HTTP/2 "
+        "connection, client port and agent port; beyond it GOAWAY ENHANCE_YOUR_CALM (rapid reset); "
+        "0: no limit",
+    )
+    flag(
+        "--max-reply-backlog",
+        type=parse_size,
+        default="256KiB",
+        help="bytes of control replies (PING/SETTINGS ACKs, RST_STREAMs) a peer may leave unread "
+        "before its connection is closed (ENHANCE_YOUR_CALM); 0: no limit",
+    )
+    flag(
+        "--frame-timeout",
+        type=parse_duration,
+        default="30s",
+        help="an HTTP/2 frame (or header block) must arrive whole within this of its first byte, "
+        "else the connection is closed; 0: no limit",
+    )
+    flag(
+        "--stream-stall-timeout",
+        type=parse_duration,
+        default="60s",
+        help="a stream blocked on flow control with no byte either way this long is reset, and a "
+        "connection whose peer reads nothing this long is closed; 0: never",
+    )
     flag("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     flag(
         "--log-format",
@@ -244,6 +290,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             stream_window=args.stream_window,
             connection_window=args.connection_window,
             max_frame_size=args.max_frame_size,
+            max_concurrent_streams=AGENT_TUNNEL.max_concurrent_streams,
+            reset_budget=args.reset_budget,
+            max_reply_backlog=args.max_reply_backlog,
+            frame_timeout=args.frame_timeout,
+            stall_timeout=args.stream_stall_timeout,
+        )
+        client_tunnel = dataclasses.replace(
+            tunnel, max_concurrent_streams=args.client_max_streams, idle_timeout=args.client_idle_timeout
         )
         ejection = EjectionPolicy(
             cooldown=args.ejection_cooldown,
@@ -278,6 +332,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         keepalive_timeout=args.keepalive_timeout,
         drain_timeout=args.drain_timeout,
         tunnel=tunnel,
+        client_tunnel=client_tunnel,
     )
     if args.server_id:
         config.server_id = args.server_id

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from clusterproxy_protocol.renewal_metrics import RenewerCollector, RenewerCounters
@@ -41,6 +43,13 @@ class ServerMetrics:
         self.dial_seconds = Histogram(
             "cluster_proxy_server_dial_seconds", "Time from CONNECT to the agent's answer", registry=r
         )
+        self.http2_limits = Counter(
+            "cluster_proxy_server_http2_limit_trips_total",
+            "HTTP/2 abuse limits that tripped, by port (client, agent) and limit (concurrent_streams, "
+            "reset_budget, reply_backlog, frame_size, frame_timeout, stream_stall, idle_timeout)",
+            ["port", "limit"],
+            registry=r,
+        )
         self.pending_dials = Gauge(
             "cluster_proxy_server_pending_dials", "Dials sent toward agents and not answered yet", registry=r
         )
@@ -75,6 +84,10 @@ class ServerMetrics:
             ["cluster"],
             registry=r,
         )
+
+    def count_limit(self, port: str) -> Callable[[str], None]:
+        """Count an HTTP/2 abuse limit that tripped on a connection of ``port`` (client or agent)."""
+        return lambda limit: self.http2_limits.labels(port, limit).inc()
 
     def watch_renewer(self, renewer: RenewerCounters) -> None:
         """Export a :class:`~clusterproxy_protocol.reloader.CertRenewer`'s counters."""

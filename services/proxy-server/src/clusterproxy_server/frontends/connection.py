@@ -9,6 +9,7 @@ import trio
 
 from clusterproxy_protocol.closing import abort, close_cleanly
 from clusterproxy_protocol.core import TunnelSettings
+from clusterproxy_protocol.driver import LimitHandler
 from clusterproxy_server.authz import ClientIdentity
 from clusterproxy_server.relaying import ClientRequest
 
@@ -21,6 +22,7 @@ class ClientConnection:
     proxy: Callable[[ClientRequest], Awaitable[None]]  # the shared dial-and-relay path
     request_timeout: float  # for the request head to arrive
     tunnel_settings: TunnelSettings
+    on_limit: LimitHandler | None = None  # an HTTP/2 abuse limit tripped (metrics, one log line)
 
 
 SEND_TIMEOUT = 5.0  # seconds a refusal may take to reach a slow reader

@@ -70,5 +70,6 @@ async def serve(connection: ClientConnection) -> None:
         settings=connection.tunnel_settings,
         handler=handle,
         received=connection.received,
+        on_limit=connection.on_limit,
     ) as mux:
         await mux.closed.wait()
