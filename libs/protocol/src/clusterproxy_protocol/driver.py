@@ -687,7 +687,8 @@ class Mux:
 
     def _start_handler(self, event: ev.RequestReceived) -> None:
         state = self.core.stream(event.stream_id)
-        assert state is not None
+        if state is None:
+            return  # a limit later in the same read ended the connection and every stream with it
         stream = TunnelStream(self, state)
         self._add(stream)
         if self._handler is None or self._nursery is None:

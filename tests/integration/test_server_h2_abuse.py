@@ -1,0 +1,312 @@
+"""HTTP/2 abuse against the in-process proxy-server's client port, by a raw attacker over mTLS (frames
+built with hyperframe and hpack, so every rule an h2 client keeps can be broken), with the real agent
+behind it (issue 10, findings 2 to 6)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import hpack
+import trio
+from hyperframe.frame import (
+    DataFrame,
+    Frame,
+    GoAwayFrame,
+    HeadersFrame,
+    PingFrame,
+    RstStreamFrame,
+    SettingsFrame,
+    WindowUpdateFrame,
+)
+
+from clusterproxy_protocol.core import ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR, NO_ERROR, PREFACE, REFUSED_STREAM
+from clusterproxy_sdk import TLSFiles, open_tunnel
+from clusterproxy_server.app import ProxyServer, ServerConfig
+from clusterproxy_server.config import CLIENT_TUNNEL
+from tests.support.clients import client_context
+from tests.support.pki import PkiFiles
+from tests.support.rogue_agent import start_real_agent
+from tests.support.targets import serve_echo
+from tests.support.waiting import wait_until
+
+
+async def start(nursery: trio.Nursery, pki: PkiFiles, **limits: float) -> tuple[ProxyServer, int, int]:
+    """The server (client-port limits overridden by ``limits``), the real agent of cluster1, and an
+    echo target; returns the server, its client port and the echo port."""
+    config = ServerConfig(
+        ca=pki.ca,
+        cert=pki.server.cert,
+        key=pki.server.key,
+        agent_listen=("127.0.0.1", 0),
+        client_listen=("127.0.0.1", 0),
+        admin_listen=("127.0.0.1", 0),
+        client_tunnel=dataclasses.replace(CLIENT_TUNNEL, **limits),
+    )
+    server = ProxyServer(config)
+    bound = await nursery.start(server.run)
+    await start_real_agent(nursery, bound.agent[1], pki, "cluster1", "agent-a")
+    await wait_until(lambda: server.registry.tunnels("cluster1"), what="the agent's tunnel")
+    return server, bound.client[1], (await serve_echo(nursery)).port
+
+
+class Attacker:
+    """A raw HTTP/2 client over mTLS."""
+
+    def __init__(self, stream: trio.SSLStream) -> None:
+        self.stream = stream
+        self.encoder = hpack.Encoder()
+        self._buffer = b""
+
+    @classmethod
+    async def connect(cls, port: int, pki: PkiFiles, **settings: int) -> Attacker:
+        tcp = await trio.open_tcp_stream("127.0.0.1", port)
+        stream = trio.SSLStream(tcp, client_context(pki, alpn=["h2"]), server_hostname="localhost")
+        await stream.do_handshake()
+        attacker = cls(stream)
+        codes = {int(name[1:]): value for name, value in settings.items()}
+        await attacker.send(PREFACE + SettingsFrame(0, settings=codes).serialize())
+        return attacker
+
+    def connect_frame(self, stream_id: int, authority: str, *, end_stream: bool = False) -> bytes:
+        headers = [(":method", "CONNECT"), (":authority", authority), ("cluster-proxy-cluster", "cluster1")]
+        frame = HeadersFrame(stream_id, data=self.encoder.encode(headers))
+        frame.flags.add("END_HEADERS")
+        if end_stream:
+            frame.flags.add("END_STREAM")
+        return frame.serialize()
+
+    async def send(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def next_frame(self) -> Frame | None:
+        """The server's next frame; None at the end of the connection."""
+        while True:
+            if len(self._buffer) >= 9:
+                frame, length = Frame.parse_frame_header(memoryview(self._buffer[:9]))
+                if len(self._buffer) >= 9 + length:
+                    frame.parse_body(memoryview(self._buffer[9 : 9 + length]))
+                    self._buffer = self._buffer[9 + length :]
+                    return frame
+            try:
+                data = await self.stream.receive_some(1 << 16)
+            except trio.BrokenResourceError:
+                return None
+            if not data:
+                return None
+            self._buffer += data
+
+    async def until(self, kind: type[Frame], stream_id: int | None = None) -> Frame:
+        while (frame := await self.next_frame()) is not None:
+            if isinstance(frame, kind) and (stream_id is None or frame.stream_id == stream_id):
+                return frame
+        raise AssertionError(f"connection ended before a {kind.__name__}")
+
+
+def trips(server: ProxyServer, limit: str) -> float:
+    value = server.metrics.registry.get_sample_value(
+        "cluster_proxy_server_http2_limit_trips_total", {"port": "client", "limit": limit}
+    )
+    return value or 0.0
+
+
+async def echo_digest(port: int, pki: PkiFiles, echo_port: int, size: int) -> str:
+    payload = bytes(range(256)) * (size // 256)
+    got = hashlib.sha256()
+    async with open_tunnel(
+        f"127.0.0.1:{port}", TLSFiles(pki.ca, pki.client.cert, pki.client.key), server_hostname="localhost"
+    ) as tunnel:
+        stream = await tunnel.connect("cluster1", "127.0.0.1", echo_port)
+
+        async def send() -> None:
+            await stream.send_all(payload)
+            await stream.send_eof()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            while data := await stream.receive_some():
+                got.update(data)
+    assert got.hexdigest() == hashlib.sha256(payload).hexdigest()
+    return got.hexdigest()
+
+
+async def test_rapid_reset_gets_goaway_and_dials_nothing_while_others_transfer(
+    nursery: trio.Nursery, pki: PkiFiles
+) -> None:
+    """Finding 2: 50,000 HEADERS+RST_STREAM pairs on one connection. GOAWAY ENHANCE_YOUR_CALM within
+    2 s; the agent dials at most the budget (500) for streams already gone; a 4 MiB transfer on another
+    connection completes with the right sha256 meanwhile; the agent's tunnel stays."""
+    server, port, echo_port = await start(nursery, pki)
+    tunnel_before = server.registry.tunnels("cluster1")[0].mux
+    counted = await serve_echo(nursery)  # the attack's own target: every dial shows here
+    attacker = await Attacker.connect(port, pki)
+    burst = b"".join(
+        attacker.connect_frame(sid, counted.address) + RstStreamFrame(sid, error_code=8).serialize()
+        for sid in range(1, 100_000, 2)
+    )
+    transfer_done = trio.Event()
+
+    async def transfer() -> None:
+        await echo_digest(port, pki, echo_port, 4 << 20)
+        transfer_done.set()
+
+    nursery.start_soon(transfer)
+    started = trio.current_time()
+
+    async def flood() -> None:
+        try:
+            await attacker.send(burst)
+        except trio.BrokenResourceError:
+            pass  # the server closed the connection while we were still sending
+
+    nursery.start_soon(flood)
+    with trio.fail_after(2):
+        goaway = await attacker.until(GoAwayFrame)
+    elapsed = trio.current_time() - started
+    assert goaway.error_code == ENHANCE_YOUR_CALM
+    assert b"reset" in goaway.additional_data
+    with trio.fail_after(20):
+        await transfer_done.wait()
+    dials = counted.connections
+    print(f"rapid reset: GOAWAY after {elapsed:.3f}s, target dials {dials}")
+    assert dials <= CLIENT_TUNNEL.reset_budget
+    assert trips(server, "reset_budget") == 1
+    assert server.registry.tunnels("cluster1")[0].mux is tunnel_before and not tunnel_before.dead
+    assert (
+        server.metrics.registry.get_sample_value(
+            "cluster_proxy_server_agent_connects_total", {"cluster": "cluster1"}
+        )
+        == 1
+    )
+
+
+async def test_streams_beyond_the_limit_are_refused_and_the_rest_work(
+    nursery: trio.Nursery, pki: PkiFiles
+) -> None:
+    """h2spec 5.1.2: the limit advertised is enforced, the excess gets REFUSED_STREAM, the connection lives."""
+    server, port, echo_port = await start(nursery, pki, max_concurrent_streams=4)
+    attacker = await Attacker.connect(port, pki)
+    settings = await attacker.until(SettingsFrame)
+    assert settings.settings[SettingsFrame.MAX_CONCURRENT_STREAMS] == 4
+    await attacker.send(
+        b"".join(attacker.connect_frame(sid, f"127.0.0.1:{echo_port}") for sid in (1, 3, 5, 7, 9))
+    )
+    with trio.fail_after(5):
+        refused = await attacker.until(RstStreamFrame)
+    assert (refused.stream_id, refused.error_code) == (9, REFUSED_STREAM)
+    assert trips(server, "concurrent_streams") == 1
+    # The four streams within the limit were opened: each echoes.
+    await attacker.send(DataFrame(7, b"still here", flags=["END_STREAM"]).serialize())
+    with trio.fail_after(5):
+        echoed = await attacker.until(DataFrame, 7)
+    assert echoed.data == b"still here"
+
+
+async def test_unread_ping_acks_close_the_connection(nursery: trio.Nursery, pki: PkiFiles) -> None:
+    """Finding 3: PINGs from a client that never reads its ACKs close the connection at the cap."""
+    server, port, _ = await start(nursery, pki, max_reply_backlog=64 << 10)
+    attacker = await Attacker.connect(port, pki)
+    pings = PingFrame(0, opaque_data=b"12345678").serialize() * 10_000  # 170 KB, 170 KB of ACKs
+    sent = 0
+    with trio.fail_after(20):
+        try:
+            while sent < 200 << 20:
+                await attacker.send(pings)
+                sent += len(pings)
+        except trio.BrokenResourceError:
+            pass
+    print(f"unread PINGs: closed after {sent >> 10} KiB of PINGs")
+    assert sent < 200 << 20, "the server never closed the connection"
+    assert trips(server, "reply_backlog") == 1
+
+
+async def test_a_half_sent_frame_closes_the_connection_at_the_deadline(
+    nursery: trio.Nursery, pki: PkiFiles
+) -> None:
+    """Finding 5: a frame announced and sent but for 10 bytes is held no longer than the frame timeout,
+    and a 16 MiB frame is refused at its header."""
+    server, port, echo_port = await start(nursery, pki, frame_timeout=0.5)
+    attacker = await Attacker.connect(port, pki)
+    await attacker.send(attacker.connect_frame(1, f"127.0.0.1:{echo_port}"))
+    frame = DataFrame(1, b"x" * 60_000).serialize()
+    started = trio.current_time()
+    await attacker.send(frame[:-10])
+    with trio.fail_after(5):
+        goaway = await attacker.until(GoAwayFrame)
+    held = trio.current_time() - started
+    assert goaway.error_code == ENHANCE_YOUR_CALM
+    assert 0.4 <= held < 2.0, held
+    assert trips(server, "frame_timeout") == 1
+
+    attacker = await Attacker.connect(port, pki)
+    header = ((16 << 20) - 1).to_bytes(3, "big") + bytes([0, 0]) + (1).to_bytes(4, "big")
+    await attacker.send(header + b"x" * 1000)
+    with trio.fail_after(2):
+        goaway = await attacker.until(GoAwayFrame)
+    assert goaway.error_code == FRAME_SIZE_ERROR
+    assert trips(server, "frame_size") == 1
+
+
+async def test_stalled_streams_are_reset_after_the_stall_timeout(
+    nursery: trio.Nursery, pki: PkiFiles
+) -> None:
+    """Finding 4: streams with posted data and the receive window held at 0 are reset, not kept."""
+    server, port, echo_port = await start(nursery, pki, stall_timeout=0.5)
+    attacker = await Attacker.connect(port, pki, _4=0)  # SETTINGS_INITIAL_WINDOW_SIZE 0
+    sids = list(range(1, 16, 2))
+    for sid in sids:
+        await attacker.send(attacker.connect_frame(sid, f"127.0.0.1:{echo_port}"))
+        await attacker.send(DataFrame(sid, b"e" * 1000).serialize())
+    started = trio.current_time()
+    reset: set[int] = set()
+    with trio.fail_after(5):
+        while reset != set(sids):
+            frame = await attacker.until(RstStreamFrame)
+            reset.add(frame.stream_id)
+    print(f"stalled streams: {len(sids)} reset after {trio.current_time() - started:.2f}s")
+    assert trips(server, "stream_stall") == len(sids)
+    await wait_until(lambda: server.open_relays == 0, what="the relays to end")
+    tunnel = server.registry.tunnels("cluster1")[0]
+    await wait_until(lambda: tunnel.mux.open_streams == 0, what="the agent streams to end")
+    await attacker.send(PingFrame(0, opaque_data=b"alive???").serialize())  # the connection itself lives
+    with trio.fail_after(5):
+        assert (await attacker.until(PingFrame)).opaque_data == b"alive???"
+
+
+async def test_a_refusal_into_a_tiny_window_waits_for_window(nursery: trio.Nursery, pki: PkiFiles) -> None:
+    """Finding 6: with a 3-byte stream window, an error reply sends 3 bytes, waits, and finishes the body
+    when the window opens: never a short body with END_STREAM."""
+    _, port, _ = await start(nursery, pki)
+    attacker = await Attacker.connect(port, pki, _4=3)
+    await attacker.send(attacker.connect_frame(1, "not a target"))
+    decoder = hpack.Decoder()
+    with trio.fail_after(5):
+        head = await attacker.until(HeadersFrame, 1)
+    fields = dict(decoder.decode(head.data))
+    length = int(fields["content-length"])
+    assert length > 3 and int(fields[":status"]) >= 400
+    body = b""
+    with trio.fail_after(5):
+        first = await attacker.until(DataFrame, 1)
+    body += first.data
+    assert body == first.data and len(body) == 3 and "END_STREAM" not in first.flags
+    await attacker.send(WindowUpdateFrame(1, window_increment=1 << 16).serialize())
+    with trio.fail_after(5):
+        while True:
+            frame = await attacker.until(DataFrame, 1)
+            body += frame.data
+            if "END_STREAM" in frame.flags:
+                break
+    assert len(body) == length
+    assert body.decode().strip() == fields["cluster-proxy-reason"]
+
+
+async def test_an_idle_client_connection_is_closed(nursery: trio.Nursery, pki: PkiFiles) -> None:
+    server, port, _ = await start(nursery, pki, idle_timeout=0.3)
+    attacker = await Attacker.connect(port, pki)
+    started = trio.current_time()
+    with trio.fail_after(3):
+        goaway = await attacker.until(GoAwayFrame)
+    assert goaway.error_code == NO_ERROR
+    assert 0.25 <= trio.current_time() - started < 2.0
+    assert trips(server, "idle_timeout") == 1
