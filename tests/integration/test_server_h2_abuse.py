@@ -11,7 +11,6 @@ import hpack
 import trio
 from hyperframe.frame import (
     DataFrame,
-    Frame,
     GoAwayFrame,
     HeadersFrame,
     PingFrame,
@@ -20,11 +19,11 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 
-from clusterproxy_protocol.core import ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR, NO_ERROR, PREFACE, REFUSED_STREAM
+from clusterproxy_protocol.core import ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR, NO_ERROR, REFUSED_STREAM
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from clusterproxy_server.app import ProxyServer, ServerConfig
 from clusterproxy_server.config import CLIENT_TUNNEL
-from tests.support.clients import client_context
+from tests.support.h2_attacker import Attacker
 from tests.support.pki import PkiFiles
 from tests.support.rogue_agent import start_real_agent
 from tests.support.targets import serve_echo
@@ -48,59 +47,6 @@ async def start(nursery: trio.Nursery, pki: PkiFiles, **limits: float) -> tuple[
     await start_real_agent(nursery, bound.agent[1], pki, "cluster1", "agent-a")
     await wait_until(lambda: server.registry.tunnels("cluster1"), what="the agent's tunnel")
     return server, bound.client[1], (await serve_echo(nursery)).port
-
-
-class Attacker:
-    """A raw HTTP/2 client over mTLS."""
-
-    def __init__(self, stream: trio.SSLStream) -> None:
-        self.stream = stream
-        self.encoder = hpack.Encoder()
-        self._buffer = b""
-
-    @classmethod
-    async def connect(cls, port: int, pki: PkiFiles, **settings: int) -> Attacker:
-        tcp = await trio.open_tcp_stream("127.0.0.1", port)
-        stream = trio.SSLStream(tcp, client_context(pki, alpn=["h2"]), server_hostname="localhost")
-        await stream.do_handshake()
-        attacker = cls(stream)
-        codes = {int(name[1:]): value for name, value in settings.items()}
-        await attacker.send(PREFACE + SettingsFrame(0, settings=codes).serialize())
-        return attacker
-
-    def connect_frame(self, stream_id: int, authority: str, *, end_stream: bool = False) -> bytes:
-        headers = [(":method", "CONNECT"), (":authority", authority), ("cluster-proxy-cluster", "cluster1")]
-        frame = HeadersFrame(stream_id, data=self.encoder.encode(headers))
-        frame.flags.add("END_HEADERS")
-        if end_stream:
-            frame.flags.add("END_STREAM")
-        return frame.serialize()
-
-    async def send(self, data: bytes) -> None:
-        await self.stream.send_all(data)
-
-    async def next_frame(self) -> Frame | None:
-        """The server's next frame; None at the end of the connection."""
-        while True:
-            if len(self._buffer) >= 9:
-                frame, length = Frame.parse_frame_header(memoryview(self._buffer[:9]))
-                if len(self._buffer) >= 9 + length:
-                    frame.parse_body(memoryview(self._buffer[9 : 9 + length]))
-                    self._buffer = self._buffer[9 + length :]
-                    return frame
-            try:
-                data = await self.stream.receive_some(1 << 16)
-            except trio.BrokenResourceError:
-                return None
-            if not data:
-                return None
-            self._buffer += data
-
-    async def until(self, kind: type[Frame], stream_id: int | None = None) -> Frame:
-        while (frame := await self.next_frame()) is not None:
-            if isinstance(frame, kind) and (stream_id is None or frame.stream_id == stream_id):
-                return frame
-        raise AssertionError(f"connection ended before a {kind.__name__}")
 
 
 def trips(server: ProxyServer, limit: str) -> float:

@@ -1,0 +1,166 @@
+"""HTTP/2 abuse against a real proxy-server process at its default limits, with a real agent process:
+the server's RSS where issue 10 measured it (findings 2, 3 and 5), transfers beside the attack intact,
+the agent's tunnel kept."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import trio
+from hyperframe.frame import DataFrame, GoAwayFrame, PingFrame, RstStreamFrame
+
+from clusterproxy_protocol.core import ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR
+from clusterproxy_sdk import TLSFiles, open_tunnel
+from tests.support.h2_attacker import Attacker
+from tests.support.pki import PkiFiles
+from tests.support.procs import Hub, http_get
+from tests.support.targets import serve_echo
+
+pytestmark = pytest.mark.slow
+MiB = 1 << 20
+RSS_MARGIN_KIB = 24 * 1024  # the server's RSS after an attack: at most this above its warm baseline
+
+
+@pytest.fixture
+async def abuse_hub(pki: PkiFiles, tmp_path: Path):
+    hub = Hub(pki, tmp_path)
+    try:
+        await hub.start_server("--frame-timeout", "1s")
+        hub.start_agent("cluster1", "agent-a", "--allow", "127.0.0.0/8")
+        await hub.wait_agent("cluster1", "agent-a")
+        yield hub
+    finally:
+        hub.stop()
+
+
+def metric(hub: Hub, name: str, **labels: str) -> float:
+    _, body = http_get(f"http://127.0.0.1:{hub.admin_port}/metrics")
+    wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+    for line in body.decode().splitlines():
+        if line.startswith(wanted + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def transfer(hub: Hub, pki: PkiFiles, echo_port: int, size: int) -> bool:
+    payload = bytes(range(256)) * (size // 256)
+    got = hashlib.sha256()
+    async with open_tunnel(
+        f"127.0.0.1:{hub.client_port}",
+        TLSFiles(pki.ca, pki.client.cert, pki.client.key),
+        server_hostname="localhost",
+    ) as tunnel:
+        stream = await tunnel.connect("cluster1", "127.0.0.1", echo_port)
+
+        async def send() -> None:
+            await stream.send_all(payload)
+            await stream.send_eof()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            while data := await stream.receive_some():
+                got.update(data)
+    return got.digest() == hashlib.sha256(payload).digest()
+
+
+async def send_ignoring_close(attacker: Attacker, data: bytes) -> None:
+    try:
+        await attacker.send(data)
+    except trio.BrokenResourceError:
+        pass  # the server closed the connection while we were still sending
+
+
+async def test_attacks_are_cut_off_and_the_server_rss_comes_back(
+    abuse_hub: Hub, pki: PkiFiles, nursery: trio.Nursery
+) -> None:
+    hub = abuse_hub
+    assert hub.server is not None
+    echo_port = (await serve_echo(nursery)).port
+    counted = await serve_echo(nursery)  # the attacks' target: every dial they cause shows here
+    for _ in range(3):  # warm up: TLS, the SDK, allocator pools
+        assert await transfer(hub, pki, echo_port, 4 * MiB)
+    baseline = hub.server.rss_kib()
+    results: list[bool] = []
+    attacking = True
+
+    async def transfers_beside() -> None:
+        while attacking:
+            results.append(await transfer(hub, pki, echo_port, 2 * MiB))
+
+    nursery.start_soon(transfers_beside)
+
+    # Finding 2: rapid reset, 50,000 pairs, on 4 connections one after the other.
+    goaway_seconds = []
+    for _ in range(4):
+        attacker = await Attacker.connect(hub.client_port, pki)
+        burst = b"".join(
+            attacker.connect_frame(sid, counted.address) + RstStreamFrame(sid, error_code=8).serialize()
+            for sid in range(1, 100_000, 2)
+        )
+        started = trio.current_time()
+        async with trio.open_nursery() as flood:
+            # Read while sending: the server closes once it has said why, and a reset connection
+            # loses what was not read yet.
+            flood.start_soon(send_ignoring_close, attacker, burst)
+            with trio.fail_after(5):
+                goaway = await attacker.until(GoAwayFrame)
+            goaway_seconds.append(trio.current_time() - started)
+        assert goaway.error_code == ENHANCE_YOUR_CALM
+    after_reset = hub.server.rss_kib()
+
+    # Finding 3: PINGs whose ACKs are never read, on 4 connections, until each is closed.
+    for _ in range(4):
+        attacker = await Attacker.connect(hub.client_port, pki)
+        pings = PingFrame(0, opaque_data=b"12345678").serialize() * 10_000
+        with trio.fail_after(30):
+            try:
+                for _ in range(1000):  # 170 MB at most; the cap is 256 KiB of replies
+                    await attacker.send(pings)
+                raise AssertionError("PINGs never cut off")
+            except trio.BrokenResourceError:
+                pass
+    after_pings = hub.server.rss_kib()
+
+    # Finding 5: 8 connections announcing 16 MiB frames, 8 sending all but 10 bytes of a 64 KiB frame.
+    held = []
+    for _ in range(8):
+        attacker = await Attacker.connect(hub.client_port, pki)
+        header = ((16 << 20) - 1).to_bytes(3, "big") + bytes([0, 0]) + (1).to_bytes(4, "big")
+        await attacker.send(header + b"x" * (1 << 20))
+        with trio.fail_after(5):
+            assert (await attacker.until(GoAwayFrame)).error_code == FRAME_SIZE_ERROR
+        attacker = await Attacker.connect(hub.client_port, pki)
+        await attacker.send(attacker.connect_frame(1, counted.address))
+        await attacker.send(DataFrame(1, b"x" * 65_000).serialize()[:-10])
+        held.append(attacker)
+    started = trio.current_time()
+    for attacker in held:
+        with trio.fail_after(5):
+            assert (await attacker.until(GoAwayFrame)).error_code == ENHANCE_YOUR_CALM
+    frame_held = trio.current_time() - started
+    attacking = False
+    after_frames = hub.server.rss_kib()
+
+    print(
+        f"GOAWAY after rapid reset: {max(goaway_seconds):.3f}s at most; target dials {counted.connections}; "
+        f"half-sent frames closed within {frame_held:.2f}s; server RSS KiB baseline {baseline}, "
+        f"after rapid reset {after_reset}, after PINGs {after_pings}, after frames {after_frames}; "
+        f"transfers beside {len(results)}, failed {results.count(False)}"
+    )
+    assert all(results) and results
+    assert counted.connections <= 500 * 4  # the budget per connection, 4 connections
+    assert frame_held < 3.0
+    for rss in (after_reset, after_pings, after_frames):
+        assert rss - baseline < RSS_MARGIN_KIB, (baseline, rss)
+    assert (
+        metric(hub, "cluster_proxy_server_http2_limit_trips_total", port="client", limit="reset_budget") == 4
+    )
+    assert (
+        metric(hub, "cluster_proxy_server_http2_limit_trips_total", port="client", limit="reply_backlog") == 4
+    )
+    assert metric(hub, "cluster_proxy_server_agent_connects_total", cluster="cluster1") == 1
+    warnings = [r for r in hub.server.events() if r.get("event") == "http2_limit_exceeded"]
+    assert {r["limit"] for r in warnings} >= {"reset_budget", "reply_backlog", "frame_size", "frame_timeout"}
+    assert all(r["client"] == "test-admin" and r["peer"].startswith("127.0.0.1:") for r in warnings)
