@@ -556,6 +556,8 @@ class Mux:
                 nursery.start_soon(self._reader)
                 if self.core.settings.idle_timeout:
                     nursery.start_soon(self._close_when_idle, self.core.settings.idle_timeout)
+                if self.core.settings.frame_timeout:
+                    nursery.start_soon(self._close_on_stuck_frame, self.core.settings.frame_timeout)
                 task_status.started()
                 await self._writer()  # returns once the connection is dead
                 nursery.cancel_scope.cancel()  # handlers still running have broken streams by now
@@ -598,13 +600,19 @@ class Mux:
                 data = self.core.data_to_send()
                 self._drained_lot.unpark_all()
                 if data:
+                    written = False
                     try:
-                        with trio.move_on_after(stall_timeout) as write_scope:
+                        if stall_timeout == math.inf:  # no timer on the hot path when there is none
                             await self.transport.send_all(data)
+                            written = True
+                        else:
+                            with trio.move_on_after(stall_timeout):
+                                await self.transport.send_all(data)
+                                written = True
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                         self._die(f"write failed: {_describe(exc)}")
                         return
-                    if write_scope.cancelled_caught and not self.dead:
+                    if not written and not self.dead:
                         detail = f"peer read nothing for {stall_timeout:g}s"
                         self.report_limit(ev.LimitExceeded("stream_stall", detail))
                         self._die(f"write stalled: {detail}")
@@ -613,29 +621,33 @@ class Mux:
                     return
 
     async def _reader(self) -> None:
-        frame_timeout = self.core.settings.frame_timeout
         with self._reader_scope:
             if self._received:
                 self._dispatch(self.core.receive_bytes(self._received))
                 self._received = b""
                 self.kick()
             while not self.dead:
-                since = self.core.partial_frame_since
-                deadline = since + frame_timeout if since is not None and frame_timeout else math.inf
-                data = None
                 try:
-                    with trio.move_on_at(deadline):
-                        data = await receive_batch(self.transport, RECEIVE_SIZE)
+                    data = await receive_batch(self.transport, RECEIVE_SIZE)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                     self._die(f"read failed: {_describe(exc)}", peer_closed=True)
                     return
-                if data is None:
-                    detail = f"a frame started arriving and did not finish within {frame_timeout:g}s"
-                    self.report_limit(ev.LimitExceeded("frame_timeout", detail))
-                    self.close(detail, error_code=ENHANCE_YOUR_CALM)
-                    return
                 self._dispatch(self.core.receive_bytes(data))
                 self.kick()
+
+    async def _close_on_stuck_frame(self, timeout: float) -> None:
+        # A task of its own rather than a deadline on every read: reads are the hot path.
+        while not self.dead:
+            since = self.core.partial_frame_since
+            if since is None:
+                await trio.sleep(timeout / 4)  # a frame starting now is seen by since + timeout
+                continue
+            if trio.current_time() < since + timeout:
+                await trio.sleep_until(since + timeout)
+                continue
+            detail = f"a frame started arriving and did not finish within {timeout:g}s"
+            self.report_limit(ev.LimitExceeded("frame_timeout", detail))
+            self.close(detail, error_code=ENHANCE_YOUR_CALM)
 
     async def _close_when_idle(self, timeout: float) -> None:
         while not self.dead:
