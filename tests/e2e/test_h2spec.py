@@ -82,19 +82,10 @@ async def test_h2spec_on_the_client_port(
     binary = await trio.to_thread.run_sync(h2spec)
     relay = await start_mtls_relay(nursery, server_only.client_port, client_context(pki, alpn=["h2"]))
     junit = tmp_path / "h2spec.xml"
+    argv = [str(binary), "-h", "127.0.0.1", "-p", str(relay.port), "-o", str(CASE_TIMEOUT), "-j", str(junit)]
     with trio.fail_after(300):
         run = await trio.run_process(
-            [
-                str(binary),
-                "-h",
-                "127.0.0.1",
-                "-p",
-                str(relay.port),
-                "-o",
-                str(CASE_TIMEOUT),
-                "-j",
-                str(junit),
-            ],
+            argv,
             capture_stdout=True,
             stderr=subprocess.STDOUT,
             check=False,

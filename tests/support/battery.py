@@ -56,9 +56,10 @@ class BadInput:
 
     name: str
     port: Literal["client", "agent"]
-    attack: (
-        Attack  # returns how the server ended it ("closed", "refused: ...", "GOAWAY ..."); raises if wrong
-    )
+    # Returns how the server ended the hostile connection ("closed", "refused: ...", "GOAWAY ...") once
+    # it did, never before (one that holds a connection open waits for the server to cut it); raises
+    # when the server's answer is wrong.
+    attack: Attack
     bound: float = 5.0  # seconds until the hostile connection is answered or closed
     rss_margin_kib: int = 16 << 10  # the server's RSS after the case: at most this above the baseline
     rss_timeout: float = 10.0  # seconds for the RSS to come back
