@@ -37,7 +37,6 @@ EXPECTED_CASES = 145
 # side answers it "400 Bad Request" before closing, and h2spec wants the connection closed with
 # nothing sent ("Expected: Connection closed, Actual: Error: http2: failed reading the frame payload:
 # unexpected EOF, note that the frame header looked like an HTTP/1.1 header").
-KNOWN_FAILING = {"http2/3.5 Sends invalid connection preface"}
 CASE_TIMEOUT = 2  # h2spec's own per-case timeout, seconds (its default)
 
 
@@ -101,11 +100,6 @@ async def test_h2spec_on_the_client_port(
     assert len(report.passed) + len(report.failed) == EXPECTED_CASES, output[-3000:]
     assert server_only.server is not None and server_only.server.popen.poll() is None, "the server died"
     failures = "\n".join(f"{name}: {message}" for name, message in report.failed.items())
-    # Strict, like xfail(strict=True) (whose raises= cannot see through trio's exception groups): only
-    # the known cases may fail, and once they pass KNOWN_FAILING must be emptied.
-    assert set(report.failed) <= KNOWN_FAILING, f"h2spec failures:\n{failures}"
-    assert set(report.failed) == KNOWN_FAILING, f"now passing, remove from KNOWN_FAILING: {KNOWN_FAILING}"
-    if report.failed:
-        pytest.xfail(f"h2spec, the known failures only:\n{failures}")
+    assert not report.failed, f"h2spec failures:\n{failures}"
     assert len(report.passed) == EXPECTED_CASES
     assert run.returncode == 0, output[-3000:]

@@ -15,6 +15,7 @@ from cryptography import x509
 
 from clusterproxy_protocol.admin import serve_admin
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
+from clusterproxy_protocol.closing import close_cleanly
 from clusterproxy_protocol.driver import limit_reporter
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.pki import CertRole
@@ -178,6 +179,17 @@ class ProxyServer:
             return
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await trio.aclose_forcefully(stream)
+            return
+        if protocol == "unknown":
+            self.metrics.rejected.labels("client", "unknown protocol").inc()
+            self.log.info(
+                "client_protocol_unknown",
+                peer=peer,
+                client=client.name,
+                error="neither the HTTP/2 preface nor an HTTP/1.1 request line: closed without a reply",
+                first_bytes=received[:32].hex(),
+            )
+            await close_cleanly(stream)
             return
         on_limit = limit_reporter(
             self.log,
