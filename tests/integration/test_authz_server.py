@@ -15,8 +15,9 @@ from clusterproxy_agent.main import AgentSettings, Service
 from clusterproxy_protocol.pki import DevCA, PemPair
 from clusterproxy_protocol.tls import client_context
 from clusterproxy_sdk import Forbidden, open_tunnel
-from clusterproxy_server.app import ProxyServer, ServerConfig
+from clusterproxy_server.app import ProxyServer
 from tests.support.clients import h1_connect
+from tests.support.inprocess import start_server
 from tests.support.pki import PkiFiles
 from tests.support.targets import serve_echo
 from tests.support.waiting import wait_until
@@ -51,18 +52,7 @@ class Clients:
 async def start_hub(
     nursery: trio.Nursery, pki: PkiFiles, policy: Path | None
 ) -> tuple[ProxyServer, int, int]:
-    server = ProxyServer(
-        ServerConfig(
-            ca=pki.ca,
-            cert=pki.server.cert,
-            key=pki.server.key,
-            agent_listen=("127.0.0.1", 0),
-            client_listen=("127.0.0.1", 0),
-            admin_listen=("127.0.0.1", 0),
-            client_policy=policy,
-        )
-    )
-    bound = await nursery.start(server.run)
+    server, bound = await start_server(nursery, pki, client_policy=policy)
     for cluster in ("cluster1", "cluster2"):
         pair = pki.agent(cluster, "agent-a")
         settings = AgentSettings(

@@ -33,31 +33,15 @@ from clusterproxy_protocol.errors import (
 from clusterproxy_protocol.pki import DevCA
 from clusterproxy_protocol.wire import CLUSTER_HEADER, FAULT_HEADER, FAULT_TARGET
 from clusterproxy_sdk import TLSFiles, open_tunnel
-from clusterproxy_server.app import ProxyServer, ServerConfig
+from clusterproxy_server.app import ProxyServer
 from clusterproxy_server.ejection import EjectionPolicy
 from clusterproxy_server.relaying import agent_fault
 from tests.support.clients import client_context, h1_connect
+from tests.support.inprocess import start_server
 from tests.support.pki import PkiFiles
 from tests.support.rogue_agent import Behaviour, RogueAgent, start_real_agent
 from tests.support.targets import Blackhole, closed_port, serve_echo
 from tests.support.waiting import wait_until
-
-
-async def start_server(
-    nursery: trio.Nursery, pki: PkiFiles, **overrides: object
-) -> tuple[ProxyServer, object]:
-    config = ServerConfig(
-        ca=pki.ca,
-        cert=pki.server.cert,
-        key=pki.server.key,
-        agent_listen=("127.0.0.1", 0),
-        client_listen=("127.0.0.1", 0),
-        admin_listen=("127.0.0.1", 0),
-        **overrides,  # type: ignore[arg-type]
-    )
-    server = ProxyServer(config)
-    bound = await nursery.start(server.run)
-    return server, bound
 
 
 def client_files(pki: PkiFiles) -> TLSFiles:

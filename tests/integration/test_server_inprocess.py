@@ -18,26 +18,11 @@ from clusterproxy_protocol.driver import IncomingRequest, open_mux
 from clusterproxy_protocol.errors import NoAgentConnected, UnknownCluster
 from clusterproxy_protocol.relay import relay
 from clusterproxy_sdk import TLSFiles, open_tunnel
-from clusterproxy_server.app import ProxyServer, ServerConfig
 from tests.support.clients import client_context, h1_connect
+from tests.support.inprocess import start_server
 from tests.support.pki import PkiFiles
 from tests.support.targets import serve_echo
 from tests.support.waiting import wait_until
-
-
-async def start_server(nursery: trio.Nursery, pki: PkiFiles, **overrides) -> tuple[ProxyServer, object]:
-    config = ServerConfig(
-        ca=pki.ca,
-        cert=pki.server.cert,
-        key=pki.server.key,
-        agent_listen=("127.0.0.1", 0),
-        client_listen=("127.0.0.1", 0),
-        admin_listen=("127.0.0.1", 0),
-        **overrides,
-    )
-    server = ProxyServer(config)
-    bound = await nursery.start(server.run)
-    return server, bound
 
 
 async def run_wire_agent(
