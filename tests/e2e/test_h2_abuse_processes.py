@@ -9,11 +9,18 @@ from pathlib import Path
 
 import pytest
 import trio
-from hyperframe.frame import DataFrame, GoAwayFrame, PingFrame, RstStreamFrame
+from hyperframe.frame import GoAwayFrame
 
 from clusterproxy_protocol.core import ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from tests.support.h2_attacker import Attacker
+from tests.support.h2_attacks import (
+    flood_until_goaway,
+    oversized_frame_start,
+    ping_until_closed,
+    rapid_reset_burst,
+    send_half_frame,
+)
 from tests.support.pki import PkiFiles
 from tests.support.procs import Hub, http_get
 from tests.support.targets import serve_echo
@@ -65,13 +72,6 @@ async def transfer(hub: Hub, pki: PkiFiles, echo_port: int, size: int) -> bool:
     return got.digest() == hashlib.sha256(payload).digest()
 
 
-async def send_ignoring_close(attacker: Attacker, data: bytes) -> None:
-    try:
-        await attacker.send(data)
-    except trio.BrokenResourceError:
-        pass  # the server closed the connection while we were still sending
-
-
 async def test_attacks_are_cut_off_and_the_server_rss_comes_back(
     abuse_hub: Hub, pki: PkiFiles, nursery: trio.Nursery
 ) -> None:
@@ -95,45 +95,30 @@ async def test_attacks_are_cut_off_and_the_server_rss_comes_back(
     goaway_seconds = []
     for _ in range(4):
         attacker = await Attacker.connect(hub.client_port, pki)
-        burst = b"".join(
-            attacker.connect_frame(sid, counted.address) + RstStreamFrame(sid, error_code=8).serialize()
-            for sid in range(1, 100_000, 2)
-        )
+        burst = rapid_reset_burst(attacker, counted.address)
         started = trio.current_time()
-        async with trio.open_nursery() as flood:
-            # Read while sending: the server closes once it has said why, and a reset connection
-            # loses what was not read yet.
-            flood.start_soon(send_ignoring_close, attacker, burst)
-            with trio.fail_after(5):
-                goaway = await attacker.until(GoAwayFrame)
-            goaway_seconds.append(trio.current_time() - started)
+        with trio.fail_after(5):
+            goaway = await flood_until_goaway(attacker, burst)
+        goaway_seconds.append(trio.current_time() - started)
         assert goaway.error_code == ENHANCE_YOUR_CALM
     after_reset = hub.server.rss_kib()
 
     # Finding 3: PINGs whose ACKs are never read, on 4 connections, until each is closed.
     for _ in range(4):
         attacker = await Attacker.connect(hub.client_port, pki)
-        pings = PingFrame(0, opaque_data=b"12345678").serialize() * 10_000
         with trio.fail_after(30):
-            try:
-                for _ in range(1000):  # 170 MB at most; the cap is 256 KiB of replies
-                    await attacker.send(pings)
-                raise AssertionError("PINGs never cut off")
-            except trio.BrokenResourceError:
-                pass
+            await ping_until_closed(attacker)  # 200 MB at most; the cap is 256 KiB of replies
     after_pings = hub.server.rss_kib()
 
     # Finding 5: 8 connections announcing 16 MiB frames, 8 sending all but 10 bytes of a 64 KiB frame.
     held = []
     for _ in range(8):
         attacker = await Attacker.connect(hub.client_port, pki)
-        header = ((16 << 20) - 1).to_bytes(3, "big") + bytes([0, 0]) + (1).to_bytes(4, "big")
-        await attacker.send(header + b"x" * (1 << 20))
+        await attacker.send(oversized_frame_start())
         with trio.fail_after(5):
             assert (await attacker.until(GoAwayFrame)).error_code == FRAME_SIZE_ERROR
         attacker = await Attacker.connect(hub.client_port, pki)
-        await attacker.send(attacker.connect_frame(1, counted.address))
-        await attacker.send(DataFrame(1, b"x" * 65_000).serialize()[:-10])
+        await send_half_frame(attacker, counted.address, size=65_000)
         held.append(attacker)
     started = trio.current_time()
     for attacker in held:

@@ -7,23 +7,24 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-import hpack
 import trio
-from hyperframe.frame import (
-    DataFrame,
-    GoAwayFrame,
-    HeadersFrame,
-    PingFrame,
-    RstStreamFrame,
-    SettingsFrame,
-    WindowUpdateFrame,
-)
+from hyperframe.frame import DataFrame, GoAwayFrame, PingFrame, RstStreamFrame, SettingsFrame
 
 from clusterproxy_protocol.core import ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR, NO_ERROR, REFUSED_STREAM
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from clusterproxy_server.app import ProxyServer, ServerConfig
 from clusterproxy_server.config import CLIENT_TUNNEL
 from tests.support.h2_attacker import Attacker
+from tests.support.h2_attacks import (
+    flood_until_goaway,
+    oversized_frame_start,
+    ping_until_closed,
+    rapid_reset_burst,
+    refusal_through_tiny_window,
+    resets_of,
+    send_half_frame,
+    stall_streams,
+)
 from tests.support.pki import PkiFiles
 from tests.support.rogue_agent import start_real_agent
 from tests.support.targets import serve_echo
@@ -86,10 +87,7 @@ async def test_rapid_reset_gets_goaway_and_dials_nothing_while_others_transfer(
     tunnel_before = server.registry.tunnels("cluster1")[0].mux
     counted = await serve_echo(nursery)  # the attack's own target: every dial shows here
     attacker = await Attacker.connect(port, pki)
-    burst = b"".join(
-        attacker.connect_frame(sid, counted.address) + RstStreamFrame(sid, error_code=8).serialize()
-        for sid in range(1, 100_000, 2)
-    )
+    burst = rapid_reset_burst(attacker, counted.address)
     transfer_done = trio.Event()
 
     async def transfer() -> None:
@@ -98,16 +96,8 @@ async def test_rapid_reset_gets_goaway_and_dials_nothing_while_others_transfer(
 
     nursery.start_soon(transfer)
     started = trio.current_time()
-
-    async def flood() -> None:
-        try:
-            await attacker.send(burst)
-        except trio.BrokenResourceError:
-            pass  # the server closed the connection while we were still sending
-
-    nursery.start_soon(flood)
     with trio.fail_after(2):
-        goaway = await attacker.until(GoAwayFrame)
+        goaway = await flood_until_goaway(attacker, burst)
     elapsed = trio.current_time() - started
     assert goaway.error_code == ENHANCE_YOUR_CALM
     assert b"reset" in goaway.additional_data
@@ -152,17 +142,9 @@ async def test_unread_ping_acks_close_the_connection(nursery: trio.Nursery, pki:
     """Finding 3: PINGs from a client that never reads its ACKs close the connection at the cap."""
     server, port, _ = await start(nursery, pki, max_reply_backlog=64 << 10)
     attacker = await Attacker.connect(port, pki)
-    pings = PingFrame(0, opaque_data=b"12345678").serialize() * 10_000  # 170 KB, 170 KB of ACKs
-    sent = 0
     with trio.fail_after(20):
-        try:
-            while sent < 200 << 20:
-                await attacker.send(pings)
-                sent += len(pings)
-        except trio.BrokenResourceError:
-            pass
+        sent = await ping_until_closed(attacker)
     print(f"unread PINGs: closed after {sent >> 10} KiB of PINGs")
-    assert sent < 200 << 20, "the server never closed the connection"
     assert trips(server, "reply_backlog") == 1
 
 
@@ -173,10 +155,8 @@ async def test_a_half_sent_frame_closes_the_connection_at_the_deadline(
     and a 16 MiB frame is refused at its header."""
     server, port, echo_port = await start(nursery, pki, frame_timeout=0.5)
     attacker = await Attacker.connect(port, pki)
-    await attacker.send(attacker.connect_frame(1, f"127.0.0.1:{echo_port}"))
-    frame = DataFrame(1, b"x" * 60_000).serialize()
     started = trio.current_time()
-    await attacker.send(frame[:-10])
+    await send_half_frame(attacker, f"127.0.0.1:{echo_port}")
     with trio.fail_after(5):
         goaway = await attacker.until(GoAwayFrame)
     held = trio.current_time() - started
@@ -185,8 +165,7 @@ async def test_a_half_sent_frame_closes_the_connection_at_the_deadline(
     assert trips(server, "frame_timeout") == 1
 
     attacker = await Attacker.connect(port, pki)
-    header = ((16 << 20) - 1).to_bytes(3, "big") + bytes([0, 0]) + (1).to_bytes(4, "big")
-    await attacker.send(header + b"x" * 1000)
+    await attacker.send(oversized_frame_start(sent=1000))
     with trio.fail_after(2):
         goaway = await attacker.until(GoAwayFrame)
     assert goaway.error_code == FRAME_SIZE_ERROR
@@ -200,15 +179,10 @@ async def test_stalled_streams_are_reset_after_the_stall_timeout(
     server, port, echo_port = await start(nursery, pki, stall_timeout=0.5)
     attacker = await Attacker.connect(port, pki, _4=0)  # SETTINGS_INITIAL_WINDOW_SIZE 0
     sids = list(range(1, 16, 2))
-    for sid in sids:
-        await attacker.send(attacker.connect_frame(sid, f"127.0.0.1:{echo_port}"))
-        await attacker.send(DataFrame(sid, b"e" * 1000).serialize())
+    await stall_streams(attacker, f"127.0.0.1:{echo_port}", sids)
     started = trio.current_time()
-    reset: set[int] = set()
     with trio.fail_after(5):
-        while reset != set(sids):
-            frame = await attacker.until(RstStreamFrame)
-            reset.add(frame.stream_id)
+        await resets_of(attacker, sids)
     print(f"stalled streams: {len(sids)} reset after {trio.current_time() - started:.2f}s")
     assert trips(server, "stream_stall") == len(sids)
     await wait_until(lambda: server.open_relays == 0, what="the relays to end")
@@ -224,27 +198,12 @@ async def test_a_refusal_into_a_tiny_window_waits_for_window(nursery: trio.Nurse
     when the window opens: never a short body with END_STREAM."""
     _, port, _ = await start(nursery, pki)
     attacker = await Attacker.connect(port, pki, _4=3)
-    await attacker.send(attacker.connect_frame(1, "not a target"))
-    decoder = hpack.Decoder()
-    with trio.fail_after(5):
-        head = await attacker.until(HeadersFrame, 1)
-    fields = dict(decoder.decode(head.data))
-    length = int(fields["content-length"])
-    assert length > 3 and int(fields[":status"]) >= 400
-    body = b""
-    with trio.fail_after(5):
-        first = await attacker.until(DataFrame, 1)
-    body += first.data
-    assert body == first.data and len(body) == 3 and "END_STREAM" not in first.flags
-    await attacker.send(WindowUpdateFrame(1, window_increment=1 << 16).serialize())
-    with trio.fail_after(5):
-        while True:
-            frame = await attacker.until(DataFrame, 1)
-            body += frame.data
-            if "END_STREAM" in frame.flags:
-                break
-    assert len(body) == length
-    assert body.decode().strip() == fields["cluster-proxy-reason"]
+    with trio.fail_after(10):
+        refusal = await refusal_through_tiny_window(attacker)
+    assert refusal.length > 3 and int(refusal.fields[":status"]) >= 400
+    assert len(refusal.first_chunk) == 3 and not refusal.first_ended
+    assert len(refusal.body) == refusal.length
+    assert refusal.body.decode().strip() == refusal.fields["cluster-proxy-reason"]
 
 
 async def test_an_idle_client_connection_is_closed(nursery: trio.Nursery, pki: PkiFiles) -> None:

@@ -7,8 +7,9 @@ import hpack
 import trio
 from hyperframe.frame import Frame, HeadersFrame, SettingsFrame
 
+from clusterproxy_protocol import tls
 from clusterproxy_protocol.core import PREFACE
-from tests.support.clients import client_context
+from clusterproxy_protocol.pki import PemPair
 from tests.support.pki import PkiFiles
 
 
@@ -21,14 +22,34 @@ class Attacker:
         self._buffer = b""
 
     @classmethod
-    async def connect(cls, port: int, pki: PkiFiles, **settings: int) -> Attacker:
+    async def connect(
+        cls,
+        port: int,
+        pki: PkiFiles,
+        *,
+        certificate: PemPair | None = None,
+        preface: bool = True,
+        **settings: int,
+    ) -> Attacker:
+        """An attacker with a finished TLS handshake to ``port``, presenting ``certificate`` (the hub
+        client certificate unless given: an agent's, say, to try roles); with ``preface``, the HTTP/2
+        preface and a SETTINGS frame of ``settings`` (``_4=0``: SETTINGS_INITIAL_WINDOW_SIZE 0) sent."""
+        pair = certificate or pki.client
+        context = tls.client_context(pair.cert, pair.key, pki.ca, alpn=["h2"])
         tcp = await trio.open_tcp_stream("127.0.0.1", port)
-        stream = trio.SSLStream(tcp, client_context(pki, alpn=["h2"]), server_hostname="localhost")
+        stream = trio.SSLStream(tcp, context, server_hostname="localhost")
         await stream.do_handshake()
         attacker = cls(stream)
-        codes = {int(name[1:]): value for name, value in settings.items()}
-        await attacker.send(PREFACE + SettingsFrame(0, settings=codes).serialize())
+        if preface:
+            codes = {int(name[1:]): value for name, value in settings.items()}
+            await attacker.send(PREFACE + SettingsFrame(0, settings=codes).serialize())
         return attacker
+
+    @property
+    def local_address(self) -> str:
+        """``127.0.0.1:PORT``, the ``peer`` the server logs for this connection."""
+        host, port = self.stream.transport_stream.socket.getsockname()[:2]
+        return f"{host}:{port}"
 
     def connect_frame(self, stream_id: int, authority: str, *, end_stream: bool = False) -> bytes:
         headers = [(":method", "CONNECT"), (":authority", authority), ("cluster-proxy-cluster", "cluster1")]
@@ -40,6 +61,9 @@ class Attacker:
 
     async def send(self, data: bytes) -> None:
         await self.stream.send_all(data)
+
+    async def aclose(self) -> None:
+        await trio.aclose_forcefully(self.stream)
 
     async def next_frame(self) -> Frame | None:
         """The server's next frame; None at the end of the connection."""
