@@ -27,6 +27,7 @@ import trio
 from clusterproxy_protocol import tls
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from tests.support import require
+from tests.support.gopeers import go_peer
 from tests.support.pki import PkiFiles
 from tests.support.procs import Hub
 from tests.support.targets import Target, pattern, pattern_digest, serve
@@ -87,15 +88,20 @@ async def serve_download(nursery: trio.Nursery, token: str, size: int) -> Target
     return await serve(nursery, answer)
 
 
-async def serve_endless_download(nursery: trio.Nursery, size: int, stop: trio.Event) -> Target:
+async def serve_endless_download(
+    nursery: trio.Nursery, size: int, stop: trio.Event, all_sent: list[None] | None = None
+) -> Target:
     """Like :func:`serve_download`, but after ``size`` bytes it neither sends nor closes until
-    ``stop``: a download in flight, with no end of its own to reach."""
+    ``stop``: a download in flight, with no end of its own to reach. ``all_sent`` gets an entry for
+    each download whose ``size`` bytes went out."""
 
     async def answer(stream: trio.SocketStream, target: Target) -> None:
         await _read_request_head(stream)
         await stream.send_all(HEAD)
         for chunk in pattern("endless", size):
             await stream.send_all(chunk)
+        if all_sent is not None:
+            all_sent.append(None)
         await stop.wait()
 
     return await serve(nursery, answer)
@@ -184,6 +190,29 @@ async def test_http1_connect_download_ends_with_close_notify(
     assert hashlib.sha256(data[len(HEAD) :]).hexdigest() == pattern_digest("clean-end", size)
 
 
+async def test_go_forward_request_through_the_https_proxy_downloads_whole(
+    hub: Hub, pki: PkiFiles, nursery: trio.Nursery
+) -> None:
+    """Go's net/http fetching an http:// URL through the https:// proxy sends the request itself to the
+    proxy (no CONNECT), after offering ALPN h2 and http/1.1; with h2 chosen it refused to go on
+    ("http2: unencrypted HTTP/2 not enabled"). The end of the close-delimited body is the proxy's
+    clean close."""
+    proxyget = await trio.to_thread.run_sync(go_peer, "proxyget")
+    size = 8 * MiB
+    target = await serve_download(nursery, "go-forward", size)
+    argv = [
+        str(proxyget),
+        *("-proxy", f"https://cluster1@127.0.0.1:{hub.client_port}"),
+        *("-url", f"http://{target.address}/file"),
+        *("-ca", str(pki.ca), "-cert", str(pki.client.cert), "-key", str(pki.client.key)),
+    ]
+    result = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+    assert result.returncode == 0, result.stderr.decode()
+    answer = json.loads(result.stdout)
+    assert (answer["status"], answer["bytes"]) == (200, size)
+    assert answer["sha256"] == pattern_digest("go-forward", size)
+
+
 async def test_http1_refusal_ends_with_close_notify(hub: Hub, pki: PkiFiles) -> None:
     answer, rest, stream = await strict_connect(hub, pki, "127.0.0.1:80", "no-such-cluster")
     assert answer.startswith(b"HTTP/1.1 404"), answer
@@ -233,16 +262,29 @@ async def test_proxy_server_killed_mid_transfer_is_an_error_for_every_client(
     own_hub: Hub, pki: PkiFiles, nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     require(shutil.which("curl") is not None, "the curl binary")
+    proxyget = await trio.to_thread.run_sync(go_peer, "proxyget")
     hub = own_hub
     stop = trio.Event()
     sent = 2 * MiB  # then the target goes quiet: every download is in flight when the hub dies
-    target = await serve_endless_download(nursery, sent, stop)
+    all_sent: list[None] = []
+    target = await serve_endless_download(nursery, sent, stop, all_sent)
     outcomes: dict[str, str] = {}
     received: dict[str, int] = {}
 
     output = tmp_path / "curl-download"
     curl = await trio.lowlevel.open_process(
         curl_argv(hub, pki, f"http://{target.address}/file", output), stderr=subprocess.PIPE
+    )
+    # Go's net/http, as kubectl and client-go use it: a forward request over the HTTPS proxy.
+    go_client = await trio.lowlevel.open_process(
+        [
+            str(proxyget),
+            *("-proxy", f"https://cluster1@127.0.0.1:{hub.client_port}"),
+            *("-url", f"http://{target.address}/file"),
+            *("-ca", str(pki.ca), "-cert", str(pki.client.cert), "-key", str(pki.client.key)),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
 
     async def sdk_download() -> None:
@@ -283,6 +325,7 @@ async def test_proxy_server_killed_mid_transfer_is_an_error_for_every_client(
                 and received.get("port-forward", 0) >= whole
                 and output.exists()
                 and output.stat().st_size >= sent - (64 << 10)
+                and len(all_sent) == 4  # curl, the SDK, port-forward and the Go client
             ),  # curl's stdio buffer may hold the rest
             timeout=30,
             what="every download in flight",
@@ -291,11 +334,13 @@ async def test_proxy_server_killed_mid_transfer_is_an_error_for_every_client(
         hub.server.kill(signal.SIGKILL)
         with trio.fail_after(15):
             curl_code = await curl.wait()
+            go_code = await go_client.wait()
         await wait_until(lambda: len(outcomes) == 2, timeout=15, what="the SDK and port-forward outcomes")
     finally:
         stop.set()
-        if curl.returncode is None:
-            curl.kill()
+        for process in (curl, go_client):
+            if process.returncode is None:
+                process.kill()
         port_forward.send_signal(signal.SIGTERM)
         with trio.fail_after(10):
             await port_forward.wait()
@@ -303,6 +348,11 @@ async def test_proxy_server_killed_mid_transfer_is_an_error_for_every_client(
     curl_error = (await curl.stderr.receive_some(65536)).decode()
     print(f"\ncurl exit {curl_code}: {curl_error.strip()}\noutcomes: {outcomes}")
     assert curl_code != 0, "curl took the dead hub's end for a complete download"
+    assert go_client.stderr is not None and go_client.stdout is not None
+    go_error = (await go_client.stderr.receive_some(65536)).decode()
+    print(f"Go net/http exit {go_code}: {go_error.strip()}")
+    assert go_code != 0, "Go's net/http took the dead hub's end for a complete download"
+    assert "connection reset by peer" in go_error, go_error
     assert outcomes["sdk"].startswith("error: tunnel connection lost"), outcomes
     assert outcomes["port-forward"] == f"error: {ConnectionResetError(104, 'Connection reset by peer')!r}"
     closed = [

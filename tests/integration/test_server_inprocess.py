@@ -10,6 +10,7 @@ import functools
 import hashlib
 import json
 
+import pytest
 import trio
 
 from clusterproxy_protocol import tls
@@ -149,8 +150,13 @@ async def test_client_connection_closing_ends_its_open_streams(nursery: trio.Nur
     await wait_until(lambda: tunnel.mux.open_streams == 0)
 
 
-async def test_http1_connect_is_served_when_alpn_chose_h2(nursery: trio.Nursery, pki: PkiFiles) -> None:
-    """Go's transport (kubectl's ``proxy-url``) offers ALPN h2 to the proxy, then speaks HTTP/1.1."""
+@pytest.mark.parametrize(("offered", "selected"), [(["h2", "http/1.1"], "http/1.1"), (["h2"], "h2")])
+async def test_http1_connect_is_served_whatever_alpn_chose(
+    nursery: trio.Nursery, pki: PkiFiles, offered: list[str], selected: str
+) -> None:
+    """Go's transport (kubectl's ``proxy-url``) offers ALPN h2 and http/1.1 to the proxy, then speaks
+    HTTP/1.1: the server prefers http/1.1 when both are offered, and serves HTTP/1.1 even after
+    choosing h2."""
     server, bound = await start_server(nursery, pki)
     echo_port = (await serve_echo(nursery)).port
     nursery.start_soon(run_wire_agent, bound.agent[1], pki, "cluster1", "agent-a")
@@ -158,12 +164,12 @@ async def test_http1_connect_is_served_when_alpn_chose_h2(nursery: trio.Nursery,
 
     reply = await h1_connect(
         bound.client[1],
-        client_context(pki, alpn=["h2", "http/1.1"]),
+        client_context(pki, alpn=offered),
         f"127.0.0.1:{echo_port}",
         {"proxy-authorization": "Basic " + base64.b64encode(b"cluster1:").decode()},
     )
     assert reply.status == 200 and reply.stream is not None, reply.head
-    assert reply.stream.selected_alpn_protocol() == "h2"
+    assert reply.stream.selected_alpn_protocol() == selected
     payload = bytes(range(256)) * 64
     await reply.stream.send_all(payload)
     echoed = b""

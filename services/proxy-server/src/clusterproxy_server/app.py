@@ -55,8 +55,12 @@ class ProxyServer:
         # Read at each handshake: a renewed certificate or a changed trust bundle applies to new
         # connections only; live tunnels and streams keep the session they have.
         self._agent_tls = ReloadingContext.server(config.cert, config.key, config.ca, alpn=[ALPN_H2])
+        # http/1.1 first (OpenSSL picks by the server's order): a client that offers both can speak
+        # either, and Go's transport, offering both, speaks HTTP/1.1 to a proxy whatever ALPN says;
+        # for a forward request (an http:// URL) it even refuses an h2 answer. The first bytes
+        # decide the protocol anyway (frontends/sniff.py); ALPN h2 goes to clients offering only h2.
         self._client_tls = ReloadingContext.server(
-            config.cert, config.key, config.ca, alpn=[ALPN_H2, ALPN_HTTP1]
+            config.cert, config.key, config.ca, alpn=[ALPN_HTTP1, ALPN_H2]
         )
         self.policy = PolicyFile(config.client_policy) if config.client_policy is not None else None
         self.renewer: CertRenewer | None = None
