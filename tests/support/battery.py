@@ -36,6 +36,8 @@ BESIDE_DOWN = 8 << 20  # the long stream beside the attack: bytes from the targe
 BESIDE_UP = 1 << 20  # and toward it
 FRESH_AFTER = 2  # fresh transfers that must complete after the attack started
 LONG_STREAM_DEADLINE = 60.0  # seconds for the whole long stream, attack included
+TRICKLE = 1 << 10  # the long stream's upload during the attack: this many bytes ...
+TRICKLE_INTERVAL = 0.1  # ... every this many seconds
 WARM_UP = 4  # fresh transfers before the baseline: TLS, the SDK and allocator pools warmed
 
 
@@ -45,6 +47,20 @@ class AttackContext:
     pki: PkiFiles
     port: int  # the port the case hits
     target: Target  # an echo service reachable in CLUSTER: the CONNECTs an attack opens go here
+
+    def server_events(self, event: str, **match: object) -> list[dict[str, object]]:
+        """The server's log records of ``event`` whose fields include ``match``."""
+        assert self.hub.server is not None
+        records = self.hub.server.events()
+        return [
+            r for r in records if r.get("event") == event and all(r.get(k) == v for k, v in match.items())
+        ]
+
+    async def server_event(self, event: str, **match: object) -> dict[str, object]:
+        """The server's log record of ``event`` with ``match`` (say the attacker's ``peer``), waited for
+        briefly: the server writes it before it answers, so it is there by the time the answer is."""
+        assert self.hub.server is not None
+        return await self.hub.server.wait_event(event, timeout=5, **match)
 
 
 Attack = Callable[[AttackContext], Awaitable[str]]
@@ -92,7 +108,9 @@ async def _tunnels(hub: Hub) -> set[tuple[str, str, str]]:
 
 class LongStream:
     """An SDK stream to a digest target, mid-transfer for the whole attack: it reads half of the
-    download before the attack ends, then waits for the end of the attack to read the rest."""
+    download before the attack ends, then waits for the end of the attack to read the rest. Its upload
+    goes on slowly meanwhile (TRICKLE bytes every TRICKLE_INTERVAL): a slow client, not a stalled one,
+    which the server's stall timeout (shorter than some attacks in the battery) must leave alone."""
 
     def __init__(self, hub: Hub, pki: PkiFiles, target: Target, token: str) -> None:
         self.hub, self.pki, self.target, self.token = hub, pki, target, token
@@ -112,9 +130,14 @@ class LongStream:
                     await stream.send_all(f"{self.token} {BESIDE_DOWN}\n".encode())
 
                     async def upload() -> None:
-                        await stream.send_all(self.upload[: BESIDE_UP // 2])
-                        await self.attack_over.wait()
-                        await stream.send_all(self.upload[BESIDE_UP // 2 :])
+                        sent = BESIDE_UP // 2
+                        await stream.send_all(self.upload[:sent])
+                        while not self.attack_over.is_set() and sent < BESIDE_UP - TRICKLE:
+                            await stream.send_all(self.upload[sent : sent + TRICKLE])
+                            sent += TRICKLE
+                            with trio.move_on_after(TRICKLE_INTERVAL):
+                                await self.attack_over.wait()
+                        await stream.send_all(self.upload[sent:])
                         await stream.send_eof()
 
                     async def download() -> None:

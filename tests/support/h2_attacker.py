@@ -18,6 +18,8 @@ class Attacker:
 
     def __init__(self, stream: trio.SSLStream) -> None:
         self.stream = stream
+        host, port = stream.transport_stream.socket.getsockname()[:2]
+        self.local_address = f"{host}:{port}"  # the ``peer`` the server logs for this connection
         self.encoder = hpack.Encoder()
         self._buffer = b""
 
@@ -44,12 +46,6 @@ class Attacker:
             codes = {int(name[1:]): value for name, value in settings.items()}
             await attacker.send(PREFACE + SettingsFrame(0, settings=codes).serialize())
         return attacker
-
-    @property
-    def local_address(self) -> str:
-        """``127.0.0.1:PORT``, the ``peer`` the server logs for this connection."""
-        host, port = self.stream.transport_stream.socket.getsockname()[:2]
-        return f"{host}:{port}"
 
     def connect_frame(self, stream_id: int, authority: str, *, end_stream: bool = False) -> bytes:
         headers = [(":method", "CONNECT"), (":authority", authority), ("cluster-proxy-cluster", "cluster1")]
