@@ -27,6 +27,7 @@ from clusterproxy_certsigner.filestore import FileStore
 from clusterproxy_certsigner.rotation import status
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles
+from clusterproxy_protocol.core import PREFACE as H2_PREFACE
 from clusterproxy_protocol.reloader import ReloadingContext
 from clusterproxy_protocol.tls import client_context
 from tests.support.certs import count_events
@@ -284,6 +285,43 @@ class FreshConnections:
 
 
 @dataclass
+class AgentPortHandshakes(FreshConnections):
+    """A fresh TLS connection to the agent port with the agent's credentials every ``interval``: the
+    proxy-server must accept the agent's certificate of the moment (its role and its CA) and start
+    HTTP/2 toward it (its connection preface proves it); the probe then leaves without registering.
+    (Agent certificates are refused on the client port: they carry the agent role.)"""
+
+    agent_port: int = 0
+
+    async def _once(self, started: float) -> None:
+        self.attempts += 1
+        self.starts.append(started)
+        try:
+            with trio.fail_after(10):
+                tcp = await trio.open_tcp_stream("127.0.0.1", self.agent_port)
+                stream = trio.SSLStream(tcp, self.context(), server_hostname="localhost")
+                try:
+                    await stream.do_handshake()
+                    der = stream.getpeercert(binary_form=True)
+                    received = b""
+                    while len(received) < len(H2_PREFACE):
+                        chunk = await stream.receive_some(len(H2_PREFACE) - len(received))
+                        if not chunk:
+                            raise AssertionError(f"the agent port closed after {received!r}")
+                        received += chunk
+                    if received != H2_PREFACE:
+                        raise AssertionError(f"no HTTP/2 preface from the agent port: {received!r}")
+                finally:
+                    await trio.aclose_forcefully(stream)
+        except Exception as exc:  # every failure is counted and kept, never raised
+            self.failures.append(f"{self.name} at {started:.2f}: {type(exc).__name__}: {exc}")
+            return
+        self.ok += 1
+        issuer = x509.load_der_x509_certificate(der).issuer.rfc4514_string()
+        self.server_issuers.append((started, issuer))
+
+
+@dataclass
 class DayLongRotation:
     """What a rotation with day-long leaves measured: the steps' durations, the probes, the report."""
 
@@ -324,10 +362,11 @@ async def rotate_day_long_leaves(
         parties = [run.hub.files["proxy-server"], agent_files, run.client.files]
         probes = [
             FreshConnections("client", run.traffic, run.client.h1),
-            FreshConnections(
+            AgentPortHandshakes(
                 "agent-credentials",
                 run.traffic,
-                lambda: client_context(agent_files.cert, agent_files.key, agent_files.ca, alpn=["http/1.1"]),
+                lambda: client_context(agent_files.cert, agent_files.key, agent_files.ca, alpn=["h2"]),
+                agent_port=run.hub.agent_port,
             ),
         ]
         old_ca = store.read_authorities().active

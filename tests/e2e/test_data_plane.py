@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 
@@ -113,9 +114,14 @@ async def test_1000_concurrent_streams_over_one_tunnel(
     all_open = trio.Event()
     release = trio.Event()
 
+    # A client keeps under the server's --max-pending-dials-per-connection (128): opening is paced,
+    # being open is not.
+    dialing = [trio.CapacityLimiter(100) for _ in range(4)]
+
     async def one(tunnel, i: int) -> None:
         nonlocal started
-        stream = await tunnel.connect("cluster1", target.host, target.port)
+        async with dialing[i % 4]:
+            stream = await tunnel.connect("cluster1", target.host, target.port)
         started += 1
         if started == 1000:
             all_open.set()
@@ -130,15 +136,27 @@ async def test_1000_concurrent_streams_over_one_tunnel(
         assert hashlib.sha256(data).hexdigest() == pattern_digest(token, 4096)
         assert target.received[token] == pattern_digest(token + "-up", 4096)
 
-    async with open_tunnel(
-        f"127.0.0.1:{hub.client_port}", tls_files(pki), server_hostname="localhost"
-    ) as tunnel:
+    # The client port allows 256 streams per connection (--client-max-streams): four SDK connections
+    # of 250 streams each, all 1,000 on the one agent tunnel of cluster1 at the same time.
+    async with contextlib.AsyncExitStack() as connections:
+        tunnels = [
+            await connections.enter_async_context(
+                open_tunnel(f"127.0.0.1:{hub.client_port}", tls_files(pki), server_hostname="localhost")
+            )
+            for _ in range(4)
+        ]
         with trio.fail_after(180):
             async with trio.open_nursery() as streams:
                 for i in range(1000):
-                    streams.start_soon(one, tunnel, i)
+                    streams.start_soon(one, tunnels[i % 4], i)
                 await all_open.wait()
-                assert tunnel.open_streams == 1000
+                assert [tunnel.open_streams for tunnel in tunnels] == [250] * 4
+                cluster1 = [
+                    a
+                    for a in await trio.to_thread.run_sync(hub.agents_connected)
+                    if a["cluster"] == "cluster1"
+                ]
+                assert len(cluster1) == 1 and cluster1[0]["open_streams"] == 1000, cluster1
                 release.set()
     assert sum(1 for t in target.received if t.startswith("many-")) == 1000
 

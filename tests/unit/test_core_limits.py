@@ -97,6 +97,21 @@ def test_streams_beyond_the_advertised_limit_are_refused_and_the_connection_live
     assert [e.stream_id for e in events if isinstance(e, ev.RequestReceived)] == [25]
 
 
+def test_streams_that_raced_our_settings_are_refused_but_not_charged_to_the_reset_budget() -> None:
+    """A client opening many streams at once, before our SETTINGS reached it, is refused the excess
+    (REFUSED_STREAM) and keeps its connection; once it acknowledged our limit, refusals count."""
+    core = server(TunnelSettings(max_concurrent_streams=10, reset_budget=20))
+    attacker = Attacker()
+    core.receive_bytes(attacker.preface())
+    events = core.receive_bytes(b"".join(attacker.connect(2 * i + 1) for i in range(100)))
+    assert sum(isinstance(e, ev.LimitExceeded) for e in events) == 90
+    assert not core.closed
+    core.receive_bytes(SettingsFrame(0, flags=["ACK"]).serialize())
+    events = core.receive_bytes(b"".join(attacker.connect(201 + 2 * i) for i in range(30)))
+    assert core.closed
+    assert any(isinstance(e, ev.LimitExceeded) and e.limit == "reset_budget" for e in events)
+
+
 def test_rapid_reset_beyond_the_budget_ends_the_connection_with_enhance_your_calm() -> None:
     clock = Clock()
     core = server(TunnelSettings(reset_budget=100), clock)

@@ -147,6 +147,8 @@ class TunnelCore:
         self._streams: dict[int, StreamState] = {}
         self._conn_unacked = 0
         self._pending_out = 0
+        self.peer_settings_received = False  # its limits are known: opening streams before is a guess
+        self._settings_acked = False  # the peer has our limits: a stream beyond them is its fault
         self.closed = False
         self.closed_by_us = False
         self.draining = False
@@ -539,7 +541,10 @@ class TunnelCore:
                     self._charge_reset(out)
             case h2.events.WindowUpdated(stream_id=sid):
                 out.append(ev.WindowOpened(sid or 0))
+            case h2.events.SettingsAcknowledged():
+                self._settings_acked = True
             case h2.events.RemoteSettingsChanged(changed_settings=changed):
+                self.peer_settings_received = True
                 max_streams = changed.get(h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS)
                 if max_streams is not None:
                     self.peer_max_streams = max_streams.new_value
@@ -567,7 +572,8 @@ class TunnelCore:
         except h2.exceptions.StreamClosedError:
             pass  # already closed on the wire: nothing to refuse
         out.append(ev.LimitExceeded("concurrent_streams", f"more than {limit} concurrent streams", sid))
-        self._charge_reset(out)
+        if self._settings_acked:  # before that, a peer opening streams at once only raced our SETTINGS
+            self._charge_reset(out)
 
     def _charge_reset(self, out: list[ev.Event]) -> None:
         """One more stream the peer opened and that ended in a reset (its own, or our refusal)."""

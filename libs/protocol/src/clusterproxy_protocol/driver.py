@@ -370,6 +370,7 @@ class Mux:
         self.state = MuxState.OPEN
         self.dead_reason = ""  # why it left OPEN
         self.closed = trio.Event()  # set on entering STOPPED
+        self._can_open = trio.Event()  # the peer's first SETTINGS arrived (its limits), or we are dead
         self.finished = trio.Event()  # set on entering FINISHED
         self.last_rtt: float | None = None
         self.peer_draining = False
@@ -402,6 +403,7 @@ class Mux:
 
     async def open_connect(self, authority: str, headers: list[tuple[str, str]] = ()) -> TunnelStream:  # type: ignore[assignment]
         """Open a CONNECT stream; returns it once the peer answered 200, else raises ConnectRefused."""
+        await self._can_open.wait()
         stream = self._open(lambda: self.core.open_connect(authority, list(headers)))
         try:
             await stream.wait_response()
@@ -427,6 +429,7 @@ class Mux:
         authority: str = "tunnel",
     ) -> Response:
         """A control request on its own stream (for example ``GET /v1/info``)."""
+        await self._can_open.wait()
         stream = self._open(lambda: self.core.open_request(method, path, authority, list(headers), body))
         try:
             await stream.wait_response()
@@ -530,6 +533,7 @@ class Mux:
             raise RuntimeError(f"a mux cannot go from {self.state.name} to {state.name}")
         leaving_open = self.state is MuxState.OPEN
         self.state = state
+        self._can_open.set()  # _open raises from now on
         if leaving_open:
             for stream in list(self._streams.values()):
                 stream.on_broken()
@@ -663,6 +667,8 @@ class Mux:
                 self.close(f"idle: {detail}")
 
     def _dispatch(self, events: list[ev.Event]) -> None:
+        if self.core.peer_settings_received:
+            self._can_open.set()
         for event in events:
             match event:
                 case ev.DataArrived(stream_id=sid) | ev.RemoteEnded(stream_id=sid):
