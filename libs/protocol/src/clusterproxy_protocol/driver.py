@@ -403,7 +403,7 @@ class Mux:
 
     async def open_connect(self, authority: str, headers: list[tuple[str, str]] = ()) -> TunnelStream:  # type: ignore[assignment]
         """Open a CONNECT stream; returns it once the peer answered 200, else raises ConnectRefused."""
-        await self._can_open.wait()
+        await self._peer_settings()
         stream = self._open(lambda: self.core.open_connect(authority, list(headers)))
         try:
             await stream.wait_response()
@@ -429,7 +429,7 @@ class Mux:
         authority: str = "tunnel",
     ) -> Response:
         """A control request on its own stream (for example ``GET /v1/info``)."""
-        await self._can_open.wait()
+        await self._peer_settings()
         stream = self._open(lambda: self.core.open_request(method, path, authority, list(headers), body))
         try:
             await stream.wait_response()
@@ -479,6 +479,13 @@ class Mux:
             self._on_limit(event, seen == 0)
 
     # -- internals used by streams ----------------------------------------------------------------
+
+    async def _peer_settings(self) -> None:
+        """Until the peer's SETTINGS (its stream limit) arrived, or the connection died. Our preface
+        goes out first: the peer may be waiting for it."""
+        if not self._can_open.is_set():
+            self.kick()
+            await self._can_open.wait()
 
     def kick(self) -> None:
         self._write_wanted.set()
