@@ -4,7 +4,6 @@ the agent's tunnel kept."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import trio
 from hyperframe.frame import GoAwayFrame
 
 from clusterproxy_protocol.core import ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR
-from clusterproxy_sdk import TLSFiles, open_tunnel
+from tests.support.clients import sdk_echo_intact
 from tests.support.h2_attacker import Attacker
 from tests.support.h2_attacks import (
     flood_until_goaway,
@@ -51,27 +50,6 @@ def metric(hub: Hub, name: str, **labels: str) -> float:
     return 0.0
 
 
-async def transfer(hub: Hub, pki: PkiFiles, echo_port: int, size: int) -> bool:
-    payload = bytes(range(256)) * (size // 256)
-    got = hashlib.sha256()
-    async with open_tunnel(
-        f"127.0.0.1:{hub.client_port}",
-        TLSFiles(pki.ca, pki.client.cert, pki.client.key),
-        server_hostname="localhost",
-    ) as tunnel:
-        stream = await tunnel.connect("cluster1", "127.0.0.1", echo_port)
-
-        async def send() -> None:
-            await stream.send_all(payload)
-            await stream.send_eof()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send)
-            while data := await stream.receive_some():
-                got.update(data)
-    return got.digest() == hashlib.sha256(payload).digest()
-
-
 async def test_attacks_are_cut_off_and_the_server_rss_comes_back(
     abuse_hub: Hub, pki: PkiFiles, nursery: trio.Nursery
 ) -> None:
@@ -80,14 +58,14 @@ async def test_attacks_are_cut_off_and_the_server_rss_comes_back(
     echo_port = (await serve_echo(nursery)).port
     counted = await serve_echo(nursery)  # the attacks' target: every dial they cause shows here
     for _ in range(3):  # warm up: TLS, the SDK, allocator pools
-        assert await transfer(hub, pki, echo_port, 4 * MiB)
+        assert await sdk_echo_intact(hub.client_port, pki, echo_port, 4 * MiB)
     baseline = hub.server.rss_kib()
     results: list[bool] = []
     attacking = True
 
     async def transfers_beside() -> None:
         while attacking:
-            results.append(await transfer(hub, pki, echo_port, 2 * MiB))
+            results.append(await sdk_echo_intact(hub.client_port, pki, echo_port, 2 * MiB))
 
     nursery.start_soon(transfers_beside)
 

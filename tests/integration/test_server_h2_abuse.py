@@ -5,15 +5,14 @@ behind it (issue 10, findings 2 to 6)."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import trio
 from hyperframe.frame import DataFrame, GoAwayFrame, PingFrame, RstStreamFrame, SettingsFrame
 
 from clusterproxy_protocol.core import ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR, NO_ERROR, REFUSED_STREAM
-from clusterproxy_sdk import TLSFiles, open_tunnel
 from clusterproxy_server.app import ProxyServer, ServerConfig
 from clusterproxy_server.config import CLIENT_TUNNEL
+from tests.support.clients import sdk_echo_intact
 from tests.support.h2_attacker import Attacker
 from tests.support.h2_attacks import (
     flood_until_goaway,
@@ -57,26 +56,6 @@ def trips(server: ProxyServer, limit: str) -> float:
     return value or 0.0
 
 
-async def echo_digest(port: int, pki: PkiFiles, echo_port: int, size: int) -> str:
-    payload = bytes(range(256)) * (size // 256)
-    got = hashlib.sha256()
-    async with open_tunnel(
-        f"127.0.0.1:{port}", TLSFiles(pki.ca, pki.client.cert, pki.client.key), server_hostname="localhost"
-    ) as tunnel:
-        stream = await tunnel.connect("cluster1", "127.0.0.1", echo_port)
-
-        async def send() -> None:
-            await stream.send_all(payload)
-            await stream.send_eof()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send)
-            while data := await stream.receive_some():
-                got.update(data)
-    assert got.hexdigest() == hashlib.sha256(payload).hexdigest()
-    return got.hexdigest()
-
-
 async def test_rapid_reset_gets_goaway_and_dials_nothing_while_others_transfer(
     nursery: trio.Nursery, pki: PkiFiles
 ) -> None:
@@ -91,7 +70,7 @@ async def test_rapid_reset_gets_goaway_and_dials_nothing_while_others_transfer(
     transfer_done = trio.Event()
 
     async def transfer() -> None:
-        await echo_digest(port, pki, echo_port, 4 << 20)
+        assert await sdk_echo_intact(port, pki, echo_port, 4 << 20)
         transfer_done.set()
 
     nursery.start_soon(transfer)

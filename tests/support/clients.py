@@ -1,14 +1,40 @@
-"""Hub clients for tests: an HTTP/1.1 CONNECT client over mTLS (the SDK covers HTTP/2)."""
+"""Hub clients for tests: an HTTP/1.1 CONNECT client over mTLS (the SDK covers HTTP/2), and an SDK
+echo round trip."""
 
 from __future__ import annotations
 
+import hashlib
 import ssl
 from dataclasses import dataclass
 
 import trio
 
 from clusterproxy_protocol import tls
+from clusterproxy_sdk import TLSFiles, open_tunnel
 from tests.support.pki import PkiFiles
+
+
+async def sdk_echo_intact(client_port: int, pki: PkiFiles, echo_port: int, size: int) -> bool:
+    """``size`` bytes through a new SDK connection to cluster1's echo target and back, both ways at
+    once: whether what came back has the sha256 of what was sent."""
+    payload = bytes(range(256)) * (size // 256)
+    got = hashlib.sha256()
+    async with open_tunnel(
+        f"127.0.0.1:{client_port}",
+        TLSFiles(pki.ca, pki.client.cert, pki.client.key),
+        server_hostname="localhost",
+    ) as tunnel:
+        stream = await tunnel.connect("cluster1", "127.0.0.1", echo_port)
+
+        async def send() -> None:
+            await stream.send_all(payload)
+            await stream.send_eof()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            while data := await stream.receive_some():
+                got.update(data)
+    return got.digest() == hashlib.sha256(payload).digest()
 
 
 def client_context(pki: PkiFiles, *, alpn: list[str]) -> ssl.SSLContext:

@@ -359,19 +359,9 @@ class DevCA:
         *,
         days: int = 365,
     ) -> PemPair:
-        """A leaf with exactly these names and usages and no role added: for tests that need a
-        certificate the role check must refuse (none, two, or one that its EKU contradicts)."""
-        return self._issue(subject, sans, eku, directory, stem, days)
-
-    def _issue(
-        self,
-        subject: x509.Name,
-        sans: list[x509.GeneralName],
-        eku: list[x509.ObjectIdentifier],
-        directory: Path,
-        stem: str,
-        days: int,
-    ) -> PemPair:
+        """A leaf with exactly these names and usages, no role added (the ``issue_*`` methods add it):
+        for tests that need a certificate the role check must refuse (none, two, or one that its EKU
+        contradicts)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = _now()
         not_after = min(now + dt.timedelta(days=days), self.cert.not_valid_after_utc)
@@ -435,8 +425,8 @@ class DevCA:
                 sans.append(x509.DNSName(h.lower()))
         sans.append(x509.UniformResourceIdentifier(SERVER_ROLE_URI))
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name[:64])])
-        return self._issue(
-            subject, sans, [ExtendedKeyUsageOID.SERVER_AUTH], directory, stem or _stem(name), days
+        return self.issue_custom(
+            subject, sans, [ExtendedKeyUsageOID.SERVER_AUTH], directory, stem or _stem(name), days=days
         )
 
     def issue_client(
@@ -464,13 +454,13 @@ class DevCA:
             attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
         sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(u) for u in uris]
         sans.append(x509.UniformResourceIdentifier(CLIENT_ROLE_URI))
-        return self._issue(
+        return self.issue_custom(
             x509.Name(attrs),
             sans,
             [ExtendedKeyUsageOID.CLIENT_AUTH],
             directory,
             stem or _stem(common_name or uris[0]),
-            days,
+            days=days,
         )
 
     def issue_agent(
@@ -487,11 +477,11 @@ class DevCA:
                 x509.NameAttribute(NameOID.ORGANIZATION_NAME, AGENT_ORGANIZATION),
             ]
         )
-        return self._issue(
+        return self.issue_custom(
             subject,
             [x509.UniformResourceIdentifier(uri)],
             [ExtendedKeyUsageOID.CLIENT_AUTH],
             directory,
             stem or _stem(f"agent-{cluster}-{agent_id}"),
-            days,
+            days=days,
         )

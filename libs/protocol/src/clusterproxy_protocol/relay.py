@@ -9,7 +9,7 @@ import trio
 from clusterproxy_protocol.closing import CLOSE_GRACE, abort, close_cleanly
 from clusterproxy_protocol.transport import receive_batch
 
-__all__ = ["CHUNK", "CLOSE_GRACE", "RelayResult", "abort", "relay"]
+__all__ = ["CHUNK", "RelayResult", "relay"]
 
 CHUNK = 256 << 10
 _TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)

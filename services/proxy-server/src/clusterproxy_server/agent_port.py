@@ -60,6 +60,7 @@ class AgentPort:
         identity = agent_identity_from_cert(
             x509.load_der_x509_certificate(stream.getpeercert(binary_form=True))
         )
+        assert identity is not None  # accept_tls admits agent-role certificates only, which carry it
         on_limit = limit_reporter(
             self.log, self.metrics.count_limit("agent"), port="agent", peer=peer, identity=identity
         )
@@ -84,17 +85,12 @@ class AgentPort:
                     bytes_out=mux.bytes_out,
                 )
 
-    async def _register(self, mux: Mux, identity: tuple[str, str] | None, peer: str) -> AgentTunnel | None:
+    async def _register(self, mux: Mux, identity: tuple[str, str], peer: str) -> AgentTunnel | None:
         def refuse(reason: str, label: str = "registration") -> None:
             self.metrics.rejected.labels("agent", label).inc()
             self.log.warning("agent_refused", peer=peer, error=reason)
             mux.close(reason)
 
-        if identity is None:
-            refuse(
-                "client certificate carries no cluster-proxy agent identity (URI SAN cluster-proxy://cluster/...)"
-            )
-            return None
         cert_cluster, cert_agent = identity
         headers = [(SERVER_ID_HEADER, self.server_id), (SERVER_COUNT_HEADER, str(self.server_count))]
         try:
