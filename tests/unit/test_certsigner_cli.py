@@ -92,9 +92,10 @@ def test_status_rotate_and_trust_bundle(tmp_path: Path, capsys) -> None:
     assert len(bundle_fingerprints(out)) == 1
 
 
-def test_kubernetes_store_is_reported_as_not_implemented(capsys) -> None:
-    code, _, err = run(["status", "--store", "kubernetes:hub"], capsys)
-    assert code == 1 and "not implemented" in err
+def test_a_kubernetes_store_without_a_kubeconfig_is_a_clear_error(capsys, tmp_path) -> None:
+    missing = tmp_path / "kubeconfig"
+    code, _, err = run(["status", "--store", "kubernetes:hub", "--kubeconfig", str(missing)], capsys)
+    assert code == 1 and f"the kubeconfig {missing} (from --kubeconfig) does not exist" in err
 
 
 def test_serve_flags_validate(capsys) -> None:

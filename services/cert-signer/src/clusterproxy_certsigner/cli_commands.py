@@ -36,6 +36,7 @@ from .tokens import MAX_TOKEN_TTL, NewToken, new_token
 __all__ = [
     "STORE_ENV",
     "add_store_flag",
+    "open_store_from_args",
     "create_token",
     "format_status",
     "parse_host",
@@ -45,6 +46,7 @@ __all__ = [
 ]
 
 STORE_ENV = "CLUSTER_PROXY_CERT_SIGNER_STORE"
+KUBECONFIG_ENV = "CLUSTER_PROXY_CERT_SIGNER_KUBECONFIG"
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
@@ -73,7 +75,8 @@ def parse_host(text: str) -> str:
 
 
 def add_store_flag(parser: argparse.ArgumentParser) -> None:
-    """``--store`` (env ``CLUSTER_PROXY_CERT_SIGNER_STORE``), required."""
+    """``--store`` (env ``CLUSTER_PROXY_CERT_SIGNER_STORE``), required, and ``--kubeconfig`` (env
+    ``CLUSTER_PROXY_CERT_SIGNER_KUBECONFIG``) for a Kubernetes store."""
     add_flag(
         parser,
         "--store",
@@ -81,8 +84,21 @@ def add_store_flag(parser: argparse.ArgumentParser) -> None:
         type=_store_spec,
         required=True,
         metavar="STORE",
-        help="where the CA lives: a directory (files) or kubernetes:NAMESPACE[/PREFIX]",
+        help="where the CA lives: a directory (files) or kubernetes:NAMESPACE[/PREFIX] (Secrets)",
     )
+    add_flag(
+        parser,
+        "--kubeconfig",
+        env=KUBECONFIG_ENV,
+        metavar="FILE",
+        help="kubeconfig for a kubernetes: store (default: $KUBECONFIG, else the pod's ServiceAccount, "
+        "else ~/.kube/config)",
+    )
+
+
+def open_store_from_args(args: argparse.Namespace) -> CertStore:
+    """The store named by ``--store`` (and ``--kubeconfig``) of a parsed command line."""
+    return open_store(args.store, kubeconfig=getattr(args, "kubeconfig", None))
 
 
 # --- operations (usable without argparse) --------------------------------------------------------------
@@ -265,7 +281,7 @@ def run_certs(
     out = out or sys.stdout
     fn: Callable[[CertStore, argparse.Namespace, TextIO], int] = args.certs_run
     try:
-        store = open_store(args.store)
+        store = open_store_from_args(args)
         return fn(store, args, out)
     except RotationBlocked as exc:
         print(f"refused: {exc}", file=sys.stderr)

@@ -41,12 +41,12 @@ from clusterproxy_protocol.config import (
 )
 from clusterproxy_protocol.logs import configure_logging, get_logger
 
-from .cli_commands import add_store_flag, parse_host, register_certs_commands
+from .cli_commands import add_store_flag, open_store_from_args, parse_host, register_certs_commands
 from .filestore import FileStore
 from .https import HttpLimits
 from .rotation import DEFAULT_CA_DAYS, RotationError, ensure_ca
 from .service import SignerConfig, SignerService
-from .store import CertStore, StoreError, open_store
+from .store import CertStore, StoreError
 
 ENV = "CLUSTER_PROXY_CERT_SIGNER_"
 
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _open(args: argparse.Namespace) -> CertStore:
-    return open_store(args.store)
+    return open_store_from_args(args)
 
 
 def _init(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -200,6 +200,7 @@ def _trust_bundle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 def config_from_args(args: argparse.Namespace) -> SignerConfig:
     store = _open(args)
+    store.check()
     tls_dir = args.tls_dir
     if tls_dir is None:
         tls_dir = (

@@ -19,6 +19,8 @@ Contract, for every backend:
 from __future__ import annotations
 
 import abc
+import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -55,6 +57,11 @@ class CertStore(abc.ABC):
 
     #: a short human description for logs and ``status`` (``files:/path``, ``kubernetes:ns/prefix``)
     description: str = ""
+
+    def check(self) -> None:
+        """Make sure the store can be used now (the signer calls it at start); :class:`StoreError`
+        saying what to fix. The files backend needs no check: its constructor made the folders."""
+        return None
 
     # -- CAs ---------------------------------------------------------------------------------------------
 
@@ -122,6 +129,9 @@ class CertStore(abc.ABC):
 # --- choosing a backend --------------------------------------------------------------------------------
 
 
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
 def parse_store(text: str) -> tuple[str, str]:
     """A store location: ``DIR`` or ``file:DIR`` (files), ``kubernetes:NAMESPACE[/PREFIX]`` (Secrets).
 
@@ -132,9 +142,16 @@ def parse_store(text: str) -> tuple[str, str]:
     if text.startswith(("kubernetes:", "k8s:")):
         rest = text.split(":", 1)[1].strip("/")
         namespace, _, prefix = rest.partition("/")
+        prefix = prefix or "cluster-proxy-ca"
         if not namespace:
             raise InvalidValue(f"invalid store {raw!r}: expected kubernetes:NAMESPACE[/PREFIX]")
-        return "kubernetes", f"{namespace}/{prefix or 'cluster-proxy-ca'}"
+        for what, value in (("namespace", namespace), ("prefix", prefix)):
+            if not _DNS_LABEL.match(value):
+                raise InvalidValue(
+                    f"invalid store {raw!r}: the {what} {value!r} must be 1-63 lower-case letters, digits "
+                    "or '-', starting and ending with a letter or digit (kubernetes:NAMESPACE[/PREFIX])"
+                )
+        return "kubernetes", f"{namespace}/{prefix}"
     if text.startswith("file:"):
         text = text[len("file:") :]
         text = text[2:] if text.startswith("//") else text
@@ -143,8 +160,9 @@ def parse_store(text: str) -> tuple[str, str]:
     return "files", text
 
 
-def open_store(spec: str | tuple[str, str]) -> CertStore:
-    """The store named by ``spec`` (see :func:`parse_store`)."""
+def open_store(spec: str | tuple[str, str], *, kubeconfig: str | os.PathLike[str] | None = None) -> CertStore:
+    """The store named by ``spec`` (see :func:`parse_store`); ``kubeconfig`` is for a Kubernetes store
+    (default: ``$KUBECONFIG``, in-cluster, ``~/.kube/config``)."""
     backend, where = parse_store(spec) if isinstance(spec, str) else spec
     if backend == "files":
         from .filestore import FileStore
@@ -154,5 +172,5 @@ def open_store(spec: str | tuple[str, str]) -> CertStore:
         from .kubestore import KubernetesSecretStore
 
         namespace, _, prefix = where.partition("/")
-        return KubernetesSecretStore(namespace=namespace, prefix=prefix)
+        return KubernetesSecretStore(namespace=namespace, prefix=prefix, kubeconfig=kubeconfig)
     raise ConfigError(f"unknown store backend {backend!r}")
