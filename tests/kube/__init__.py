@@ -1,0 +1,1 @@
+"""Tests against real Kubernetes API servers (etcd + kube-apiserver per simulated cluster)."""
