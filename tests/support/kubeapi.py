@@ -55,6 +55,7 @@ CLUSTER_NAMES = ("hub", "cluster1", "cluster2")
 OCM_CRDS = Path(__file__).resolve().parents[1] / "kube" / "crds" / "ocm"
 
 START_TIMEOUT = 60.0
+PORT_ATTEMPTS = 3
 STOP_TIMEOUT = 15.0
 POLL = 0.05
 LOG_TAIL_LINES = 40
@@ -303,6 +304,10 @@ def _die_with_parent() -> None:
 _Probe = Callable[[], tuple[bool, str]]
 
 
+class PortTaken(RuntimeError):
+    """The server could not listen: another process took the port since :func:`free_port` chose it."""
+
+
 class ServerProcess:
     """A long-running binary writing its output to ``<log_dir>/<name>.log`` (appended across
     restarts, each start marked)."""
@@ -349,6 +354,9 @@ class ServerProcess:
             return "(no log)"
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def _last_run(self) -> str:
+        return self.log_path.read_text(errors="replace").rsplit("=== start ", 1)[-1]
+
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         """SIGTERM, SIGKILL after ``timeout``; always reaped."""
         if self.popen is None:
@@ -371,7 +379,8 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if not self.running:
                 code = self.popen.returncode if self.popen else None
-                raise RuntimeError(f"{self.name} exited ({code}) before {what}:\n{self.tail()}")
+                failure = PortTaken if "address already in use" in self._last_run() else RuntimeError
+                raise failure(f"{self.name} exited ({code}) before {what}:\n{self.tail()}")
             ready, last = probe()
             if ready:
                 return
@@ -394,30 +403,38 @@ class Etcd:
     """One etcd for every simulated cluster (each API server stores under its own prefix)."""
 
     def __init__(self, binary: Path, directory: Path) -> None:
-        self.client_port = free_port()
-        self.peer_port = free_port()
-        self.url = f"http://127.0.0.1:{self.client_port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        self.process = ServerProcess(
-            "etcd",
-            [
-                str(binary),
-                "--name=default",
-                f"--data-dir={directory / 'etcd-data'}",
-                f"--listen-client-urls={self.url}",
-                f"--advertise-client-urls={self.url}",
-                f"--listen-peer-urls={peer}",
-                f"--initial-advertise-peer-urls={peer}",
-                f"--initial-cluster=default={peer}",
-                "--unsafe-no-fsync",
-                "--log-level=warn",
-            ],
-            directory,
-        )
+        self.binary = binary
+        self.directory = directory
+        self.process = ServerProcess("etcd", [], directory)
+        self.url = ""
+
+    def _argv(self) -> list[str]:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        peer = f"http://127.0.0.1:{free_port()}"
+        return [
+            str(self.binary),
+            "--name=default",
+            f"--data-dir={self.directory / 'etcd-data'}",
+            f"--listen-client-urls={self.url}",
+            f"--advertise-client-urls={self.url}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=default={peer}",
+            "--unsafe-no-fsync",
+            "--log-level=warn",
+        ]
 
     def start(self) -> None:
-        self.process.start()
-        self.process.wait_ready(lambda: _http_probe(f"{self.url}/health"), "healthy")
+        """Start on free ports (others if one was taken meanwhile); return once healthy."""
+        for attempt in range(PORT_ATTEMPTS):
+            self.process.argv = self._argv()
+            self.process.start()
+            try:
+                self.process.wait_ready(lambda: _http_probe(f"{self.url}/health"), "healthy")
+                return
+            except PortTaken:
+                if attempt == PORT_ATTEMPTS - 1:
+                    raise
 
 
 @dataclass
@@ -481,6 +498,14 @@ class KubeCluster:
         self.process.start()
         self.process.wait_ready(self.readyz, "ready (/readyz)", timeout)
 
+    def move_to(self, port: int) -> None:
+        """Listen on ``port`` from the next start on (the kubeconfig follows)."""
+        self.port = port
+        self.process.argv = [
+            f"--secure-port={port}" if arg.startswith("--secure-port=") else arg for arg in self.process.argv
+        ]
+        self.kubeconfig.write_text(_kubeconfig(self.name, self.url, self.ca_path, self.admin))
+
     def stop(self) -> None:
         self.process.stop()
 
@@ -524,8 +549,10 @@ def _service_account_keys(directory: Path) -> tuple[Path, Path]:
 
 
 def _prepare_cluster(
-    name: str, binary: Path, etcd: Etcd, directory: Path, ca: ThrowawayCA, front_proxy: ThrowawayCA
+    name: str, binary: Path, directory: Path, ca: ThrowawayCA, front_proxy: ThrowawayCA
 ) -> KubeCluster:
+    """Certificates, keys, kubeconfig and command line of one cluster's API server (its
+    ``--etcd-servers`` is added once etcd runs)."""
     directory.mkdir(parents=True, exist_ok=True)
     port = free_port()
     serving = ca.issue(
@@ -544,7 +571,6 @@ def _prepare_cluster(
     tokens.chmod(0o600)
     argv = [
         str(binary),
-        f"--etcd-servers={etcd.url}",
         f"--etcd-prefix=/{name}",
         "--bind-address=127.0.0.1",
         f"--secure-port={port}",
@@ -600,7 +626,7 @@ class KubeClusters:
         self.etcd = Etcd(self.binaries.etcd, directory)
         self.clusters = {
             name: _prepare_cluster(
-                name, self.binaries.kube_apiserver, self.etcd, directory / name, self.ca, self.front_proxy_ca
+                name, self.binaries.kube_apiserver, directory / name, self.ca, self.front_proxy_ca
             )
             for name in names
         }
@@ -615,9 +641,18 @@ class KubeClusters:
         """etcd, then every API server started together and each awaited until ready."""
         self.etcd.start()
         for cluster in self:
+            cluster.process.argv.append(f"--etcd-servers={self.etcd.url}")
             cluster.process.start()
         for cluster in self:
-            cluster.process.wait_ready(cluster.readyz, "ready (/readyz)")
+            for attempt in range(PORT_ATTEMPTS):
+                try:
+                    cluster.process.wait_ready(cluster.readyz, "ready (/readyz)")
+                    break
+                except PortTaken:
+                    if attempt == PORT_ATTEMPTS - 1:
+                        raise
+                    cluster.move_to(free_port())
+                    cluster.process.start()
 
     def stop(self) -> None:
         for cluster in self:
