@@ -48,6 +48,7 @@ from . import tls
 from .config import ConfigError, parse_hostport
 from .errors import describe_exception
 from .files import write_atomic, write_temp
+from .forward_proxy_trio import ForwardProxy, open_tcp_or_proxy
 from .pki import AGENT_ORGANIZATION, agent_uri
 from .wire import PRESENTING_HEADER, TRUSTED_HEADER
 
@@ -83,17 +84,24 @@ MAX_RESPONSE = 1 << 20
 @dataclass(frozen=True)
 class SignerEndpoint:
     """Where the signer listens and how to verify it: ``ca`` is the trust bundle (a file, read at each
-    request, so an updated bundle applies at once)."""
+    request, so an updated bundle applies at once). ``proxy``: the forward proxy to reach it through."""
 
     host: str
     port: int
     ca: Path
     server_name: str | None = None
     timeout: float = 30.0
+    proxy: ForwardProxy | None = None
 
     @classmethod
     def parse(
-        cls, url: str, ca: Path, *, server_name: str | None = None, timeout: float = 30.0
+        cls,
+        url: str,
+        ca: Path,
+        *,
+        server_name: str | None = None,
+        timeout: float = 30.0,
+        proxy: ForwardProxy | None = None,
     ) -> SignerEndpoint:
         """``https://host:port``, ``host:port`` or ``[v6]:port``."""
         text = url.strip()
@@ -102,7 +110,7 @@ class SignerEndpoint:
         elif "://" in text:
             raise ConfigError(f"invalid signer URL {url!r}: the signer speaks HTTPS (https://HOST:PORT)")
         host, port = parse_hostport(text)
-        return cls(host, port, Path(ca), server_name, timeout)
+        return cls(host, port, Path(ca), server_name, timeout, proxy)
 
     @property
     def url(self) -> str:
@@ -313,7 +321,7 @@ async def _exchange(
     body: bytes,
     headers: list[tuple[str, str]],
 ) -> tuple[int, bytes]:
-    tcp = await trio.open_tcp_stream(endpoint.host, endpoint.port)
+    tcp = await open_tcp_or_proxy(endpoint.host, endpoint.port, endpoint.proxy)
     stream = trio.SSLStream(tcp, ctx, server_hostname=endpoint.server_name or endpoint.host)
     async with stream:
         conn = h11.Connection(h11.CLIENT)

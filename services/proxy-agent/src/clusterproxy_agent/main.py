@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import signal
 import socket
 import ssl
@@ -36,6 +37,8 @@ from clusterproxy_protocol.config import (
     parse_size,
 )
 from clusterproxy_protocol.core import TunnelSettings
+from clusterproxy_protocol.forward_proxy import NoProxy, ProxySettings, ProxyURL, Route
+from clusterproxy_protocol.forward_proxy_trio import ForwardProxy, proxy_ssl_context
 from clusterproxy_protocol.logs import configure_logging, get_logger
 from clusterproxy_protocol.pki import agent_uri
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
@@ -127,6 +130,9 @@ class AgentSettings:
     bootstrap_token: str | None = None
     trust_refresh: float = 60.0
     tunnel: TunnelSettings = TUNNEL  # HTTP/2 settings and abuse limits of the tunnel
+    # forward proxy for the hub and the signer: flags or HTTPS_PROXY / NO_PROXY (ProxySettings)
+    proxy: ProxySettings = field(default_factory=ProxySettings)
+    proxy_ca_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.server_name:
@@ -147,9 +153,32 @@ class AgentSettings:
     def cert_files(self) -> CertFiles:
         return CertFiles(self.cert, self.key, self.ca)
 
+    def forward_proxy(self, host: str, port: int) -> tuple[ForwardProxy | None, Route]:
+        """The forward proxy to reach ``host:port`` through (None: dial it directly), and why."""
+        route = self.proxy.route(host, port)
+        if route.proxy is None:
+            return None, route
+        return ForwardProxy(route.proxy, self.proxy_ca_file, f"cluster-proxy-agent/{agent_version()}"), route
+
+    def signer_address(self) -> tuple[str, int]:
+        assert self.signer
+        endpoint = SignerEndpoint.parse(self.signer, self.ca)
+        return endpoint.host, endpoint.port
+
     def signer_endpoint(self) -> SignerEndpoint:
         assert self.signer
-        return SignerEndpoint.parse(self.signer, self.ca)
+        proxy, _route = self.forward_proxy(*self.signer_address())
+        return SignerEndpoint.parse(self.signer, self.ca, proxy=proxy)
+
+    def proxy_notes(self) -> list[str]:
+        """Proxy settings found and not used, for a warning at start."""
+        notes = list(self.proxy.notes)
+        routes = [self.proxy.route(*self.server)]
+        if self.signer:
+            routes.append(self.proxy.route(*self.signer_address()))
+        if self.proxy_ca_file and not any(r.proxy and r.proxy.scheme == "https" for r in routes):
+            notes.append(f"--proxy-ca-file {self.proxy_ca_file} is not used: no https:// proxy applies")
+        return notes
 
     def summary(self) -> dict[str, object]:
         """The effective configuration for the startup log (paths only, never key material)."""
@@ -172,6 +201,9 @@ class AgentSettings:
             "drain_timeout": self.drain_timeout,
             "signer": self.signer,
             "trust_refresh": self.trust_refresh if self.signer else None,
+            "proxy_to_server": self.proxy.route(*self.server).why,
+            "proxy_to_signer": self.proxy.route(*self.signer_address()).why if self.signer else None,
+            "proxy_ca_file": str(self.proxy_ca_file) if self.proxy_ca_file else None,
             "version": agent_version(),
         }
 
@@ -232,6 +264,28 @@ def build_parser() -> argparse.ArgumentParser:
         default="1m",
         help="with --signer: how often the trust bundle is fetched (a CA rotation is noticed within "
         "it; while one is under way the signer asks for sooner refreshes); 0: never (no CA rotation)",
+    )
+    flag(
+        "--proxy-url",
+        type=ProxyURL.parse,
+        metavar="URL",
+        help="forward proxy to reach the hub and the cert-signer through (HTTP CONNECT; the mTLS stays "
+        "end to end): http://[USER:PASSWORD@]HOST:PORT or https://...; user info is sent as Basic "
+        "proxy authorization; SOCKS is not supported (default: HTTPS_PROXY, then https_proxy)",
+    )
+    flag(
+        "--proxy-ca-file",
+        type=existing_file,
+        metavar="FILE",
+        help="CA bundle to verify an https:// proxy's certificate (default: the system's trust store)",
+    )
+    flag(
+        "--no-proxy",
+        type=NoProxy.parse,
+        metavar="LIST",
+        help="destinations reached directly, comma-separated: * (all), example.com (it and its "
+        "subdomains), .example.com (subdomains), IPs, CIDRs, each with an optional :PORT; host names "
+        "are matched as written in --server/--signer, not resolved (default: NO_PROXY, then no_proxy)",
     )
     flag(
         "--kube-apiserver",
@@ -360,6 +414,7 @@ def parse_settings(
 ) -> AgentSettings:
     """Parse and validate everything; a bad value exits with status 2 and a message naming it."""
     parser = build_parser()
+    environ = os.environ if environ is None else environ
     args = parse_args_or_exit(parser, argv, environ=environ)
     if args.backoff_max < args.backoff_initial:
         parser.error(
@@ -390,6 +445,22 @@ def parse_settings(
         log_level=args.log_level,
         log_format=args.log_format,
     )
+    try:
+        settings.proxy = ProxySettings.resolve(
+            proxy_url=args.proxy_url,
+            proxy_url_source="--proxy-url",
+            no_proxy=args.no_proxy,
+            no_proxy_source="--no-proxy",
+            environ=environ,
+        )
+    except ConfigError as exc:
+        parser.error(str(exc))
+    settings.proxy_ca_file = args.proxy_ca_file
+    if settings.proxy_ca_file is not None:
+        try:
+            proxy_ssl_context(settings.proxy_ca_file)
+        except ConfigError as exc:
+            parser.error(f"--proxy-ca-file: {exc}")
     try:
         settings.tunnel = dataclasses.replace(
             TUNNEL,
@@ -450,6 +521,7 @@ class Service:
                 policy=settings.policy(),
             )
         )
+        proxy, _route = settings.forward_proxy(*settings.server)
         options = TunnelOptions(
             server=settings.server,
             connect_timeout=settings.connect_timeout,
@@ -457,9 +529,15 @@ class Service:
             backoff_initial=settings.backoff_initial,
             backoff_max=settings.backoff_max,
             settings=settings.tunnel,
+            proxy=str(proxy) if proxy is not None else None,
         )
         self.tls = settings.reloading_context()
-        opener = tls_opener(settings.server, self.tls, settings.server_name)
+        opener = tls_opener(
+            settings.server,
+            self.tls,
+            settings.server_name,
+            dial=proxy.open if proxy else trio.open_tcp_stream,
+        )
         self.runner = TunnelRunner(self.agent, options, opener)
         self.renewer: CertRenewer | None = None
         if settings.signer:
@@ -572,6 +650,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging(settings.log_level, json=json_logs)
     log = get_logger("clusterproxy_agent", cluster=settings.cluster, agent_id=settings.agent_id)
     log.info("agent_starting", **settings.summary())
+    for note in settings.proxy_notes():
+        log.warning("proxy_setting_unused", note=note)
     try:
         trio.run(serve, settings)
     except KeyboardInterrupt:

@@ -1,7 +1,8 @@
 """Dial out to the proxy-server and keep a tunnel up, reconnecting forever with jittered backoff.
 
-The transport is a parameter (:data:`Opener`): TLS over TCP by default (:func:`tls_opener`); a
-WebSocket or forward-proxy transport only has to return another ``trio.abc.Stream``.
+The transport is a parameter (:data:`Opener`): TLS over TCP by default (:func:`tls_opener`), whose
+byte stream under the TLS may come from a forward proxy (its ``dial``); a WebSocket transport only has
+to return another ``trio.abc.Stream``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
 ALPN = "h2"
 
 Opener = Callable[[], Awaitable[trio.abc.Stream]]
+Dial = Callable[[str, int], Awaitable[trio.abc.Stream]]  # a byte stream to HOST:PORT
 
 
 class HandshakeError(Exception):
@@ -49,6 +51,7 @@ class TunnelOptions:
     backoff_max: float = 30.0
     stable_after: float = 10.0  # a tunnel that lived longer resets the backoff
     settings: TunnelSettings | None = None
+    proxy: str | None = None  # the forward proxy dialed through (redacted URL), for the log lines
 
     @property
     def address(self) -> str:
@@ -93,18 +96,24 @@ def check_server_role(der_cert: bytes | None) -> None:
 
 
 def tls_opener(
-    server: tuple[str, int], ctx: ssl.SSLContext | Callable[[], ssl.SSLContext], server_name: str
+    server: tuple[str, int],
+    ctx: ssl.SSLContext | Callable[[], ssl.SSLContext],
+    server_name: str,
+    *,
+    dial: Dial = trio.open_tcp_stream,
 ) -> Opener:
     """TCP to ``server``, TLS handshake (the agent certificate in ``ctx``), ALPN ``h2`` and a
     server-role certificate required.
 
     ``ctx`` may be a callable (e.g. a :class:`~clusterproxy_protocol.reloader.ReloadingContext`),
     called at each dial: a renewed certificate or a changed trust bundle applies to the next tunnel.
+    ``dial`` opens the byte stream the TLS runs on: TCP, or a forward proxy's ``CONNECT`` tunnel
+    (:meth:`~clusterproxy_protocol.forward_proxy_trio.ForwardProxy.open`), which then sees only TLS.
     """
     host, port = server
 
     async def open_tls() -> trio.abc.Stream:
-        tcp = await trio.open_tcp_stream(host, port)
+        tcp = await dial(host, port)
         try:
             context = ctx() if callable(ctx) else ctx
             tls = trio.SSLStream(tcp, context, server_hostname=server_name)
@@ -137,6 +146,8 @@ class TunnelRunner:
         self._open = opener
         self.backoff = Backoff(options.backoff_initial, options.backoff_max, rng)
         self.log = agent.log.bind(server=options.address)
+        if options.proxy is not None:
+            self.log = self.log.bind(proxy=options.proxy)
         self.stopped = trio.Event()
         self._stopping = False
         self._wait_scope: trio.CancelScope | None = None
