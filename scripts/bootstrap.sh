@@ -46,7 +46,7 @@ fi
 # 2. Python packages, unless nothing that decides them changed.
 stamp_inputs=(pyproject.toml libs/protocol/pyproject.toml libs/sdk/pyproject.toml
     services/proxy-server/pyproject.toml services/proxy-agent/pyproject.toml libs/cli/pyproject.toml
-    services/cert-signer/pyproject.toml
+    services/cert-signer/pyproject.toml services/addon-manager/pyproject.toml
     requirements-dev.txt scripts/bootstrap.sh)
 for f in "${stamp_inputs[@]}"; do
     [[ -f "$f" ]] || die "missing $f"
@@ -64,6 +64,7 @@ if [[ "$want_stamp" != "$have_stamp" || ! -x "$VENV/bin/task" ]]; then
         -e services/proxy-server \
         -e services/proxy-agent \
         -e services/cert-signer \
+        -e services/addon-manager \
         -e libs/cli \
         -r requirements-dev.txt \
         go-task-bin
@@ -72,11 +73,14 @@ if [[ "$want_stamp" != "$have_stamp" || ! -x "$VENV/bin/task" ]]; then
     log "done"
 fi
 
-# 3. System tools the tests use for real: command -> Debian package.
-declare -A system_tools=([curl]=curl [kubectl]=kubernetes-client)
+# 3. System tools the tests use for real: command -> Debian package. The daemons (forward proxies, a
+# load balancer, an ingress) are started by the tests on loopback ports with configs they write; the
+# sbin folders are searched too, since a non-root PATH may lack them.
+declare -A system_tools=([curl]=curl [kubectl]=kubernetes-client
+    [tinyproxy]=tinyproxy [squid]=squid [haproxy]=haproxy [nginx]=nginx)
 missing=()
 for tool in "${!system_tools[@]}"; do
-    command -v "$tool" >/dev/null 2>&1 || missing+=("${system_tools[$tool]}")
+    PATH="$PATH:/usr/sbin:/sbin" command -v "$tool" >/dev/null 2>&1 || missing+=("${system_tools[$tool]}")
 done
 if ((${#missing[@]})); then
     log "missing ${missing[*]}; installing with apt-get (the tests use the real programs)"
@@ -87,6 +91,18 @@ if ((${#missing[@]})); then
         SUDO="sudo"
     fi
     export DEBIAN_FRONTEND=noninteractive
-    $SUDO apt-get update -qq
-    $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+    # Debian starts a daemon on install (squid on 3128, tinyproxy on 8888, nginx on 80, haproxy): a
+    # policy-rc.d that answers 101 ("not allowed") keeps them stopped, unless one is already there.
+    policy=/usr/sbin/policy-rc.d
+    own_policy=""
+    if [[ ! -e "$policy" ]]; then
+        printf '#!/bin/sh\n# cluster-proxy bootstrap: no daemon starts during this install\nexit 101\n' \
+            | $SUDO tee "$policy" >/dev/null
+        $SUDO chmod 755 "$policy"
+        own_policy=1
+    fi
+    apt_status=0
+    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null; } || apt_status=$?
+    [[ -z "$own_policy" ]] || $SUDO rm -f "$policy"
+    ((apt_status == 0)) || die "apt-get install ${missing[*]} failed (exit $apt_status)"
 fi

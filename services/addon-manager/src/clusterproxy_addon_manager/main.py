@@ -1,0 +1,427 @@
+"""``cluster-proxy-addon-manager``: command line, the trio runner, the admin port.
+
+The runner: informer threads (informer.py) keep copies of the watched objects and hand keys to a
+trio work queue; ``--workers`` trio tasks take keys and run the blocking reconcile for each in a
+worker thread (``trio.to_thread``); a poller asks the proxy-servers which clusters hold tunnels; a
+resync re-reconciles everything every ``--resync-period`` (a safety net: every change already
+arrives as an event). SIGTERM or SIGINT stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import signal
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from clusterproxy_protocol.admin import Response, metrics_response, serve_admin
+from clusterproxy_protocol.config import (
+    ConfigError,
+    InvalidValue,
+    add_flag,
+    parse_args_or_exit,
+    parse_duration,
+    parse_hostport,
+    parse_positive_duration,
+    parse_positive_int,
+)
+from clusterproxy_protocol.logs import configure_logging, get_logger
+from clusterproxy_protocol.wire import format_authority
+
+from . import render
+from .availability import admin_urls_from_dns, poll_once
+from .controller import Controller, ManagerOptions, NotReady
+from .identity import Credentials
+from .kube import Kube, KubeError, load_configuration
+from .metrics import ManagerMetrics
+from .workqueue import WorkQueue
+
+__all__ = ["ManagerSettings", "build_parser", "main", "parse_settings", "serve"]
+
+ENV_PREFIX = "CLUSTER_PROXY_ADDON_MANAGER_"
+PROG = "cluster-proxy-addon-manager"
+
+
+def _name(text: str) -> str:
+    value = text.strip()
+    if (
+        not value
+        or len(value) > 253
+        or not all(c.isalnum() or c in "-." for c in value)
+        or value != value.lower()
+    ):
+        raise InvalidValue(
+            f"invalid name {text!r}: a Kubernetes object name (lower-case letters, digits, '-', '.')"
+        )
+    return value
+
+
+def _admin_url(text: str) -> str:
+    value = text.strip().rstrip("/")
+    if not value.startswith("http://") or len(value) <= len("http://"):
+        raise InvalidValue(
+            f"invalid admin URL {text!r}: expected http://HOST:PORT of a proxy-server's admin port "
+            "(its --admin-listen, plain HTTP)"
+        )
+    return value
+
+
+def _token_ttl(text: str) -> float:
+    seconds = parse_duration(text)
+    if not 60 <= seconds <= 24 * 3600:
+        raise InvalidValue(f"invalid token lifetime {text!r}: between 1m and 24h (the signer's maximum)")
+    return seconds
+
+
+@dataclass
+class ManagerSettings:
+    kubeconfig: Path | None = None
+    namespace: str = "open-cluster-management-addon"
+    mpc_name: str = "cluster-proxy"
+    admin_urls: list[str] = field(default_factory=list)
+    resync_period: float = 600.0
+    availability_poll: float = 10.0
+    token_ttl: float = 24 * 3600.0
+    store_prefix: str = "cluster-proxy-ca"
+    cert_signer_image: str = "cluster-proxy/cert-signer:dev"
+    workers: int = 4
+    admin_listen: tuple[str, int] = ("0.0.0.0", 8094)
+    watch_timeout: int = 60
+    log_level: str = "info"
+    log_format: str = "auto"
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "kubeconfig": str(self.kubeconfig) if self.kubeconfig else "in-cluster or $KUBECONFIG",
+            "namespace": self.namespace,
+            "mpc_name": self.mpc_name,
+            "admin_urls": self.admin_urls or f"every address of {render.ADMIN_SERVICE}.<namespace>.svc",
+            "resync_period": self.resync_period,
+            "availability_poll": self.availability_poll,
+            "token_ttl": self.token_ttl,
+            "store_prefix": self.store_prefix,
+            "cert_signer_image": self.cert_signer_image,
+            "workers": self.workers,
+            "admin_listen": format_authority(*self.admin_listen),
+        }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="cluster-proxy addon-manager: deploys the proxy-servers and the cert-signer on the hub "
+        "from the ManagedProxyConfiguration, and a proxy-agent (one ManifestWork) into every managed "
+        "cluster whose ManagedClusterAddOn 'cluster-proxy' exists; keeps their status.",
+    )
+
+    def flag(name: str, **kwargs: Any) -> None:
+        add_flag(parser, name, env=ENV_PREFIX + name.lstrip("-").upper().replace("-", "_"), **kwargs)
+
+    flag(
+        "--kubeconfig",
+        type=Path,
+        metavar="FILE",
+        help="kubeconfig of the hub (default: the pod's service account, else $KUBECONFIG)",
+    )
+    flag(
+        "--namespace",
+        type=_name,
+        default="open-cluster-management-addon",
+        help="hub namespace of the proxy-servers, the cert-signer and its CA store when the "
+        "ManagedProxyConfiguration does not name one (spec.proxyServer.namespace)",
+    )
+    flag("--mpc-name", type=_name, default="cluster-proxy", help="the ManagedProxyConfiguration to follow")
+    flag(
+        "--admin-url",
+        type=_admin_url,
+        multiple=True,
+        metavar="URL",
+        help="admin address of a proxy-server replica, http://HOST:PORT (repeat); default: every address "
+        f"of the headless Service {render.ADMIN_SERVICE} (one per replica)",
+    )
+    flag(
+        "--resync-period",
+        type=parse_positive_duration,
+        default="10m",
+        metavar="DURATION",
+        help="every object is reconciled again this often, whether or not an event arrived",
+    )
+    flag(
+        "--availability-poll",
+        type=parse_positive_duration,
+        default="10s",
+        metavar="DURATION",
+        help="how often the proxy-servers are asked which clusters hold tunnels (the addons' Available "
+        "condition follows within it)",
+    )
+    flag(
+        "--token-ttl",
+        type=_token_ttl,
+        default="24h",
+        metavar="DURATION",
+        help="lifetime of the bootstrap tokens minted for agents and proxy-servers (replaced when used, "
+        "or when a quarter of it is left)",
+    )
+    flag(
+        "--store-prefix",
+        type=_name,
+        default="cluster-proxy-ca",
+        help="the cert-signer's store: Secrets <prefix>-* in the proxy-server namespace",
+    )
+    flag(
+        "--cert-signer-image",
+        default="cluster-proxy/cert-signer:dev",
+        help="image of the cert-signer Deployment",
+    )
+    flag("--workers", type=parse_positive_int, default="4", help="reconciles run at once")
+    flag(
+        "--admin-listen",
+        type=parse_hostport,
+        default="0.0.0.0:8094",
+        metavar="HOST:PORT",
+        help="plain HTTP: /healthz /readyz /metrics (port 0: any free port)",
+    )
+    flag(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="log level",
+    )
+    flag(
+        "--log-format",
+        default="auto",
+        choices=["auto", "json", "console"],
+        help="auto: JSON unless stderr is a terminal",
+    )
+    return parser
+
+
+def parse_settings(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> ManagerSettings:
+    """Parse and validate everything; a bad value exits with status 2 and a message naming it."""
+    args = parse_args_or_exit(build_parser(), argv, environ=environ)
+    return ManagerSettings(
+        kubeconfig=args.kubeconfig,
+        namespace=args.namespace,
+        mpc_name=args.mpc_name,
+        admin_urls=list(dict.fromkeys(args.admin_url)),
+        resync_period=args.resync_period,
+        availability_poll=args.availability_poll,
+        token_ttl=args.token_ttl,
+        store_prefix=args.store_prefix,
+        cert_signer_image=args.cert_signer_image.strip() or "cluster-proxy/cert-signer:dev",
+        workers=args.workers,
+        admin_listen=args.admin_listen,
+        log_level=args.log_level,
+        log_format=args.log_format,
+    )
+
+
+class Manager:
+    """A running manager: the controller, its work queue and the periodic tasks."""
+
+    def __init__(self, settings: ManagerSettings, kube: Kube) -> None:
+        from clusterproxy_certsigner.kubestore import KubernetesSecretStore
+
+        self.settings = settings
+        self.kube = kube
+        self.metrics = ManagerMetrics()
+        self.credentials = Credentials(
+            lambda namespace: KubernetesSecretStore(
+                namespace=namespace, prefix=settings.store_prefix, api=kube.core_v1()
+            ),
+            token_ttl=dt.timedelta(seconds=settings.token_ttl),
+        )
+        self.controller = Controller(
+            kube,
+            ManagerOptions(
+                namespace=settings.namespace,
+                mpc_name=settings.mpc_name,
+                store_prefix=settings.store_prefix,
+                signer_image=settings.cert_signer_image,
+                watch_timeout=settings.watch_timeout,
+            ),
+            self.credentials,
+            self.metrics,
+        )
+        self.queue = WorkQueue()
+        self.log = get_logger("clusterproxy_addon_manager")
+        self.admin_address = ""
+        self.ready = False
+
+    # admin routes
+    def readyz(self) -> Response:
+        problems = self.controller.problems()
+        if not self.ready or problems:
+            detail = "; ".join(problems) or "listing the watched objects"
+            return Response.text(f"not ready: {detail}", 503)
+        return Response.text(
+            f"ok: {len(self.controller.addons.items())} addon(s), {len(self.queue)} key(s) queued"
+        )
+
+    def _enqueue_from_any_thread(self, trio_token: trio.lowlevel.TrioToken, trio_thread: int) -> Any:
+        def enqueue(key: str) -> None:
+            if threading.get_ident() == trio_thread:
+                self.queue.add(key)
+                return
+            try:
+                trio.from_thread.run_sync(self.queue.add, key, trio_token=trio_token)
+            except trio.RunFinishedError:
+                pass
+
+        return enqueue
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self.queue.get()
+            self.metrics.queue_depth.set(len(self.queue))
+            kind = str(key).split("/", 1)[0]
+            started = trio.current_time()
+            try:
+                await trio.to_thread.run_sync(self.controller.reconcile, key, abandon_on_cancel=True)
+            except NotReady as exc:
+                delay = self.queue.done(key, failed=True)
+                self.metrics.reconciles.labels(kind, "retry").inc()
+                self.log.debug("reconcile_waiting", key=key, reason=str(exc), retry_in=round(delay or 0, 2))
+            except Exception as exc:
+                delay = self.queue.done(key, failed=True)
+                self.metrics.reconciles.labels(kind, "error").inc()
+                known = isinstance(exc, KubeError | ConfigError | OSError) or type(exc).__module__.startswith(
+                    "clusterproxy_certsigner"
+                )
+                log = self.log.warning if known else self.log.exception
+                log(
+                    "reconcile_failed",
+                    key=key,
+                    error=str(exc) or type(exc).__name__,
+                    attempt=self.queue.failures(key),
+                    retry_in=round(delay or 0, 2),
+                )
+            else:
+                self.queue.done(key)
+                self.metrics.reconciles.labels(kind, "ok").inc()
+            finally:
+                self.metrics.reconcile_seconds.labels(kind).observe(trio.current_time() - started)
+
+    async def _resync(self) -> None:
+        while True:
+            await trio.sleep(self.settings.resync_period)
+            for key in self.controller.all_keys():
+                self.queue.add(key)
+            try:
+                await trio.to_thread.run_sync(self.controller.prune_tokens, abandon_on_cancel=True)
+            except Exception as exc:
+                self.log.warning("token_prune_failed", error=str(exc))
+
+    async def _poll_availability(self) -> None:
+        while True:
+            urls = self.settings.admin_urls
+            if not urls:
+                namespace, port = self.controller.admin_namespace()
+                urls = await trio.to_thread.run_sync(
+                    admin_urls_from_dns,
+                    f"{render.ADMIN_SERVICE}.{namespace}.svc",
+                    port,
+                    abandon_on_cancel=True,
+                )
+            availability = await trio.to_thread.run_sync(poll_once, urls, abandon_on_cancel=True)
+            self.metrics.availability_polls.labels("ok" if availability.answered else "failed").inc()
+            self.metrics.clusters_available.set(sum(1 for n in availability.agents.values() if n > 0))
+            self.controller.set_availability(availability)
+            await trio.sleep(self.settings.availability_poll)
+
+    async def run(self, *, task_status: trio.TaskStatus[Manager] = trio.TASK_STATUS_IGNORED) -> None:
+        host, port = self.settings.admin_listen
+        try:
+            listeners = await trio.open_tcp_listeners(port, host=host or None)
+        except OSError as exc:
+            where = format_authority(*self.settings.admin_listen)
+            raise ConfigError(f"cannot listen on --admin-listen {where}: {exc.strerror or exc}") from None
+        sockname = listeners[0].socket.getsockname()
+        self.admin_address = format_authority(str(sockname[0]), int(sockname[1]))
+        self.controller.enqueue = self._enqueue_from_any_thread(
+            trio.lowlevel.current_trio_token(), threading.get_ident()
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                serve_admin,
+                listeners,
+                {
+                    "/healthz": lambda: Response.text("ok"),
+                    "/readyz": self.readyz,
+                    "/metrics": lambda: metrics_response(self.metrics.registry),
+                },
+            )
+            await nursery.start(self.queue.run)
+            self.controller.start()
+            self.log.info("manager_started", admin_port=self.admin_address)
+            task_status.started(self)
+            started = trio.current_time()
+            while not self.controller.synced:
+                await trio.sleep(0.02)
+            self.log.info("manager_synced", seconds=round(trio.current_time() - started, 3))
+            self.ready = True
+            for key in self.controller.all_keys():
+                self.queue.add(key)
+            for _ in range(self.settings.workers):
+                nursery.start_soon(self._worker)
+            nursery.start_soon(self._resync)
+            nursery.start_soon(self._poll_availability)
+
+
+async def serve(
+    settings: ManagerSettings, *, task_status: trio.TaskStatus[Manager] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run until SIGTERM/SIGINT."""
+    kube = Kube(load_configuration(settings.kubeconfig))
+    manager = Manager(settings, kube)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def stop_on_signal() -> None:
+                async for signum in signals:
+                    manager.log.info("shutdown_requested", signal=signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(stop_on_signal)
+            await nursery.start(manager.run)
+            task_status.started(manager)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = parse_settings(argv)
+    json_logs = {"auto": None, "json": True, "console": False}[settings.log_format]
+    configure_logging(settings.log_level, json=json_logs)
+    log = get_logger("clusterproxy_addon_manager")
+    log.info("manager_starting", **settings.summary())
+    try:
+        trio.run(serve, settings)
+    except KeyboardInterrupt:
+        pass
+    except Exception as exc:
+        leaves = _leaves(exc)
+        if not all(isinstance(e, ConfigError | OSError) for e in leaves):
+            raise
+        log.error("manager_failed", error="; ".join(str(e) for e in leaves))
+        sys.exit(1)
+    log.info("manager_stopped")
+    sys.exit(0)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,642 @@
+"""The objects the manager writes, as pure functions of its inputs (no I/O: unit-tested as is).
+
+Hub (namespace ``spec.proxyServer.namespace``), each owned by the ManagedProxyConfiguration:
+
+- ServiceAccounts ``cluster-proxy`` (proxy-server; no API access, no token mounted) and
+  ``cluster-proxy-cert-signer`` with the Role/RoleBinding its Secrets store needs;
+- Secret ``cluster-proxy-server-bootstrap``: the CA bundle and a bootstrap token for the servers;
+- Deployment ``cluster-proxy`` (``cluster-proxy-server``), Services ``<inClusterServiceName>`` (client
+  port, ClusterIP), ``<entrypoint service>`` (agent port; LoadBalancer or ClusterIP) and
+  ``cluster-proxy-admin`` (headless: every replica's admin port, polled for agent tunnels);
+- Deployment ``cluster-proxy-cert-signer`` (``cluster-proxy-cert-signer serve --store kubernetes:...``),
+  Service ``cluster-proxy-cert-signer`` and, for a LoadBalancerService entrypoint, the agents' way
+  to it ``cluster-proxy-cert-signer-entrypoint``.
+
+Managed cluster: one ManifestWork ``addon-cluster-proxy-deploy`` in the cluster's namespace, owned by
+its ManagedClusterAddOn, holding the agent Namespace, ServiceAccount, Secret
+``cluster-proxy-agent-bootstrap`` (CA bundle, bootstrap token, proxy CA) and Deployment
+``cluster-proxy-proxy-agent``.
+
+Parties that get certificates from the signer write them (and later renewals, and the trust bundle)
+into a writable ``emptyDir``; an init container seeds it with the CA bundle from the Secret, since
+the programs need a CA bundle to verify the signer before their first certificate.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from clusterproxy_protocol.wire import format_authority
+
+from .config import Endpoints, ProxyConfig, ProxySettings
+
+__all__ = [
+    "ADDON_NAME",
+    "ADMIN_SERVICE",
+    "AGENT_BOOTSTRAP_SECRET",
+    "AGENT_DEPLOYMENT",
+    "COMPONENT_LABEL",
+    "CREDENTIALS_DIR",
+    "MANAGED_BY",
+    "MANIFEST_WORK_NAME",
+    "PART_OF",
+    "SERVER_BOOTSTRAP_SECRET",
+    "SERVER_CERT_NAME",
+    "SERVER_DEPLOYMENT",
+    "SIGNER_DEPLOYMENT",
+    "SIGNER_ENTRYPOINT_SERVICE",
+    "SIGNER_SERVICE",
+    "TOKEN_KEY",
+    "AgentInputs",
+    "HubInputs",
+    "agent_manifest_work",
+    "cluster_management_addon",
+    "hub_objects",
+    "server_tls_hosts",
+    "signer_tls_hosts",
+    "token_from_manifest_work",
+    "token_from_secret",
+]
+
+ADDON_NAME = "cluster-proxy"
+MANIFEST_WORK_NAME = "addon-cluster-proxy-deploy"
+MANAGED_BY = "cluster-proxy-addon-manager"
+PART_OF = "cluster-proxy"
+COMPONENT_LABEL = "proxy.open-cluster-management.io/component-name"
+ADDON_LABEL = "open-cluster-management.io/addon"
+ADDON_NAME_LABEL = "open-cluster-management.io/addon-name"  # OCM's label on an addon's ManifestWorks
+
+SERVER_DEPLOYMENT = "cluster-proxy"
+SERVER_SERVICE_ACCOUNT = "cluster-proxy"
+SERVER_BOOTSTRAP_SECRET = "cluster-proxy-server-bootstrap"
+SERVER_CERT_NAME = "proxy-server"  # the proxy-server's CN (its main.SERVER_CERT_NAME)
+ADMIN_SERVICE = "cluster-proxy-admin"
+SIGNER_DEPLOYMENT = "cluster-proxy-cert-signer"
+SIGNER_SERVICE = "cluster-proxy-cert-signer"
+SIGNER_ENTRYPOINT_SERVICE = "cluster-proxy-cert-signer-entrypoint"
+SIGNER_SERVICE_ACCOUNT = "cluster-proxy-cert-signer"
+AGENT_DEPLOYMENT = "cluster-proxy-proxy-agent"
+AGENT_SERVICE_ACCOUNT = "cluster-proxy"
+AGENT_BOOTSTRAP_SECRET = "cluster-proxy-agent-bootstrap"
+AGENT_ADMIN_PORT = 8093
+
+TOKEN_KEY = "bootstrap-token"
+CA_KEY = "ca.crt"
+PROXY_CA_KEY = "proxy-ca.crt"
+BOOTSTRAP_DIR = "/etc/cluster-proxy/bootstrap"
+CREDENTIALS_DIR = "/var/lib/cluster-proxy"
+CLUSTER_DOMAIN = "cluster.local"
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def labels(component: str, **extra: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/part-of": PART_OF,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        "app.kubernetes.io/name": component,
+        "app.kubernetes.io/component": component,
+        **extra,
+    }
+
+
+def pod_selector(component: str) -> dict[str, str]:
+    return {ADDON_LABEL: ADDON_NAME, COMPONENT_LABEL: component}
+
+
+def _owner(api_version: str, kind: str, name: str, uid: str) -> list[dict[str, Any]]:
+    return [{"apiVersion": api_version, "kind": kind, "name": name, "uid": uid, "controller": True}]
+
+
+def _service_names(name: str, namespace: str) -> list[str]:
+    return [
+        name,
+        f"{name}.{namespace}",
+        f"{name}.{namespace}.svc",
+        f"{name}.{namespace}.svc.{CLUSTER_DOMAIN}",
+    ]
+
+
+def _unique(values: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(v for v in values if v))
+
+
+def server_tls_hosts(cfg: ProxyConfig, endpoints: Endpoints | None) -> list[str]:
+    """Names in the proxy-server certificate: its in-cluster Services, the address agents dial, the
+    MPC's additional SANs. Sorted, so that the token binding does not change with their order."""
+    hosts = [
+        *_service_names(cfg.in_cluster_service_name, cfg.namespace),
+        *_service_names(cfg.entrypoint.service_name, cfg.namespace),
+        *cfg.additional_sans,
+    ]
+    if endpoints is not None:
+        hosts.append(endpoints.server_host)
+    return sorted(_unique(h.lower() for h in hosts))
+
+
+def signer_tls_hosts(cfg: ProxyConfig, endpoints: Endpoints | None) -> list[str]:
+    hosts = _service_names(SIGNER_SERVICE, cfg.namespace)
+    if endpoints is not None:
+        hosts.append(endpoints.signer_host)
+    return sorted(_unique(h.lower() for h in hosts))
+
+
+def signer_url_in_hub(cfg: ProxyConfig) -> str:
+    return f"https://{SIGNER_SERVICE}.{cfg.namespace}.svc:{cfg.signer_port}"
+
+
+def _restricted_container() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": 65532,
+        "runAsGroup": 65532,
+        "fsGroup": 65532,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _seed_ca_container(image: str) -> dict[str, Any]:
+    """Copies the CA bundle into the writable credentials volume on a pod's first start only: after a
+    CA rotation the program's own copy is newer than the Secret's."""
+    return {
+        "name": "seed-ca-bundle",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": [
+            "/bin/sh",
+            "-c",
+            f"test -s {CREDENTIALS_DIR}/{CA_KEY} || cp {BOOTSTRAP_DIR}/{CA_KEY} {CREDENTIALS_DIR}/{CA_KEY}",
+        ],
+        "securityContext": _restricted_container(),
+        "volumeMounts": [
+            {"name": "bootstrap", "mountPath": BOOTSTRAP_DIR, "readOnly": True},
+            {"name": "credentials", "mountPath": CREDENTIALS_DIR},
+        ],
+    }
+
+
+def _token_env(env_name: str, secret: str) -> dict[str, Any]:
+    # The environment twin of --bootstrap-token, read from the Secret when the container starts: a
+    # token the manager re-minted reaches the next start, and it stays off the command line.
+    return {"name": env_name, "valueFrom": {"secretKeyRef": {"name": secret, "key": TOKEN_KEY}}}
+
+
+def _credential_volumes(secret: str) -> list[dict[str, Any]]:
+    return [
+        {"name": "bootstrap", "secret": {"secretName": secret, "defaultMode": 0o440}},
+        # Certificate, key and CA bundle the program keeps current; memory-backed: a private key.
+        {"name": "credentials", "emptyDir": {"medium": "Memory"}},
+    ]
+
+
+def _placement(node_selector: Sequence[tuple[str, str]], tolerations: Sequence[Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = {}
+    if node_selector:
+        spec["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        spec["tolerations"] = [dict(t) for t in tolerations]
+    return spec
+
+
+# --- hub -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HubInputs:
+    cfg: ProxyConfig
+    endpoints: Endpoints | None  # None while a LoadBalancer address is pending
+    ca_bundle_pem: str
+    server_token: str
+    store_prefix: str
+    signer_image: str
+    mpc_api_version: str = "proxy.open-cluster-management.io/v1alpha1"
+
+
+def hub_objects(inputs: HubInputs) -> list[dict[str, Any]]:
+    """Every hub object, in apply order (identities and Secrets before the Deployments using them)."""
+    cfg = inputs.cfg
+    ns = cfg.namespace
+    owner = _owner(inputs.mpc_api_version, "ManagedProxyConfiguration", cfg.name, cfg.uid)
+
+    def meta(name: str, component: str, **extra: Any) -> dict[str, Any]:
+        return {"name": name, "namespace": ns, "labels": labels(component), "ownerReferences": owner, **extra}
+
+    objects: list[dict[str, Any]] = [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": meta(SERVER_SERVICE_ACCOUNT, "proxy-server"),
+            "automountServiceAccountToken": False,
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": meta(SIGNER_SERVICE_ACCOUNT, "cert-signer"),
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta(SIGNER_SERVICE_ACCOUNT, "cert-signer"),
+            # The Secrets store (CA, tokens, issued records) in this namespace: nothing else.
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["secrets"],
+                    "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta(SIGNER_SERVICE_ACCOUNT, "cert-signer"),
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "Role",
+                "name": SIGNER_SERVICE_ACCOUNT,
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": SIGNER_SERVICE_ACCOUNT, "namespace": ns}],
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": meta(SERVER_BOOTSTRAP_SECRET, "proxy-server"),
+            "type": "Opaque",
+            "data": {CA_KEY: _b64(inputs.ca_bundle_pem), TOKEN_KEY: _b64(inputs.server_token)},
+        },
+        _signer_deployment(inputs, meta),
+        _service(
+            meta(SIGNER_SERVICE, "cert-signer"),
+            "ClusterIP",
+            "cert-signer",
+            [("https", cfg.signer_port, "https")],
+        ),
+        _server_deployment(inputs, meta),
+        _service(
+            meta(cfg.in_cluster_service_name, "proxy-server"),
+            "ClusterIP",
+            "proxy-server",
+            [("client", cfg.client_port, "client")],
+        ),
+        _service(
+            meta(
+                cfg.entrypoint.service_name,
+                "proxy-server",
+                **({"annotations": dict(cfg.entrypoint.annotations)} if cfg.entrypoint.annotations else {}),
+            ),
+            "LoadBalancer" if cfg.entrypoint.type == "LoadBalancerService" else "ClusterIP",
+            "proxy-server",
+            [("agent", cfg.entrypoint.port, "agent")],
+        ),
+        _service(
+            meta(ADMIN_SERVICE, "proxy-server"),
+            "ClusterIP",
+            "proxy-server",
+            [("admin", cfg.admin_port, "admin")],
+            headless=True,
+        ),
+    ]
+    if cfg.entrypoint.type == "LoadBalancerService":
+        objects.append(
+            _service(
+                meta(SIGNER_ENTRYPOINT_SERVICE, "cert-signer"),
+                "LoadBalancer",
+                "cert-signer",
+                [("https", cfg.signer_port, "https")],
+            )
+        )
+    return objects
+
+
+def _service(
+    metadata: dict[str, Any],
+    service_type: str,
+    component: str,
+    ports: Sequence[tuple[str, int, str]],
+    *,
+    headless: bool = False,
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "type": service_type,
+        "selector": pod_selector(component),
+        "ports": [
+            {"name": name, "port": port, "targetPort": target, "protocol": "TCP"}
+            for name, port, target in ports
+        ],
+    }
+    if headless:
+        spec["clusterIP"] = "None"
+        spec["publishNotReadyAddresses"] = True  # a server not ready yet still answers who is connected
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata, "spec": spec}
+
+
+def _deployment(
+    metadata: dict[str, Any],
+    component: str,
+    replicas: int,
+    pod_spec: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata,
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": pod_selector(component)},
+            "template": {
+                "metadata": {"labels": {**pod_selector(component), **labels(component)}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def _server_deployment(inputs: HubInputs, meta: Any) -> dict[str, Any]:
+    cfg = inputs.cfg
+    args = [
+        f"--agent-listen=0.0.0.0:{cfg.agent_port}",
+        f"--client-listen=0.0.0.0:{cfg.client_port}",
+        f"--admin-listen=0.0.0.0:{cfg.admin_port}",
+        f"--ca={CREDENTIALS_DIR}/{CA_KEY}",
+        f"--cert={CREDENTIALS_DIR}/tls.crt",
+        f"--key={CREDENTIALS_DIR}/tls.key",
+        f"--signer={signer_url_in_hub(cfg)}",
+        *(f"--tls-host={host}" for host in server_tls_hosts(cfg, inputs.endpoints)),
+        f"--server-count={max(cfg.server_replicas, 1)}",
+        "--log-format=json",
+        *cfg.server_args,
+    ]
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": SERVER_SERVICE_ACCOUNT,
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": 40,  # --drain-timeout 30s, then 10 s to exit
+        "securityContext": _pod_security(),
+        "initContainers": [_seed_ca_container(cfg.server_image)],
+        "containers": [
+            {
+                "name": "proxy-server",
+                "image": cfg.server_image,
+                "imagePullPolicy": "IfNotPresent",
+                "command": ["cluster-proxy-server"],
+                "args": args,
+                "env": [_token_env("CLUSTER_PROXY_SERVER_BOOTSTRAP_TOKEN", SERVER_BOOTSTRAP_SECRET)],
+                "ports": [
+                    {"name": "client", "containerPort": cfg.client_port, "protocol": "TCP"},
+                    {"name": "agent", "containerPort": cfg.agent_port, "protocol": "TCP"},
+                    {"name": "admin", "containerPort": cfg.admin_port, "protocol": "TCP"},
+                ],
+                "readinessProbe": {"httpGet": {"path": "/readyz", "port": "admin"}, "periodSeconds": 5},
+                "livenessProbe": {
+                    "httpGet": {"path": "/healthz", "port": "admin"},
+                    "initialDelaySeconds": 10,
+                    "periodSeconds": 10,
+                },
+                "securityContext": _restricted_container(),
+                "volumeMounts": [{"name": "credentials", "mountPath": CREDENTIALS_DIR}],
+            }
+        ],
+        "volumes": _credential_volumes(SERVER_BOOTSTRAP_SECRET),
+        **_placement(cfg.node_selector, cfg.tolerations),
+    }
+    return _deployment(meta(SERVER_DEPLOYMENT, "proxy-server"), "proxy-server", cfg.server_replicas, pod_spec)
+
+
+def _signer_deployment(inputs: HubInputs, meta: Any) -> dict[str, Any]:
+    cfg = inputs.cfg
+    args = [
+        "serve",
+        f"--store=kubernetes:{cfg.namespace}/{inputs.store_prefix}",
+        f"--listen=0.0.0.0:{cfg.signer_port}",
+        *(f"--tls-host={host}" for host in signer_tls_hosts(cfg, inputs.endpoints)),
+        "--tls-dir=/var/run/cluster-proxy-signer",
+        "--log-format=json",
+    ]
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": SIGNER_SERVICE_ACCOUNT,
+        "securityContext": _pod_security(),
+        "containers": [
+            {
+                "name": "cert-signer",
+                "image": inputs.signer_image,
+                "imagePullPolicy": "IfNotPresent",
+                "command": ["cluster-proxy-cert-signer"],
+                "args": args,
+                "ports": [{"name": "https", "containerPort": cfg.signer_port, "protocol": "TCP"}],
+                "readinessProbe": {
+                    "httpGet": {"path": "/healthz", "port": "https", "scheme": "HTTPS"},
+                    "periodSeconds": 5,
+                },
+                "securityContext": _restricted_container(),
+                "volumeMounts": [{"name": "signer-tls", "mountPath": "/var/run/cluster-proxy-signer"}],
+            }
+        ],
+        # its own serving certificate, issued at each start from the store's CA
+        "volumes": [{"name": "signer-tls", "emptyDir": {"medium": "Memory"}}],
+        **_placement(cfg.node_selector, cfg.tolerations),
+    }
+    return _deployment(meta(SIGNER_DEPLOYMENT, "cert-signer"), "cert-signer", 1, pod_spec)
+
+
+def cluster_management_addon(mpc_name: str) -> dict[str, Any]:
+    """The ClusterManagementAddOn that registers the addon with OCM and points at the MPC."""
+    return {
+        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+        "kind": "ClusterManagementAddOn",
+        "metadata": {
+            "name": ADDON_NAME,
+            "labels": {"app.kubernetes.io/part-of": PART_OF, "app.kubernetes.io/managed-by": MANAGED_BY},
+            "annotations": {"addon.open-cluster-management.io/lifecycle": "self"},
+        },
+        "spec": {
+            "addOnMeta": {
+                "displayName": "cluster-proxy",
+                "description": "Reverse tunnels from every managed cluster to the hub (proxy-agents to proxy-servers)",
+            },
+            "addOnConfiguration": {
+                "crdName": "managedproxyconfigurations.proxy.open-cluster-management.io",
+                "crName": mpc_name,
+            },
+            "supportedConfigs": [
+                {
+                    "group": "proxy.open-cluster-management.io",
+                    "resource": "managedproxyconfigurations",
+                    "defaultConfig": {"name": mpc_name},
+                },
+                {"group": "addon.open-cluster-management.io", "resource": "addondeploymentconfigs"},
+            ],
+        },
+    }
+
+
+# --- managed cluster -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentInputs:
+    cfg: ProxyConfig
+    cluster: str
+    namespace: str  # where the agent runs in the managed cluster
+    endpoints: Endpoints
+    ca_bundle_pem: str
+    token: str
+    proxy: ProxySettings
+    addon_uid: str
+    addon_api_version: str = "addon.open-cluster-management.io/v1alpha1"
+
+
+def _mirrored(image: str, registries: Sequence[tuple[str, str]]) -> str:
+    """The image with the first matching registry source replaced by its mirror (OCM's rule)."""
+    for source, mirror in registries:
+        if source and image.startswith(source):
+            return mirror + image[len(source) :]
+        if not source:
+            return f"{mirror.rstrip('/')}/{image.split('/', 1)[-1]}" if "/" in image else f"{mirror}/{image}"
+    return image
+
+
+def _agent_env(proxy: ProxySettings) -> list[dict[str, Any]]:
+    env = [_token_env("CLUSTER_PROXY_AGENT_BOOTSTRAP_TOKEN", AGENT_BOOTSTRAP_SECRET)]
+    for name, value in (
+        ("HTTP_PROXY", proxy.http_proxy),
+        ("HTTPS_PROXY", proxy.https_proxy),
+        ("NO_PROXY", proxy.no_proxy),
+    ):
+        if value:
+            env.append({"name": name, "value": value})
+    if proxy.ca_bundle_pem:
+        env.append({"name": "CLUSTER_PROXY_AGENT_PROXY_CA", "value": f"{BOOTSTRAP_DIR}/{PROXY_CA_KEY}"})
+    return env
+
+
+def agent_deployment(inputs: AgentInputs) -> dict[str, Any]:
+    cfg = inputs.cfg
+    image = _mirrored(cfg.agent_image, inputs.proxy.registries)
+    args = [
+        f"--cluster={inputs.cluster}",
+        f"--server={format_authority(inputs.endpoints.server_host, inputs.endpoints.server_port)}",
+        f"--signer=https://{format_authority(inputs.endpoints.signer_host, inputs.endpoints.signer_port)}",
+        f"--ca={CREDENTIALS_DIR}/{CA_KEY}",
+        f"--cert={CREDENTIALS_DIR}/tls.crt",
+        f"--key={CREDENTIALS_DIR}/tls.key",
+        f"--admin-listen=0.0.0.0:{AGENT_ADMIN_PORT}",
+        "--log-format=json",
+        *cfg.agent_args,
+    ]
+    mounts = [{"name": "credentials", "mountPath": CREDENTIALS_DIR}]
+    if inputs.proxy.ca_bundle_pem:
+        mounts.append({"name": "bootstrap", "mountPath": BOOTSTRAP_DIR, "readOnly": True})
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": AGENT_SERVICE_ACCOUNT,
+        # The agent dials TCP targets and never calls the Kubernetes API as itself.
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": 40,
+        "securityContext": _pod_security(),
+        "initContainers": [_seed_ca_container(image)],
+        "containers": [
+            {
+                "name": "proxy-agent",
+                "image": image,
+                "imagePullPolicy": "IfNotPresent",
+                "command": ["cluster-proxy-agent"],
+                "args": args,
+                "env": _agent_env(inputs.proxy),
+                "ports": [{"name": "admin", "containerPort": AGENT_ADMIN_PORT, "protocol": "TCP"}],
+                "readinessProbe": {"httpGet": {"path": "/readyz", "port": "admin"}, "periodSeconds": 5},
+                "livenessProbe": {
+                    "httpGet": {"path": "/healthz", "port": "admin"},
+                    "initialDelaySeconds": 10,
+                    "periodSeconds": 10,
+                },
+                "securityContext": _restricted_container(),
+                "volumeMounts": mounts,
+            }
+        ],
+        "volumes": _credential_volumes(AGENT_BOOTSTRAP_SECRET),
+        **_placement(inputs.proxy.node_selector, inputs.proxy.tolerations),
+    }
+    if cfg.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in cfg.image_pull_secrets]
+    metadata = {"name": AGENT_DEPLOYMENT, "namespace": inputs.namespace, "labels": labels("proxy-agent")}
+    return _deployment(metadata, "proxy-agent", cfg.agent_replicas, pod_spec)
+
+
+def agent_manifests(inputs: AgentInputs) -> list[dict[str, Any]]:
+    ns = inputs.namespace
+    data = {CA_KEY: _b64(inputs.ca_bundle_pem), TOKEN_KEY: _b64(inputs.token)}
+    if inputs.proxy.ca_bundle_pem:
+        data[PROXY_CA_KEY] = _b64(inputs.proxy.ca_bundle_pem)
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": labels("proxy-agent")}},
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": AGENT_SERVICE_ACCOUNT, "namespace": ns, "labels": labels("proxy-agent")},
+            "automountServiceAccountToken": False,
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": AGENT_BOOTSTRAP_SECRET, "namespace": ns, "labels": labels("proxy-agent")},
+            "type": "Opaque",
+            "data": data,
+        },
+        agent_deployment(inputs),
+    ]
+
+
+def agent_manifest_work(inputs: AgentInputs) -> dict[str, Any]:
+    return {
+        "apiVersion": "work.open-cluster-management.io/v1",
+        "kind": "ManifestWork",
+        "metadata": {
+            "name": MANIFEST_WORK_NAME,
+            "namespace": inputs.cluster,
+            "labels": {
+                "app.kubernetes.io/part-of": PART_OF,
+                "app.kubernetes.io/managed-by": MANAGED_BY,
+                ADDON_NAME_LABEL: ADDON_NAME,
+            },
+            "ownerReferences": _owner(
+                inputs.addon_api_version, "ManagedClusterAddOn", ADDON_NAME, inputs.addon_uid
+            ),
+        },
+        "spec": {"workload": {"manifests": agent_manifests(inputs)}},
+    }
+
+
+# --- reading back what was written ---------------------------------------------------------------------
+
+
+def token_from_secret(secret: Mapping[str, Any] | None) -> str | None:
+    """The bootstrap token held in a rendered Secret (None when absent or unreadable)."""
+    raw = ((secret or {}).get("data") or {}).get(TOKEN_KEY)
+    if not isinstance(raw, str):
+        return None
+    try:
+        return base64.b64decode(raw, validate=True).decode().strip() or None
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def token_from_manifest_work(work: Mapping[str, Any] | None) -> str | None:
+    for manifest in ((work or {}).get("spec") or {}).get("workload", {}).get("manifests") or []:
+        if (
+            isinstance(manifest, Mapping)
+            and manifest.get("kind") == "Secret"
+            and (manifest.get("metadata") or {}).get("name") == AGENT_BOOTSTRAP_SECRET
+        ):
+            return token_from_secret(manifest)
+    return None
