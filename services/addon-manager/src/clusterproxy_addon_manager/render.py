@@ -508,6 +508,10 @@ def _mirrored(image: str, registries: Sequence[tuple[str, str]]) -> str:
 
 
 def _agent_env(proxy: ProxySettings) -> list[dict[str, Any]]:
+    """The bootstrap token, and the AddOnDeploymentConfig's proxy as the standard variables, which the
+    agent reads with Go's rules (as upstream's agent does): HTTPS_PROXY for the hub and the signer
+    (both TLS), NO_PROXY for exemptions; HTTP_PROXY is passed on too (the agent says at start that
+    it does not use it: nothing it dials is plain HTTP)."""
     env = [_token_env("CLUSTER_PROXY_AGENT_BOOTSTRAP_TOKEN", AGENT_BOOTSTRAP_SECRET)]
     for name, value in (
         ("HTTP_PROXY", proxy.http_proxy),
@@ -516,8 +520,6 @@ def _agent_env(proxy: ProxySettings) -> list[dict[str, Any]]:
     ):
         if value:
             env.append({"name": name, "value": value})
-    if proxy.ca_bundle_pem:
-        env.append({"name": "CLUSTER_PROXY_AGENT_PROXY_CA", "value": f"{BOOTSTRAP_DIR}/{PROXY_CA_KEY}"})
     return env
 
 
@@ -533,6 +535,7 @@ def agent_deployment(inputs: AgentInputs) -> dict[str, Any]:
         f"--key={CREDENTIALS_DIR}/tls.key",
         f"--admin-listen=0.0.0.0:{AGENT_ADMIN_PORT}",
         "--log-format=json",
+        *([f"--proxy-ca-file={BOOTSTRAP_DIR}/{PROXY_CA_KEY}"] if inputs.proxy.ca_bundle_pem else []),
         *cfg.agent_args,
     ]
     mounts = [{"name": "credentials", "mountPath": CREDENTIALS_DIR}]
