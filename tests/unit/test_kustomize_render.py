@@ -1,0 +1,482 @@
+"""The kustomize overlays render into Deployments whose containers the real programs accept.
+
+``kubectl kustomize`` renders each overlay as ``kubectl apply -k`` would send it. For every container
+of every rendered Deployment the test plays the kubelet just far enough to run the program's own
+argument parsing: the environment is resolved from the rendered ConfigMaps and Secrets, ``$(VAR)``
+is expanded as the kubelet expands it, each volume becomes a folder filled from the rendered objects,
+the init containers run, and the container's command and arguments (paths moved into those folders)
+go through the service's real parser with that environment and nothing else. A misspelt flag, a
+missing required one, a value the program refuses, an env var from a key nobody renders: each
+fails here, before anything is applied to a cluster. Every image named is one of the project's own.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from clusterproxy_protocol.config import parse_args_or_exit
+from tests.support import require
+
+REPO = Path(__file__).resolve().parents[2]
+KUSTOMIZE = REPO / "deploy" / "kustomize"
+OVERLAYS = ("hub", "managed")
+
+# The project's images (the compose issue builds them) and the one console script each may run.
+PROJECT_IMAGES = {
+    "cluster-proxy/proxy-server": "cluster-proxy-server",
+    "cluster-proxy/proxy-agent": "cluster-proxy-agent",
+    "cluster-proxy/cert-signer": "cluster-proxy-cert-signer",
+    "cluster-proxy/addon-manager": "cluster-proxy-addon-manager",
+}
+IMAGE_TAG = "dev"
+
+
+# --- rendering ------------------------------------------------------------------------------------------
+
+
+def kubectl_path() -> str:
+    found = shutil.which("kubectl")
+    require(found is not None, "kubectl (Debian: apt-get install kubectl; it renders kustomize overlays)")
+    assert found is not None
+    return found
+
+
+def render(directory: Path) -> list[dict[str, Any]]:
+    """The objects ``kubectl apply -k DIRECTORY`` would send, as ``kubectl kustomize`` renders them."""
+    done = subprocess.run(
+        [kubectl_path(), "kustomize", str(directory)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, f"kubectl kustomize {directory} failed:\n{done.stderr}"
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def key_of(obj: Mapping[str, Any]) -> tuple[str, str, str]:
+    meta = obj["metadata"]
+    return obj["kind"], meta.get("namespace", ""), meta["name"]
+
+
+def deployments(objects: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [o for o in objects if o["kind"] == "Deployment"]
+
+
+# --- playing the kubelet -----------------------------------------------------------------------------
+
+_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' expansion of ``$(VAR)`` in command, args and env values: a defined variable is
+    replaced, an undefined one stays as written, ``$$`` is a literal ``$``."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1)
+        return env[name] if name in env else match.group(0)
+
+    return _REFERENCE.sub(one, text)
+
+
+@dataclass
+class Pod:
+    """One replica of a rendered Deployment, its volumes as folders under ``root``."""
+
+    name: str
+    namespace: str
+    spec: Mapping[str, Any]
+    objects: Mapping[tuple[str, str, str], Mapping[str, Any]]
+    root: Path
+
+    def data_of(self, kind: str, name: str) -> dict[str, bytes]:
+        obj = self.objects.get((kind, self.namespace, name))
+        assert obj is not None, f"the pod refers to {kind} {self.namespace}/{name}, which is not rendered"
+        data: dict[str, bytes] = {}
+        for key, value in (obj.get("data") or {}).items():
+            data[key] = base64.b64decode(value) if kind == "Secret" else str(value).encode()
+        for key, value in (obj.get("stringData") or {}).items():
+            data[key] = str(value).encode()
+        for key, value in (obj.get("binaryData") or {}).items():
+            data[key] = base64.b64decode(value)
+        return data
+
+    def volume_dirs(self) -> dict[str, Path]:
+        """Every volume of the pod as a folder: Secret and ConfigMap volumes hold their keys as files,
+        emptyDir volumes start empty (and are shared by the pod's containers)."""
+        dirs: dict[str, Path] = {}
+        for volume in self.spec.get("volumes") or []:
+            folder = self.root / "volumes" / volume["name"]
+            folder.mkdir(parents=True, exist_ok=True)
+            if "secret" in volume or "configMap" in volume:
+                kind, source = (
+                    ("Secret", volume["secret"]) if "secret" in volume else ("ConfigMap", volume["configMap"])
+                )
+                name = source.get("secretName") or source.get("name")
+                data = self.data_of(kind, name)
+                items = source.get("items")
+                wanted = [(i["key"], i["path"]) for i in items] if items else [(k, k) for k in data]
+                for key, path in wanted:
+                    assert key in data, f"volume {volume['name']}: {kind} {name} has no key {key!r}"
+                    (folder / path).parent.mkdir(parents=True, exist_ok=True)
+                    (folder / path).write_bytes(data[key])
+            else:
+                assert "emptyDir" in volume, (
+                    f"volume {volume['name']}: only Secret, ConfigMap and emptyDir are played"
+                )
+            dirs[volume["name"]] = folder
+        return dirs
+
+    def environment(self, container: Mapping[str, Any]) -> dict[str, str]:
+        """The container's environment as the kubelet builds it (``env`` in order; ``envFrom``)."""
+        env: dict[str, str] = {}
+        for source in container.get("envFrom") or []:
+            prefix = source.get("prefix", "")
+            if "configMapRef" in source:
+                data = self.data_of("ConfigMap", source["configMapRef"]["name"])
+            else:
+                data = self.data_of("Secret", source["secretRef"]["name"])
+            env.update({prefix + k: v.decode() for k, v in data.items()})
+        for var in container.get("env") or []:
+            if "value" in var:
+                env[var["name"]] = expand(str(var["value"]), env)
+                continue
+            source = var["valueFrom"]
+            if "configMapKeyRef" in source or "secretKeyRef" in source:
+                kind, ref = (
+                    ("ConfigMap", source["configMapKeyRef"])
+                    if "configMapKeyRef" in source
+                    else ("Secret", source["secretKeyRef"])
+                )
+                data = self.data_of(kind, ref["name"])
+                assert ref["key"] in data, (
+                    f"env {var['name']}: {kind} {ref['name']} has no key {ref['key']!r}"
+                )
+                env[var["name"]] = data[ref["key"]].decode()
+            elif "fieldRef" in source:
+                field_path = source["fieldRef"]["fieldPath"]
+                known = {"metadata.name": self.name, "metadata.namespace": self.namespace}
+                assert field_path in known, f"env {var['name']}: fieldRef {field_path} is not played"
+                env[var["name"]] = known[field_path]
+            else:
+                raise AssertionError(f"env {var['name']}: valueFrom {sorted(source)} is not played")
+        return env
+
+    def argv(
+        self, container: Mapping[str, Any], volumes: Mapping[str, Path]
+    ) -> tuple[list[str], dict[str, str]]:
+        """Command plus args, expanded, with every mount path moved to its volume's folder."""
+        env = self.environment(container)
+        mounts: dict[str, Path] = {}
+        for mount in container.get("volumeMounts") or []:
+            assert mount["name"] in volumes, (
+                f"container {container['name']} mounts the unknown volume {mount['name']!r}"
+            )
+            mounts[mount["mountPath"].rstrip("/")] = volumes[mount["name"]]
+        assert container.get("command"), (
+            f"container {container['name']} has no command: it must name the console script it runs "
+            "(the images' entrypoints are not part of the manifests)"
+        )
+        words = [expand(str(w), env) for w in [*container["command"], *(container.get("args") or [])]]
+        if mounts:
+            pattern = re.compile(
+                "|".join(re.escape(p) + r"(?=/|\s|$)" for p in sorted(mounts, key=len, reverse=True))
+            )
+            words = [pattern.sub(lambda m: str(mounts[m.group(0)]), w) for w in words]
+        return words, env
+
+
+def pod_of(deployment: Mapping[str, Any], objects: Sequence[Mapping[str, Any]], root: Path) -> Pod:
+    """A replica of ``deployment``, its references resolved among ``objects`` (rendered, or read
+    back from an API server)."""
+    name = deployment["metadata"]["name"]
+    return Pod(
+        name=f"{name}-7d4b9c-x2x5q",
+        namespace=deployment["metadata"].get("namespace", "default"),
+        spec=deployment["spec"]["template"]["spec"],
+        objects={key_of(o): o for o in objects},
+        root=root / name,
+    )
+
+
+def pods_of(objects: Sequence[Mapping[str, Any]], root: Path) -> Iterator[tuple[Mapping[str, Any], Pod]]:
+    for deployment in deployments(objects):
+        yield deployment, pod_of(deployment, objects, root)
+
+
+# --- the programs' own parsers ------------------------------------------------------------------------------
+
+
+def console_script_module(script: str) -> Any:
+    """The module behind an installed console script (``cluster-proxy-agent`` -> ``clusterproxy_agent.main``)."""
+    found = importlib.metadata.entry_points(group="console_scripts", name=script)
+    assert found, f"{script!r} is not a console script of any installed package of the project"
+    (entry,) = tuple(found)
+    return importlib.import_module(entry.value.split(":", 1)[0])
+
+
+def parse_with_program(script: str, argv: Sequence[str], env: Mapping[str, str]) -> None:
+    """Run ``argv`` through the real program's parser with exactly ``env`` as its environment; a
+    refusal fails the test with the program's own message. Where the service validates the parsed
+    flags further (``parse_settings``), that runs too."""
+    module = console_script_module(script)
+    try:
+        if hasattr(module, "parse_settings"):
+            module.parse_settings(list(argv), environ=dict(env))
+        else:
+            parse_args_or_exit(module.build_parser(), list(argv), environ=dict(env))
+    except SystemExit as exc:
+        raise AssertionError(f"{script} refuses {list(argv)} (exit {exc.code})") from None
+
+
+@dataclass
+class Command:
+    """A main container as the kubelet would start it: the program, its argv and its environment."""
+
+    container: str
+    script: str
+    argv: list[str]
+    env: dict[str, str]
+
+
+def start_pod(pod: Pod) -> list[Command]:
+    """Fill the pod's volumes, run its init containers (for real: they prepare files the main
+    containers read) and return each main container's command line, after checking that every
+    image is one of the project's and runs that image's program."""
+    volumes = pod.volume_dirs()
+    for container in pod.spec.get("initContainers") or []:
+        image_checked(container)
+        argv, env = pod.argv(container, volumes)
+        done = subprocess.run(argv, env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True)
+        assert done.returncode == 0, f"init container {container['name']} failed: {argv}\n{done.stderr}"
+    commands = []
+    for container in pod.spec["containers"]:
+        script = image_checked(container)
+        argv, env = pod.argv(container, volumes)
+        assert Path(argv[0]).name == script, (
+            f"container {container['name']} runs {argv[0]!r}, but image {container['image']} ships {script!r}"
+        )
+        commands.append(Command(container["name"], script, argv, env))
+    return commands
+
+
+def run_pod(pod: Pod) -> list[Command]:
+    """:func:`start_pod`, then every main container's command line through its program's parser."""
+    commands = start_pod(pod)
+    for command in commands:
+        parse_with_program(command.script, command.argv[1:], command.env)
+    return commands
+
+
+def image_checked(container: Mapping[str, Any]) -> str:
+    """The console script of the container's image, after checking the image is the project's own."""
+    repository, _, tag = container["image"].rpartition(":")
+    assert repository in PROJECT_IMAGES, (
+        f"container {container['name']}: {container['image']} is not a project image"
+    )
+    assert tag == IMAGE_TAG, f"container {container['name']}: {container['image']} is not tagged {IMAGE_TAG}"
+    return PROJECT_IMAGES[repository]
+
+
+# --- tests -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, render(KUSTOMIZE / "overlays" / request.param)
+
+
+def test_every_deployment_container_is_accepted_by_its_program(
+    overlay: tuple[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    name, objects = overlay
+    assert deployments(objects), f"overlay {name} renders no Deployment"
+    for deployment, pod in pods_of(objects, tmp_path):
+        checked = run_pod(pod)
+        names = [c["name"] for c in pod.spec["containers"]]
+        assert [c.container for c in checked] == names, deployment["metadata"]["name"]
+
+
+def test_a_misspelt_flag_is_caught(overlay: tuple[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+    """The check above is not vacuous: the same Deployment with one flag misspelt fails it."""
+    _, objects = overlay
+    for deployment, pod in pods_of(objects, tmp_path):
+        container = pod.spec["containers"][0]
+        words = [*(container.get("args") or [])]
+        flag_at = next(i for i, w in enumerate(words) if w.startswith("--"))
+        words[flag_at] = "--misspelt-" + words[flag_at][2:]
+        broken = {**container, "args": words}
+        spec = {**pod.spec, "containers": [broken, *pod.spec["containers"][1:]]}
+        with pytest.raises(AssertionError, match="refuses"):
+            run_pod(
+                Pod(
+                    pod.name,
+                    pod.namespace,
+                    spec,
+                    pod.objects,
+                    tmp_path / "broken" / deployment["metadata"]["name"],
+                )
+            )
+
+
+def test_every_object_carries_the_project_labels(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    _, objects = overlay
+    for obj in objects:
+        labels = obj["metadata"].get("labels") or {}
+        assert labels.get("app.kubernetes.io/part-of") == "cluster-proxy", key_of(obj)
+        assert labels.get("app.kubernetes.io/managed-by") == "kustomize", key_of(obj)
+    for deployment in deployments(objects):
+        pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert pod_labels.get("app.kubernetes.io/part-of") == "cluster-proxy"
+        # labels were added to templates, never to the immutable selector
+        assert "app.kubernetes.io/part-of" not in deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_the_configuration_names_only_project_images(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    """Images outside containers too: the ManagedProxyConfiguration names what the manager deploys."""
+    _, objects = overlay
+    for obj in objects:
+        if obj["kind"] != "ManagedProxyConfiguration":
+            continue
+        for part, repository in (
+            ("proxyServer", "cluster-proxy/proxy-server"),
+            ("proxyAgent", "cluster-proxy/proxy-agent"),
+        ):
+            assert obj["spec"][part]["image"] == f"{repository}:{IMAGE_TAG}"
+
+
+# --- overlays of your own (docs/kubernetes.md) ----------------------------------------------------------
+
+
+def own_overlay(
+    directory: Path, base: str, kustomization: Mapping[str, Any], files: Mapping[str, str]
+) -> Path:
+    """An overlay of one's own in ``directory`` that points at ``overlays/<base>`` of this repository."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (directory / name).write_text(text)
+    body = {"resources": [os.path.relpath(KUSTOMIZE / "overlays" / base, directory)], **kustomization}
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(body, sort_keys=False))
+    return directory
+
+
+def only(objects: Sequence[Mapping[str, Any]], kind: str) -> Mapping[str, Any]:
+    (found,) = [o for o in objects if o["kind"] == kind]
+    return found
+
+
+def test_images_of_your_own_reach_every_image_field(tmp_path: Path) -> None:
+    """`images:` in one's own overlay renames container images, the cert-signer image the manager is
+    told (an env value) and the images in the ManagedProxyConfiguration the manager deploys."""
+    images = [
+        {"name": f"cluster-proxy/{part}", "newName": f"registry.example/cp/{part}", "newTag": "v9"}
+        for part in ("proxy-server", "proxy-agent", "cert-signer", "addon-manager")
+    ]
+    hub = render(own_overlay(tmp_path / "hub", "hub", {"images": images}, {}))
+    manager = only(hub, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert manager["image"] == "registry.example/cp/addon-manager:v9"
+    env = {e["name"]: e.get("value") for e in manager["env"]}
+    assert env["CERT_SIGNER_IMAGE"] == "registry.example/cp/cert-signer:v9"
+    mpc = only(hub, "ManagedProxyConfiguration")["spec"]
+    assert mpc["proxyServer"]["image"] == "registry.example/cp/proxy-server:v9"
+    assert mpc["proxyAgent"]["image"] == "registry.example/cp/proxy-agent:v9"
+    managed = render(own_overlay(tmp_path / "managed", "managed", {"images": images}, {}))
+    pod = only(managed, "Deployment")["spec"]["template"]["spec"]
+    assert {c["image"] for c in [*pod["initContainers"], *pod["containers"]]} == {
+        "registry.example/cp/proxy-agent:v9"
+    }
+
+
+MY_CLUSTER = {
+    "agent.env": "cluster=prod-east-1\nhub-agent-address=proxy.hub.corp.example:443\n"
+    "hub-signer-url=https://signer.hub.corp.example:8443\n",
+    "ca.crt": (KUSTOMIZE / "overlays" / "managed" / "example" / "ca.crt").read_text(),
+    "bootstrap-token": "0123456789ab.abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQ\n",
+}
+NAMESPACE = "open-cluster-management-cluster-proxy"
+# What docs/kubernetes.md tells an admin to write for a managed cluster.
+MY_CLUSTER_KUSTOMIZATION = {
+    "configMapGenerator": [
+        {"name": "cluster-proxy-agent", "namespace": NAMESPACE, "behavior": "replace", "envs": ["agent.env"]}
+    ],
+    "secretGenerator": [
+        {
+            "name": "cluster-proxy-agent-bootstrap",
+            "namespace": NAMESPACE,
+            "behavior": "replace",
+            "files": ["ca.crt", "bootstrap-token"],
+        }
+    ],
+}
+
+
+def test_a_managed_overlay_of_your_own_replaces_settings_and_credentials(tmp_path: Path) -> None:
+    objects = render(own_overlay(tmp_path / "mine", "managed", MY_CLUSTER_KUSTOMIZATION, MY_CLUSTER))
+    assert len([o for o in objects if o["kind"] == "ConfigMap"]) == 1
+    assert len([o for o in objects if o["kind"] == "Secret"]) == 1
+    pod = pod_of(only(objects, "Deployment"), objects, tmp_path / "pods")
+    (command,) = run_pod(pod)
+    assert "--cluster=prod-east-1" in command.argv
+    assert "--server=proxy.hub.corp.example:443" in command.argv
+    assert "--signer=https://signer.hub.corp.example:8443" in command.argv
+    assert command.env["CLUSTER_PROXY_AGENT_BOOTSTRAP_TOKEN"] == MY_CLUSTER["bootstrap-token"]
+    seeded = pod.root / "volumes" / "credentials" / "ca.crt"
+    assert seeded.read_text() == MY_CLUSTER["ca.crt"], "the init container did not seed the CA bundle"
+
+
+def test_the_hub_overlay_writes_nothing_the_addon_manager_writes() -> None:
+    """The manager server-side applies its hub objects and the ClusterManagementAddOn with force: an
+    object in the overlay too would flip between the two writers on every apply."""
+    from clusterproxy_addon_manager import render as manager_render
+    from clusterproxy_addon_manager.config import parse_mpc
+    from clusterproxy_addon_manager.main import parse_settings as manager_settings
+
+    objects = render(KUSTOMIZE / "overlays" / "hub")
+    deployment = only(objects, "Deployment")
+    pod = pod_of(deployment, objects, Path("/nonexistent"))
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    env = pod.environment(container)
+    settings = manager_settings([expand(a, env) for a in container["args"]], environ=env)
+    mpc = only(objects, "ManagedProxyConfiguration")
+    assert mpc["metadata"]["name"] == settings.mpc_name
+    cfg = parse_mpc(mpc, default_namespace=settings.namespace)
+    theirs = manager_render.hub_objects(
+        manager_render.HubInputs(
+            cfg=cfg,
+            endpoints=None,
+            ca_bundle_pem="",
+            server_token="",
+            store_prefix=settings.store_prefix,
+            signer_image=settings.cert_signer_image,
+        )
+    )
+    theirs.append(manager_render.cluster_management_addon(settings.mpc_name))
+    assert {key_of(o) for o in theirs}.isdisjoint({key_of(o) for o in objects})
+    for obj in objects:  # nor a Secret of the cert-signer's store, which the manager's signer writes
+        assert not (
+            obj["kind"] == "Secret" and obj["metadata"]["name"].startswith(settings.store_prefix + "-")
+        )
+
+
+def test_the_manager_can_take_over_an_agent_installed_by_hand() -> None:
+    """Same Deployment, namespace and selector as the agent the addon-manager writes into a
+    ManifestWork: enabling the addon for a cluster installed by hand updates the agent in place (a
+    Deployment's selector cannot change)."""
+    from clusterproxy_addon_manager import render as manager_render
+
+    ours = only(render(KUSTOMIZE / "overlays" / "managed"), "Deployment")
+    assert ours["metadata"]["name"] == manager_render.AGENT_DEPLOYMENT
+    assert ours["metadata"]["namespace"] == NAMESPACE
+    assert ours["spec"]["selector"] == {"matchLabels": manager_render.pod_selector("proxy-agent")}
+    assert ours["spec"]["template"]["spec"]["serviceAccountName"] == manager_render.AGENT_SERVICE_ACCOUNT
