@@ -115,9 +115,11 @@ class StoreContract:
         after = store.read_authorities()
         assert len(after.records) == 2 and after.pending is not None
         # writing against the version just read succeeds, and returns the version to write against next
-        written = store.write_authorities(list(after.records), expected_version=after.version)
+        changed = [*after.records[:-1], replace(after.records[-1], created_at=NOW + dt.timedelta(days=1))]
+        written = store.write_authorities(changed, expected_version=after.version)
         assert written.version != after.version
         assert written.version == backend.open().read_authorities().version
+        assert backend.open().read_authorities().records == tuple(changed)
         with pytest.raises(StoreConflict):
             store.write_authorities(list(after.records), expected_version=after.version)
 
