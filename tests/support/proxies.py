@@ -34,9 +34,11 @@ from tests.support.procs import POLL, Process
 EXTRA_PATH = ("/usr/sbin", "/sbin", "/usr/bin")
 DEBIAN_PACKAGE = {"tinyproxy": "tinyproxy", "squid": "squid"}
 STARTUP_TIMEOUT = 20.0
-SQUID_LOG_FORMAT = "%ts.%03tu %>a %rm %ru %>Hs"  # time client method URI status
+# time, client, method, URI, status, bytes from the client, bytes to the client (a tunnel's included)
+SQUID_LOG_FORMAT = "%ts.%03tu %>a %rm %ru %>Hs %>st %<st"
+TINYPROXY_PROBE_LINE = "closed socket before read"
 _TINYPROXY_REQUEST = re.compile(r"Request \(file descriptor \d+\): (\S+) (\S+)")
-_SQUID_REQUEST = re.compile(r"^\S+ \S+ (\S+) (\S+) (\d+)$")
+_SQUID_REQUEST = re.compile(r"^\S+ \S+ (\S+) (\S+) (\d+) (\d+) (\d+)$")
 
 
 def binary(name: str) -> str | None:
@@ -67,11 +69,14 @@ def _accepts(port: int) -> bool:
 
 @dataclass(frozen=True)
 class Request:
-    """A request line a proxy logged; ``status`` only where the proxy logs it (squid)."""
+    """A request line a proxy logged; ``status`` and the byte counts only where the proxy logs them
+    (squid, when the request ended)."""
 
     method: str
     target: str
     status: int | None = None
+    bytes_from_client: int | None = None
+    bytes_to_client: int | None = None
 
 
 @dataclass
@@ -111,11 +116,11 @@ class ForwardProxyProcess:
             else:
                 match = _SQUID_REQUEST.match(line.strip())
                 if match and match[1] != "-":  # "-": a connection that sent no request (a probe)
-                    found.append(Request(match[1], match[2], int(match[3])))
+                    found.append(Request(match[1], match[2], int(match[3]), int(match[4]), int(match[5])))
         return found
 
     def connections(self) -> int:
-        """Client connections tinyproxy logged (probes included)."""
+        """Client connections tinyproxy logged, the one readiness probe included."""
         assert self.kind == "tinyproxy"
         return self.log_text().count("Connect (file descriptor")
 
@@ -193,6 +198,11 @@ async def start_tinyproxy(
     )
     try:
         await proxy.wait_ready()
+        # the readiness probe is logged as a connection without a request: wait for that line, so that
+        # connections() counts exactly one probe from here on
+        with trio.fail_after(STARTUP_TIMEOUT):
+            while TINYPROXY_PROBE_LINE not in proxy.log_text():
+                await trio.sleep(POLL)
     except BaseException:
         proxy.stop()
         raise
