@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import statistics
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -446,6 +447,10 @@ async def test_two_signers_racing_never_sign_with_a_stale_ca_nor_spend_a_token_t
             "certificates": len(wins),
             "refusals": dict(Counter(a.refusal for a in attempts if a.refusal)),
             "certificates_by_signer": dict(Counter(a.signer for a in wins)),
+            "certificate_answer_ms": {
+                "median": round(1000 * statistics.median(a.ended - a.started for a in wins)),
+                "max": round(1000 * max(a.ended - a.started for a in wins)),
+            },
             "certificates_by_ca": {
                 "old": sum(a.ca_id == old_id for a in wins),
                 "new": sum(a.ca_id == new_id for a in wins),
