@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -267,6 +268,18 @@ class Controller:
         if not hub.synced:
             raise NotReady(f"the informers of namespace {namespace} are still listing")
         return hub
+
+    def start_hub_informers(self, timeout: float = 30.0) -> None:
+        """Start the informers of the MPC's namespace and wait (blocking, bounded) for their copy."""
+        cfg = self._config()
+        namespace = cfg.namespace if cfg is not None else self.options.namespace
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                self.hub_informers(namespace)
+                return
+            except NotReady:
+                time.sleep(0.02)
 
     def cluster_names(self) -> set[str]:
         names = {i["metadata"]["name"] for i in self.clusters.items()}

@@ -46,6 +46,7 @@ from .workqueue import WorkQueue
 __all__ = ["ManagerSettings", "build_parser", "main", "parse_settings", "serve"]
 
 ENV_PREFIX = "CLUSTER_PROXY_ADDON_MANAGER_"
+NOT_READY_RETRY = 0.05
 PROG = "cluster-proxy-addon-manager"
 
 
@@ -288,9 +289,11 @@ class Manager:
             try:
                 await trio.to_thread.run_sync(self.controller.reconcile, key, abandon_on_cancel=True)
             except NotReady as exc:
-                delay = self.queue.done(key, failed=True)
+                # not a failure: an informer is still listing (a fraction of a second)
+                self.queue.done(key)
+                self.queue.add_after(key, NOT_READY_RETRY)
                 self.metrics.reconciles.labels(kind, "retry").inc()
-                self.log.debug("reconcile_waiting", key=key, reason=str(exc), retry_in=round(delay or 0, 2))
+                self.log.debug("reconcile_waiting", key=key, reason=str(exc))
             except Exception as exc:
                 delay = self.queue.done(key, failed=True)
                 self.metrics.reconciles.labels(kind, "error").inc()
@@ -367,6 +370,10 @@ class Manager:
             started = trio.current_time()
             while not self.controller.synced:
                 await trio.sleep(0.02)
+            # the hub namespace's informers too, before the first reconcile needs them; and the
+            # store's client (importing the generated kubernetes client takes most of a second)
+            await trio.to_thread.run_sync(self.controller.start_hub_informers)
+            await trio.to_thread.run_sync(self.kube.core_v1)
             self.log.info("manager_synced", seconds=round(trio.current_time() - started, 3))
             self.ready = True
             for key in self.controller.all_keys():

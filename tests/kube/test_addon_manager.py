@@ -1,0 +1,882 @@
+"""The addon-manager as a process against the real hub API server (tests/kube/conftest.py).
+
+Each test gets its own ManagedProxyConfiguration and hub namespace (``am-<random>``) and its own
+manager process (``--mpc-name`` and ``--namespace`` point at them), and names its managed clusters
+uniquely, so tests do not see each other's objects. Timings are printed (``-s``) and collected in
+LATENCIES; every wait has a deadline. Objects are created and read with the ``kubernetes`` client,
+not with the manager's own code.
+
+No pod runs (no kubelet), so "the work agent" is the test: it writes a ManifestWork's status the way
+OCM's work agent would; and "the cloud" too: it writes a LoadBalancer Service's status.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import secrets
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import trio
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from clusterproxy_protocol.certclient import CertFiles
+from clusterproxy_protocol.pki import DevCA
+from tests.support.kubeapi import KubeCluster, KubeClusters
+from tests.support.pki import PkiFiles
+from tests.support.procs import Hub, Process
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+MPC_CRD = ROOT / "deploy/kustomize/base/crds/proxy.open-cluster-management.io_managedproxyconfigurations.yaml"
+RBAC = ROOT / "deploy/kustomize/base/addon-manager/rbac.yaml"
+MANAGER = str(Path(sys.executable).parent / "cluster-proxy-addon-manager")
+WORK = "addon-cluster-proxy-deploy"
+LABEL = "app.kubernetes.io/managed-by=cluster-proxy-addon-manager"
+LATENCY_BOUND = 5.0
+#: measured times of this run, by what was measured (printed at the end of the module)
+LATENCIES: dict[str, list[float]] = {}
+
+MPC = ("proxy.open-cluster-management.io", "v1alpha1", "managedproxyconfigurations")
+MANAGED_CLUSTER = ("cluster.open-cluster-management.io", "v1", "managedclusters")
+ADDON = ("addon.open-cluster-management.io", "v1alpha1", "managedclusteraddons")
+DEPLOY_CONFIG = ("addon.open-cluster-management.io", "v1alpha1", "addondeploymentconfigs")
+MANIFEST_WORK = ("work.open-cluster-management.io", "v1", "manifestworks")
+
+T = TypeVar("T")
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(3)}"
+
+
+def wait_for(
+    probe: Callable[[], T | None], *, timeout: float, what: str, interval: float = 0.01
+) -> tuple[T, float]:
+    """Poll ``probe`` until it returns something truthy; (that value, seconds it took)."""
+    started = time.monotonic()
+    deadline = started + timeout
+    while True:
+        value = probe()
+        if value:
+            return value, time.monotonic() - started
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def record(what: str, seconds: float) -> None:
+    LATENCIES.setdefault(what, []).append(seconds)
+    print(f"[addon-manager] {what}: {seconds * 1000:.0f} ms")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def print_latencies() -> Iterator[None]:
+    yield
+    for what, values in LATENCIES.items():
+        print(
+            f"[addon-manager] {what}: n={len(values)} min={min(values) * 1000:.0f} ms "
+            f"max={max(values) * 1000:.0f} ms"
+        )
+
+
+@pytest.fixture(scope="module")
+def hub(kube_clusters: KubeClusters) -> KubeCluster:
+    """The hub with the ManagedProxyConfiguration CRD installed (the OCM CRDs already are)."""
+    cluster = kube_clusters["hub"]
+    applied = cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(MPC_CRD))
+    assert applied.returncode == 0, applied.stderr
+    waited = cluster.kubectl(
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/managedproxyconfigurations.proxy.open-cluster-management.io",
+    )
+    assert waited.returncode == 0, waited.stderr
+    return cluster
+
+
+class Manager:
+    """``cluster-proxy-addon-manager`` as a process, logging JSON to a file."""
+
+    def __init__(self, log_dir: Path, name: str, argv: list[str]) -> None:
+        self.argv = argv
+        self.process = Process(name, [MANAGER, *argv], log_dir)
+        self.admin = ""
+
+    def wait_started(self, *, synced: bool = True, timeout: float = 20.0) -> None:
+        started, _ = wait_for(
+            lambda: self.event("manager_started"), timeout=timeout, what="manager_started", interval=0.02
+        )
+        self.admin = started["admin_port"]
+        if synced:
+            wait_for(
+                lambda: self.event("manager_synced"),
+                timeout=timeout,
+                what=f"manager_synced:\n{self.process.tail()}",
+            )
+
+    def event(self, name: str) -> dict[str, Any] | None:
+        if self.process.popen.poll() is not None:
+            raise AssertionError(
+                f"the manager exited ({self.process.popen.returncode}):\n{self.process.tail()}"
+            )
+        found = [r for r in self.process.events() if r.get("event") == name]
+        return found[-1] if found else None
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [r for r in self.process.events() if r.get("event") == name]
+
+    def readyz(self) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://{self.admin}/readyz", timeout=5) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def kill(self) -> None:
+        self.process.kill(signal.SIGKILL)
+        self.process.popen.wait(10)
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+class Env:
+    """One test's world on the hub: its MPC, hub namespace, clusters, and manager processes."""
+
+    def __init__(self, hub: KubeCluster, tmp_path: Path) -> None:
+        self.hub = hub
+        self.tmp = tmp_path
+        self.name = unique("am")  # the MPC's name and the hub namespace of the proxy-servers
+        self.api = hub.api_client()
+        self.custom = client.CustomObjectsApi(self.api)
+        self.core = client.CoreV1Api(self.api)
+        self.apps = client.AppsV1Api(self.api)
+        self.clusters: list[str] = []
+        self.managers: list[Manager] = []
+
+    # the manager
+    def start_manager(
+        self, *extra: str, kubeconfig: Path | None = None, namespace: str | None = None, synced: bool = True
+    ) -> Manager:
+        argv = [
+            f"--kubeconfig={kubeconfig or self.hub.kubeconfig}",
+            f"--namespace={namespace or self.name}",
+            f"--mpc-name={self.name}",
+            "--admin-listen=127.0.0.1:0",
+            "--availability-poll=1s",
+            "--resync-period=5m",
+            "--log-format=json",
+            "--log-level=debug",
+            *extra,
+        ]
+        manager = Manager(self.tmp, f"manager-{len(self.managers)}", argv)
+        self.managers.append(manager)
+        manager.wait_started(synced=synced)
+        return manager
+
+    # objects
+    def create_namespace(self, name: str) -> None:
+        with contextlib.suppress(ApiException):
+            self.core.create_namespace({"metadata": {"name": name}})
+
+    def create_mpc(self, spec: dict[str, Any] | None = None) -> dict[str, Any]:
+        self.create_namespace(self.name)
+        if spec is None:
+            spec = {"proxyServer": {"entrypoint": {"type": "Hostname", "hostname": {"value": "127.0.0.1"}}}}
+        spec = {**spec, "proxyServer": {"namespace": self.name, **spec.get("proxyServer", {})}}
+        body = {
+            "apiVersion": "/".join(MPC[:2]),
+            "kind": "ManagedProxyConfiguration",
+            "metadata": {"name": self.name},
+            "spec": spec,
+        }
+        return self.custom.create_cluster_custom_object(MPC[0], MPC[1], MPC[2], body)
+
+    def patch_mpc(self, patch: dict[str, Any]) -> None:
+        self.custom.patch_cluster_custom_object(MPC[0], MPC[1], MPC[2], self.name, patch)
+
+    def mpc(self) -> dict[str, Any]:
+        return self.custom.get_cluster_custom_object(MPC[0], MPC[1], MPC[2], self.name)
+
+    def add_cluster(self, prefix: str = "c") -> str:
+        name = unique(f"{self.name}-{prefix}")
+        self.create_namespace(name)
+        self.custom.create_cluster_custom_object(
+            *MANAGED_CLUSTER,
+            {
+                "apiVersion": "/".join(MANAGED_CLUSTER[:2]),
+                "kind": "ManagedCluster",
+                "metadata": {"name": name},
+                "spec": {"hubAcceptsClient": True},
+            },
+        )
+        self.clusters.append(name)
+        return name
+
+    def add_addon(self, cluster: str, configs: list[dict[str, Any]] | None = None) -> None:
+        body = {
+            "apiVersion": "/".join(ADDON[:2]),
+            "kind": "ManagedClusterAddOn",
+            "metadata": {"name": "cluster-proxy", "namespace": cluster},
+            "spec": {"configs": configs} if configs else {},
+        }
+        self.custom.create_namespaced_custom_object(ADDON[0], ADDON[1], cluster, ADDON[2], body)
+
+    def delete_addon(self, cluster: str) -> None:
+        self.custom.delete_namespaced_custom_object(ADDON[0], ADDON[1], cluster, ADDON[2], "cluster-proxy")
+
+    def delete_cluster(self, cluster: str) -> None:
+        self.custom.delete_cluster_custom_object(*MANAGED_CLUSTER, cluster)
+
+    def addon(self, cluster: str) -> dict[str, Any]:
+        return self.custom.get_namespaced_custom_object(
+            ADDON[0], ADDON[1], cluster, ADDON[2], "cluster-proxy"
+        )
+
+    def conditions(self, cluster: str) -> dict[str, dict[str, Any]]:
+        return {c["type"]: c for c in (self.addon(cluster).get("status") or {}).get("conditions") or []}
+
+    def mpc_conditions(self) -> dict[str, dict[str, Any]]:
+        return {c["type"]: c for c in (self.mpc().get("status") or {}).get("conditions") or []}
+
+    def work(self, cluster: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_namespaced_custom_object(
+                MANIFEST_WORK[0], MANIFEST_WORK[1], cluster, MANIFEST_WORK[2], WORK
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def works(self) -> list[dict[str, Any]]:
+        """Every ManifestWork of this manager in this test's clusters."""
+        found = self.custom.list_cluster_custom_object(*MANIFEST_WORK, label_selector=LABEL)["items"]
+        return [w for w in found if w["metadata"]["namespace"] in self.clusters]
+
+    def cleanup(self) -> None:
+        for manager in self.managers:
+            manager.stop()
+        for cluster in self.clusters:
+            for delete in (
+                lambda c=cluster: self.delete_addon(c),
+                lambda c=cluster: self.delete_cluster(c),
+                lambda c=cluster: self.custom.delete_namespaced_custom_object(
+                    MANIFEST_WORK[0], MANIFEST_WORK[1], c, MANIFEST_WORK[2], WORK
+                ),
+            ):
+                with contextlib.suppress(ApiException):
+                    delete()
+        with contextlib.suppress(ApiException):
+            self.custom.delete_cluster_custom_object(*MPC, self.name)
+        self.api.close()
+
+
+@pytest.fixture
+def env(hub: KubeCluster, tmp_path: Path) -> Iterator[Env]:
+    world = Env(hub, tmp_path)
+    try:
+        yield world
+    finally:
+        world.cleanup()
+
+
+# --- reading a ManifestWork ----------------------------------------------------------------------------
+
+
+def manifests(work: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {m["kind"]: m for m in work["spec"]["workload"]["manifests"]}
+
+
+def agent_container(work: dict[str, Any]) -> dict[str, Any]:
+    return manifests(work)["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+
+
+def work_token(work: dict[str, Any]) -> str:
+    return base64.b64decode(manifests(work)["Secret"]["data"]["bootstrap-token"]).decode()
+
+
+def has_arg(work: dict[str, Any] | None, arg: str) -> bool:
+    return work is not None and arg in agent_container(work)["args"]
+
+
+# --- tests ---------------------------------------------------------------------------------------------
+
+
+def test_work_appears_and_goes_within_5s(env: Env) -> None:
+    env.create_mpc()
+    env.start_manager()
+    cluster = env.add_cluster()
+
+    started = time.monotonic()
+    env.add_addon(cluster)
+    work, _ = wait_for(lambda: env.work(cluster), timeout=LATENCY_BOUND, what="the ManifestWork")
+    record("addon created -> ManifestWork", time.monotonic() - started)
+
+    # what the agent needs is all there
+    container = agent_container(work)
+    assert container["command"] == ["cluster-proxy-agent"]
+    assert f"--cluster={cluster}" in container["args"]
+    assert "--server=127.0.0.1:8091" in container["args"]
+    assert "--signer=https://127.0.0.1:8443" in container["args"]
+    addon = env.addon(cluster)
+    assert work["metadata"]["ownerReferences"][0]["uid"] == addon["metadata"]["uid"]
+    token = work_token(work)
+    store_secret = env.core.read_namespaced_secret(f"cluster-proxy-ca-token-{token.split('.')[0]}", env.name)
+    record_json = json.loads(base64.b64decode(store_secret.data["record.json"]))
+    assert record_json["binding"]["cluster"] == cluster and record_json["used_at"] is None
+    bundle = base64.b64decode(manifests(work)["Secret"]["data"]["ca.crt"]).decode()
+    authorities = env.core.read_namespaced_secret("cluster-proxy-ca-authorities", env.name)
+    cas = [base64.b64decode(v).decode().strip() for k, v in authorities.data.items() if k.endswith(".crt")]
+    assert cas and all(ca in bundle for ca in cas)  # the agent trusts the store's CA(s)
+
+    # the hub side, owned by the MPC (its conditions are written once all of it is)
+    conditions, _ = wait_for(
+        lambda: (c := env.mpc_conditions()) and "ProxyServerDeployed" in c and c,
+        timeout=5,
+        what="MPC conditions",
+    )
+    uid = env.mpc()["metadata"]["uid"]
+    for deployment in ("cluster-proxy", "cluster-proxy-cert-signer"):
+        found = env.apps.read_namespaced_deployment(deployment, env.name)
+        assert found.metadata.owner_references[0].uid == uid
+    for service in (
+        "proxy-entrypoint",
+        "proxy-agent-entrypoint",
+        "cluster-proxy-cert-signer",
+        "cluster-proxy-admin",
+    ):
+        assert env.core.read_namespaced_service(service, env.name).metadata.owner_references[0].uid == uid
+    assert conditions["ProxyServerDeployed"]["status"] == "True"
+    assert conditions["EntrypointReady"]["status"] == "True"
+    assert conditions["ProxyServerSecretsSigned"]["status"] == "False"  # no proxy-server has run
+
+    started = time.monotonic()
+    env.delete_addon(cluster)
+    wait_for(
+        lambda: env.work(cluster) is None,
+        timeout=LATENCY_BOUND,
+        what="the ManifestWork to go (addon deleted)",
+    )
+    record("addon deleted -> ManifestWork gone", time.monotonic() - started)
+    # its unused token goes with it
+    token_secret = f"cluster-proxy-ca-token-{token.split('.')[0]}"
+    wait_for(
+        lambda: (
+            not env.core.list_namespaced_secret(
+                env.name, field_selector=f"metadata.name={token_secret}"
+            ).items
+        ),
+        timeout=5,
+        what="the unused token to be deleted",
+    )
+
+    env.add_addon(cluster)
+    wait_for(lambda: env.work(cluster), timeout=LATENCY_BOUND, what="the ManifestWork again")
+    started = time.monotonic()
+    env.delete_cluster(cluster)
+    wait_for(
+        lambda: env.work(cluster) is None,
+        timeout=LATENCY_BOUND,
+        what="the ManifestWork to go (cluster deleted)",
+    )
+    record("cluster deleted -> ManifestWork gone", time.monotonic() - started)
+
+
+def test_mpc_edit_updates_every_work(env: Env) -> None:
+    env.create_mpc()
+    env.start_manager()
+    clusters = [env.add_cluster() for _ in range(3)]
+    for cluster in clusters:
+        env.add_addon(cluster)
+    before = {}
+    for cluster in clusters:
+        before[cluster], _ = wait_for(
+            lambda c=cluster: env.work(c), timeout=LATENCY_BOUND, what=f"work of {cluster}"
+        )
+
+    started = time.monotonic()
+    env.patch_mpc(
+        {
+            "spec": {
+                "proxyAgent": {
+                    "replicas": 2,
+                    "image": "cluster-proxy/proxy-agent:v2",
+                    "additionalArgs": ["--dial-timeout=5s"],
+                }
+            }
+        }
+    )
+
+    def updated(cluster: str) -> dict[str, Any] | None:
+        work = env.work(cluster)
+        if work is None or not has_arg(work, "--dial-timeout=5s"):
+            return None
+        return work
+
+    for cluster in clusters:
+        work, _ = wait_for(
+            lambda c=cluster: updated(c), timeout=LATENCY_BOUND, what=f"updated work of {cluster}"
+        )
+        deployment = manifests(work)["Deployment"]
+        assert deployment["spec"]["replicas"] == 2
+        assert agent_container(work)["image"] == "cluster-proxy/proxy-agent:v2"
+        assert agent_container(work)["args"][-1] == "--dial-timeout=5s"
+        # the same object, updated in place, the same (unused) token: nothing was re-minted
+        assert work["metadata"]["uid"] == before[cluster]["metadata"]["uid"]
+        assert work_token(work) == work_token(before[cluster])
+    record("MPC edited -> every ManifestWork updated (3 clusters)", time.monotonic() - started)
+    assert len(env.works()) == 3
+
+
+def test_deploy_config_proxy_lands_in_its_clusters_agent(env: Env) -> None:
+    env.create_mpc()
+    env.start_manager()
+    cluster1, cluster2 = env.add_cluster("one"), env.add_cluster("two")
+    proxy_ca = DevCA.create_or_load(env.tmp / "proxy-ca").ca_path.read_text()
+    env.custom.create_namespaced_custom_object(
+        DEPLOY_CONFIG[0],
+        DEPLOY_CONFIG[1],
+        cluster2,
+        DEPLOY_CONFIG[2],
+        {
+            "apiVersion": "/".join(DEPLOY_CONFIG[:2]),
+            "kind": "AddOnDeploymentConfig",
+            "metadata": {"name": "proxy-settings", "namespace": cluster2},
+            "spec": {
+                "proxyConfig": {
+                    "httpProxy": "http://squid.corp:3128",
+                    "httpsProxy": "http://squid.corp:3128",
+                    "noProxy": "10.0.0.0/8,.cluster.local",
+                    "caBundle": base64.b64encode(proxy_ca.encode()).decode(),
+                }
+            },
+        },
+    )
+    env.add_addon(cluster1)
+    env.add_addon(
+        cluster2,
+        configs=[
+            {
+                "group": "addon.open-cluster-management.io",
+                "resource": "addondeploymentconfigs",
+                "name": "proxy-settings",
+            }
+        ],
+    )
+    work2, _ = wait_for(lambda: env.work(cluster2), timeout=LATENCY_BOUND, what="cluster2's work")
+    work1, _ = wait_for(lambda: env.work(cluster1), timeout=LATENCY_BOUND, what="cluster1's work")
+    env2 = {e["name"]: e.get("value") for e in agent_container(work2)["env"]}
+    assert env2["HTTPS_PROXY"] == "http://squid.corp:3128"
+    assert env2["HTTP_PROXY"] == "http://squid.corp:3128"
+    assert env2["NO_PROXY"] == "10.0.0.0/8,.cluster.local"
+    assert "--proxy-ca-file=/etc/cluster-proxy/bootstrap/proxy-ca.crt" in agent_container(work2)["args"]
+    assert base64.b64decode(manifests(work2)["Secret"]["data"]["proxy-ca.crt"]).decode() == proxy_ca
+    assert not any(e["name"].endswith("_PROXY") for e in agent_container(work1)["env"])
+
+    started = time.monotonic()
+    env.custom.patch_namespaced_custom_object(
+        DEPLOY_CONFIG[0],
+        DEPLOY_CONFIG[1],
+        cluster2,
+        DEPLOY_CONFIG[2],
+        "proxy-settings",
+        {"spec": {"proxyConfig": {"httpsProxy": "http://other.corp:8080"}}},
+    )
+
+    def moved() -> bool:
+        work = env.work(cluster2)
+        return (
+            work is not None
+            and {"name": "HTTPS_PROXY", "value": "http://other.corp:8080"} in agent_container(work)["env"]
+        )
+
+    wait_for(moved, timeout=LATENCY_BOUND, what="the edited proxy in cluster2's work")
+    record("AddOnDeploymentConfig edited -> its cluster's ManifestWork updated", time.monotonic() - started)
+
+
+def test_manifest_applied_follows_the_works_status(env: Env) -> None:
+    env.create_mpc()
+    env.start_manager()
+    cluster = env.add_cluster()
+    env.add_addon(cluster)
+    wait_for(lambda: env.work(cluster), timeout=LATENCY_BOUND, what="the work")
+    waiting, _ = wait_for(
+        lambda: env.conditions(cluster).get("ManifestApplied"), timeout=5, what="ManifestApplied"
+    )
+    assert (waiting["status"], waiting["reason"]) == ("Unknown", "WaitingForWorkAgent")
+
+    def report(status: str, reason: str, message: str) -> None:
+        # as OCM's work agent does: the Applied condition on the ManifestWork's status subresource
+        current = env.work(cluster)
+        assert current is not None
+        current["status"] = {
+            "conditions": [
+                {
+                    "type": "Applied",
+                    "status": status,
+                    "reason": reason,
+                    "message": message,
+                    "observedGeneration": current["metadata"]["generation"],
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                }
+            ]
+        }
+        env.custom.replace_namespaced_custom_object_status(
+            MANIFEST_WORK[0], MANIFEST_WORK[1], cluster, MANIFEST_WORK[2], WORK, current
+        )
+
+    report("False", "AppliedManifestWorkFailed", "namespaces is forbidden")
+    failed, _ = wait_for(
+        lambda: (c := env.conditions(cluster).get("ManifestApplied")) and c["status"] == "False" and c,
+        timeout=5,
+        what="ManifestApplied False",
+    )
+    assert "namespaces is forbidden" in failed["message"]
+    started = time.monotonic()
+    report("True", "AppliedManifestWorkComplete", "Apply manifest work complete")
+    wait_for(
+        lambda: env.conditions(cluster).get("ManifestApplied", {}).get("status") == "True",
+        timeout=5,
+        what="ManifestApplied True",
+    )
+    record("work status Applied -> addon ManifestApplied", time.monotonic() - started)
+
+
+async def test_available_follows_the_agents_tunnel(env: Env, tmp_path: Path) -> None:
+    """A real proxy-server and agent (development PKI, not from the ManifestWork: that end-to-end run
+    is another test's); the manager polls the server's admin API (--admin-url)."""
+    env.create_mpc()
+    cluster = env.add_cluster()
+    ca = DevCA.create_or_load(tmp_path / "ca")
+    leaves = tmp_path / "leaves"
+    pki = PkiFiles(
+        ca=ca.ca_path,
+        server=ca.issue_server("proxy-server", ["localhost", "127.0.0.1"], leaves),
+        client=ca.issue_client("test-admin", leaves),
+        agents={},
+        foreign_client=ca.issue_client("unused", leaves),
+    )
+    proxy = Hub(pki, tmp_path)
+    await proxy.start_server()
+    try:
+        manager = await trio.to_thread.run_sync(
+            lambda: env.start_manager(f"--admin-url=http://127.0.0.1:{proxy.admin_port}")
+        )
+        env.add_addon(cluster)
+
+        def available() -> str | None:
+            return env.conditions(cluster).get("Available", {}).get("status")
+
+        def kubectl_available() -> str:
+            shown = env.hub.kubectl("get", "managedclusteraddon", "-n", cluster, "--no-headers")
+            assert shown.returncode == 0, shown.stderr
+            return shown.stdout.split()[1]  # NAME AVAILABLE DEGRADED PROGRESSING
+
+        await trio.to_thread.run_sync(
+            lambda: wait_for(
+                lambda: available() == "False", timeout=10, what="Available False (no agent yet)"
+            )
+        )
+        pair = ca.issue_agent(cluster, "agent-a", leaves)
+        argv = proxy.agent_argv(CertFiles(pair.cert, pair.key, ca.ca_path), cluster, "agent-a")
+        agent = proxy.launch_agent("agent", argv)
+        await proxy.wait_agent(cluster, "agent-a")
+        started = time.monotonic()
+        await trio.to_thread.run_sync(
+            lambda: wait_for(lambda: available() == "True", timeout=10, what="Available True")
+        )
+        record("agent connected -> Available True", time.monotonic() - started)
+        assert kubectl_available() == "True"
+
+        agent.kill(signal.SIGKILL)
+        started = time.monotonic()
+        await trio.to_thread.run_sync(
+            lambda: wait_for(
+                lambda: available() == "False", timeout=30, what="Available False after the agent died"
+            )
+        )
+        record("agent killed -> Available False", time.monotonic() - started)
+        assert kubectl_available() == "False"
+        assert "no agent of cluster" in env.conditions(cluster)["Available"]["message"]
+
+        again = proxy.launch_agent("agent-again", argv)
+        await proxy.wait_agent(cluster, "agent-a")
+        started = time.monotonic()
+        await trio.to_thread.run_sync(
+            lambda: wait_for(lambda: available() == "True", timeout=30, what="Available True again")
+        )
+        record("agent back -> Available True", time.monotonic() - started)
+        assert kubectl_available() == "True"
+        again.stop()
+
+        # no answer from any proxy-server: Unknown, with the reason
+        assert proxy.server is not None
+        proxy.server.stop()
+        unknown, _ = await trio.to_thread.run_sync(
+            lambda: wait_for(
+                lambda: (c := env.conditions(cluster).get("Available")) and c["status"] == "Unknown" and c,
+                timeout=15,
+                what="Available Unknown",
+            )
+        )
+        assert unknown["reason"] == "ProxyServerUnreachable"
+        assert manager.process.popen.poll() is None
+    finally:
+        proxy.stop()
+
+
+def test_manager_killed_and_restarted_converges(env: Env) -> None:
+    env.create_mpc()
+    manager = env.start_manager()
+    kept, dropped = env.add_cluster("kept"), env.add_cluster("dropped")
+    for cluster in (kept, dropped):
+        env.add_addon(cluster)
+    before = {
+        c: wait_for(lambda c=c: env.work(c), timeout=LATENCY_BOUND, what=f"work of {c}")[0]
+        for c in (kept, dropped)
+    }
+    manager.kill()
+
+    # while it is down: an addon goes, a cluster comes, the MPC changes
+    env.delete_addon(dropped)
+    added = env.add_cluster("added")
+    env.add_addon(added)
+    env.patch_mpc({"spec": {"proxyAgent": {"image": "cluster-proxy/proxy-agent:after-restart"}}})
+    time.sleep(0.5)  # nothing may happen while the manager is down: the state must stay as it was
+    assert env.work(dropped) is not None and env.work(added) is None
+
+    started = time.monotonic()
+    env.start_manager()
+
+    def converged() -> bool:
+        works = {w["metadata"]["namespace"]: w for w in env.works()}
+        return set(works) == {kept, added} and all(
+            agent_container(w)["image"] == "cluster-proxy/proxy-agent:after-restart" for w in works.values()
+        )
+
+    wait_for(converged, timeout=10, what="the restarted manager to converge")
+    record("manager restarted (SIGKILL) -> converged", time.monotonic() - started)
+    after = env.work(kept)
+    assert after is not None
+    # the kept cluster's work was updated in place, and its unused token reused, not re-minted
+    assert after["metadata"]["uid"] == before[kept]["metadata"]["uid"]
+    assert work_token(after) == work_token(before[kept])
+    tokens = env.core.list_namespaced_secret(env.name, label_selector="cluster-proxy.io/kind=token").items
+    groups = [json.loads(base64.b64decode(s.data["record.json"]))["description"] for s in tokens]
+    assert sorted(groups) == sorted(
+        ["addon-manager proxy-server", f"addon-manager cluster {kept}", f"addon-manager cluster {added}"]
+    )
+
+
+def test_hub_api_server_restart_is_survived(env: Env, hub: KubeCluster) -> None:
+    env.create_mpc()
+    manager = env.start_manager()
+    before = env.add_cluster("before")
+    env.add_addon(before)
+    wait_for(lambda: env.work(before), timeout=LATENCY_BOUND, what="work before the restart")
+
+    hub.stop()
+    time.sleep(2)  # the API server stays down a while: the manager's watches fail and back off
+    hub.start()
+    restarted = time.monotonic()
+    assert manager.process.popen.poll() is None
+
+    # a change made after the restart is reconciled by the same process
+    after = env.add_cluster("after")
+    env.add_addon(after)
+    wait_for(lambda: env.work(after), timeout=20, what="a work for a cluster added after the restart")
+    record("hub API server back -> new addon reconciled", time.monotonic() - restarted)
+    env.patch_mpc({"spec": {"proxyAgent": {"additionalArgs": ["--dial-timeout=7s"]}}})
+    wait_for(
+        lambda: has_arg(env.work(before), "--dial-timeout=7s"),
+        timeout=LATENCY_BOUND,
+        what="an MPC edit after the restart",
+    )
+    assert manager.events("watch_failed"), "the restart went unnoticed: was the API server down?"
+
+
+def test_load_balancer_entrypoint_waits_for_its_address(env: Env) -> None:
+    env.create_mpc({"proxyServer": {"entrypoint": {"type": "LoadBalancerService"}}})
+    env.start_manager()
+    cluster = env.add_cluster()
+    env.add_addon(cluster)
+    waiting, _ = wait_for(
+        lambda: env.conditions(cluster).get("ManifestApplied"), timeout=5, what="ManifestApplied"
+    )
+    assert (waiting["status"], waiting["reason"]) == ("False", "WaitingForLoadBalancer")
+    assert env.work(cluster) is None
+    wait_for(lambda: env.mpc_conditions().get("EntrypointReady"), timeout=5, what="the hub side")
+    entry = env.core.read_namespaced_service("proxy-agent-entrypoint", env.name)
+    assert entry.spec.type == "LoadBalancer"
+    assert env.mpc_conditions()["EntrypointReady"]["reason"] == "WaitingForLoadBalancer"
+
+    # the cloud provisions the two load balancers
+    for service, address in (
+        ("proxy-agent-entrypoint", "203.0.113.10"),
+        ("cluster-proxy-cert-signer-entrypoint", "203.0.113.11"),
+    ):
+        env.core.patch_namespaced_service_status(
+            service, env.name, {"status": {"loadBalancer": {"ingress": [{"ip": address}]}}}
+        )
+    work, _ = wait_for(lambda: env.work(cluster), timeout=LATENCY_BOUND, what="the work once addresses exist")
+    assert "--server=203.0.113.10:8091" in agent_container(work)["args"]
+    assert "--signer=https://203.0.113.11:8443" in agent_container(work)["args"]
+    wait_for(
+        lambda: env.mpc_conditions().get("EntrypointReady", {}).get("status") == "True",
+        timeout=5,
+        what="EntrypointReady",
+    )
+    server = env.apps.read_namespaced_deployment("cluster-proxy", env.name).spec.template.spec.containers[0]
+    assert "--tls-host=203.0.113.10" in server.args  # agents verify the address they dial
+
+
+def test_mpc_deleted_takes_the_hub_side_with_it(env: Env) -> None:
+    env.create_mpc()
+    env.start_manager()
+    wait_for(lambda: env.mpc_conditions().get("ProxyServerDeployed"), timeout=10, what="the hub side")
+    env.custom.delete_cluster_custom_object(*MPC, env.name)
+
+    def hub_side_gone() -> bool:
+        deployments = env.apps.list_namespaced_deployment(env.name, label_selector=LABEL).items
+        services = env.core.list_namespaced_service(env.name, label_selector=LABEL).items
+        accounts = env.core.list_namespaced_service_account(env.name, label_selector=LABEL).items
+        return not deployments and not services and not accounts
+
+    wait_for(hub_side_gone, timeout=LATENCY_BOUND, what="the hub objects to go with the MPC")
+    # the CA stays: agents holding its certificates keep working if the MPC comes back
+    env.core.read_namespaced_secret("cluster-proxy-ca-authorities", env.name)
+
+
+def test_missing_crds_are_named(kube_clusters: KubeClusters, tmp_path: Path) -> None:
+    """cluster1 has no OCM or MPC CRDs: the manager says which are missing and how to install them,
+    and is not ready."""
+    cluster1 = kube_clusters["cluster1"]
+    manager = Manager(
+        tmp_path,
+        "manager",
+        [f"--kubeconfig={cluster1.kubeconfig}", "--admin-listen=127.0.0.1:0", "--log-format=json"],
+    )
+    try:
+        manager.wait_started(synced=False)
+        records, _ = wait_for(
+            lambda: (
+                len(found := [r for r in manager.events("watch_failed") if r["level"] == "error"]) >= 6
+                and found
+            ),
+            timeout=10,
+            what="errors for the missing CRDs",
+        )
+        errors = " ".join(r["error"] for r in records)
+        assert (
+            "the CRD managedproxyconfigurations.proxy.open-cluster-management.io is not installed" in errors
+        )
+        assert (
+            "kubectl apply -f deploy/kustomize/base/crds/proxy.open-cluster-management.io_managedproxyconfigurations.yaml"
+            in errors
+        )
+        assert "the CRD manifestworks.work.open-cluster-management.io is not installed" in errors
+        status, body = manager.readyz()
+        assert status == 503 and "is not installed" in body
+    finally:
+        manager.stop()
+
+
+def _token_kubeconfig(hub: KubeCluster, path: Path, namespace: str, account: str) -> Path:
+    api = hub.api_client()
+    try:
+        core = client.CoreV1Api(api)
+        with contextlib.suppress(ApiException):
+            core.create_namespaced_service_account(namespace, {"metadata": {"name": account}})
+        token = core.create_namespaced_service_account_token(
+            account, namespace, {"spec": {"expirationSeconds": 3600}}
+        ).status.token
+    finally:
+        api.close()
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {"name": "hub", "cluster": {"server": hub.url, "certificate-authority": str(hub.ca_path)}}
+                ],
+                "users": [{"name": account, "user": {"token": token}}],
+                "contexts": [{"name": "hub", "context": {"cluster": "hub", "user": account}}],
+                "current-context": "hub",
+            }
+        )
+    )
+    return path
+
+
+def test_rbac_file_is_all_the_manager_needs(env: Env, hub: KubeCluster) -> None:
+    """Run as a ServiceAccount bound by deploy/kustomize/base/addon-manager/rbac.yaml and nothing
+    else: the hub side, the CA store, a ManifestWork and the statuses are all written."""
+    namespace = "open-cluster-management-addon"
+    env.create_namespace(namespace)
+    applied = hub.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(RBAC))
+    assert applied.returncode == 0, applied.stderr
+    kubeconfig = _token_kubeconfig(
+        hub, env.tmp / "manager.kubeconfig", namespace, "cluster-proxy-addon-manager"
+    )
+    # the MPC names no namespace: the manager's own, where the Role is
+    env.create_mpc(
+        {
+            "proxyServer": {
+                "namespace": namespace,
+                "entrypoint": {"type": "Hostname", "hostname": {"value": "127.0.0.1"}},
+            }
+        }
+    )
+    manager = env.start_manager(kubeconfig=kubeconfig, namespace=namespace)
+    cluster = env.add_cluster()
+    env.add_addon(cluster)
+    wait_for(lambda: env.work(cluster), timeout=LATENCY_BOUND, what="the work, as the ServiceAccount")
+    wait_for(
+        lambda: env.conditions(cluster).get("ManifestApplied"),
+        timeout=5,
+        what="addon status, as the ServiceAccount",
+    )
+    wait_for(
+        lambda: env.mpc_conditions().get("ProxyServerDeployed"),
+        timeout=5,
+        what="MPC status, as the ServiceAccount",
+    )
+    env.apps.read_namespaced_deployment("cluster-proxy-cert-signer", namespace)
+    env.core.read_namespaced_secret("cluster-proxy-ca-authorities", namespace)
+    problems = [r for r in manager.process.events() if "forbidden" in json.dumps(r).lower()]
+    assert not problems, problems
+    manager.stop()
+    # clean the shared namespace: the hub side goes with the MPC (the manager does it), the store stays
+    env.custom.delete_cluster_custom_object(*MPC, env.name)
+
+    # without the bindings: the first refusal names verb and resource and says what to grant
+    bare = _token_kubeconfig(hub, env.tmp / "bare.kubeconfig", namespace, unique("no-rbac"))
+    refused = env.start_manager(kubeconfig=bare, namespace=namespace, synced=False)
+    records, _ = wait_for(
+        lambda: [r for r in refused.events("watch_failed") if r["level"] == "error"],
+        timeout=10,
+        what="a forbidden error",
+    )
+    assert any(
+        "forbidden: the addon-manager may not list" in r["error"]
+        and "deploy/kustomize/base/addon-manager/rbac.yaml" in r["error"]
+        for r in records
+    ), records
+    status, body = refused.readyz()
+    assert status == 503 and "forbidden" in body
