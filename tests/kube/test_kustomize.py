@@ -35,6 +35,7 @@ import yaml
 from clusterproxy_cli.commands import SIGNER, executable
 from tests.support import kubeapi, require
 from tests.support.certs import SERVER_HOSTS, SignedHub, SignerProcess
+from tests.support.kube_identities import token_kubeconfig
 from tests.support.kubeapi import KubeCluster, KubeClusters, install_crds
 from tests.support.procs import Process
 from tests.support.waiting import wait_until
@@ -166,6 +167,83 @@ def test_the_agents_service_account_may_do_nothing(clusters: KubeClusters) -> No
     ):
         done = cluster1.kubectl("auth", "can-i", verb, resource, *scope, f"--as={agent}")
         assert done.stdout.strip() == "no", f"{agent} may {verb} {resource}: {done.stdout}{done.stderr}"
+
+
+# --- the addon-manager as the hub overlay installs it --------------------------------------------------
+
+
+def service_account_token_kubeconfig(cluster: KubeCluster, namespace: str, name: str, path: Path) -> Path:
+    """What a pod of ServiceAccount ``name`` presents: a TokenRequest token (the kubelet mounts one)."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(cluster.api_client())
+    answer = core.create_namespaced_service_account_token(
+        name, namespace, {"spec": {"expirationSeconds": 3600}}
+    )
+    return token_kubeconfig(cluster, path, f"system:serviceaccount:{namespace}:{name}", answer.status.token)
+
+
+def hub_objects_of_the_manager(hub: KubeCluster) -> dict[str, Any]:
+    found = {}
+    for what in (
+        "clustermanagementaddons.v1alpha1.addon.open-cluster-management.io/cluster-proxy",
+        f"deployment.apps/cluster-proxy-cert-signer -n {HUB_NAMESPACE}",
+        f"service/proxy-agent-entrypoint -n {HUB_NAMESPACE}",
+    ):
+        done = hub.kubectl("get", *what.split(), "-o", "json")
+        if done.returncode != 0:
+            return {}
+        found[what.split()[0]] = json.loads(done.stdout)
+    return found
+
+
+async def test_the_addon_manager_runs_as_the_overlay_installs_it(
+    hub_installed: KubeCluster, tmp_path: Path
+) -> None:
+    """The manager started from the hub's stored Deployment (its args, its env) as its ServiceAccount
+    (with only the overlay's RBAC) registers the addon and deploys the hub side from the default
+    ManagedProxyConfiguration; applying the overlay again afterwards changes nothing: the overlay and
+    the manager write different objects."""
+    hub = hub_installed
+    objects = json.loads(
+        kubectl_ok(hub, "get", "deployments,configmaps,secrets", "-n", HUB_NAMESPACE, "-o", "json")
+    )["items"]
+    deployment = next(o for o in objects if o["metadata"]["name"] == "cluster-proxy-addon-manager")
+    (command,) = start_pod(pod_of(deployment, objects, tmp_path / "pods"))
+    argv = [executable(command.argv[0])]
+    argv += ["--admin-listen=127.0.0.1:0" if a.startswith("--admin-listen=") else a for a in command.argv[1:]]
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    kubeconfig = service_account_token_kubeconfig(
+        hub, HUB_NAMESPACE, account, tmp_path / "manager.kubeconfig"
+    )
+    # In a pod the manager finds the mounted token; here $KUBECONFIG holds the same identity.
+    manager = Process("addon-manager", argv, tmp_path, env={**command.env, "KUBECONFIG": str(kubeconfig)})
+    try:
+        await manager.wait_event("manager_synced", timeout=30)
+        found: dict[str, Any] = {}
+
+        def deployed() -> bool:
+            found.update(hub_objects_of_the_manager(hub))
+            return bool(found)
+
+        await wait_until(
+            lambda: trio.to_thread.run_sync(deployed),
+            timeout=30,
+            what=f"the manager's hub objects:\n{manager.tail()}",
+        )
+        cma = found["clustermanagementaddons.v1alpha1.addon.open-cluster-management.io/cluster-proxy"]
+        assert cma["spec"]["addOnConfiguration"]["crName"] == "cluster-proxy", cma  # the default MPC
+        signer = found["deployment.apps/cluster-proxy-cert-signer"]["spec"]["template"]["spec"]["containers"][
+            0
+        ]
+        assert signer["image"] == "cluster-proxy/cert-signer:dev"  # --cert-signer-image from the overlay
+        assert found["service/proxy-agent-entrypoint"]["spec"]["type"] == "LoadBalancer"
+        refused = [e for e in manager.events() if "forbidden" in json.dumps(e).lower()]
+        assert not refused, refused[:3]
+        output = kubectl_ok(hub, "apply", "-k", str(HUB))
+        assert all(line.endswith(" unchanged") for line in output.splitlines() if line.strip()), output
+    finally:
+        manager.stop()
 
 
 # --- the by-hand path, end to end ----------------------------------------------------------------------
