@@ -92,6 +92,15 @@ def test_status_rotate_and_trust_bundle(tmp_path: Path, capsys) -> None:
     assert len(bundle_fingerprints(out)) == 1
 
 
+def test_silent_after_is_checked(tmp_path: Path, capsys) -> None:
+    store = str(tmp_path / "store")
+    run(["init", "--store", store], capsys)
+    code, _, err = run(["rotate-ca", "--store", store, "--silent-after", "30s"], capsys)
+    assert code == 2 and "at least 1m" in err
+    code, out, _ = run(["status", "--store", store, "--silent-after", "2h", "--json"], capsys)
+    assert code == 0 and json.loads(out)["silent"] == []
+
+
 def test_a_kubernetes_store_without_a_kubeconfig_is_a_clear_error(capsys, tmp_path) -> None:
     missing = tmp_path / "kubeconfig"
     code, _, err = run(["status", "--store", "kubernetes:hub", "--kubeconfig", str(missing)], capsys)

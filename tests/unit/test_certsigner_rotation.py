@@ -311,3 +311,42 @@ def test_status_report_and_warning(core: SignerCore, now: dt.datetime, tmp_path:
     ensure_ca(short, now=now, days=100)
     assert any("expires" in w for w in status(short, now=now)["warnings"])
     assert status(FileStore(tmp_path / "empty"), now=now)["phase"] == "no-ca"
+
+
+def test_a_holder_gone_silent_is_not_waited_for(tmp_path: Path, now: dt.datetime) -> None:
+    """A pod restarted without its files bootstraps again and leaves its old certificate valid: once
+    its holder has been silent for --silent-after, rotation no longer waits for it (status names it)."""
+    clock = [now]
+    store = FileStore(tmp_path / "store")
+    ensure_ca(store, now=now)
+    core = SignerCore(store, cert_ttl=dt.timedelta(hours=1), clock=lambda: clock[0])
+    gone = Party(core, "cluster1", now)  # its pod is deleted; the replacement bootstraps anew
+    clock[0] = now + dt.timedelta(minutes=1)
+    alive = Party(core, "cluster1", clock[0])
+    start_rotation(store, now=clock[0])
+    alive.refresh_trust()
+
+    clock[0] = now + dt.timedelta(minutes=14)  # not silent long enough: still waited for
+    alive.refresh_trust()
+    with pytest.raises(RotationBlocked) as info:
+        activate_pending(store, now=clock[0])
+    assert [r.serial for r in info.value.parties] == [format(gone.cert.serial_number, "x")]
+
+    clock[0] = now + dt.timedelta(minutes=16)
+    alive.refresh_trust()
+    st = status(store, now=clock[0])
+    assert st["ready_for_next_step"], st["next_step"]
+    assert [s["serial"] for s in st["silent"]] == [format(gone.cert.serial_number, "x")]
+    assert any("silent for over 15 min" in w for w in st["warnings"])
+    assert "silent (not heard from lately" in format_status(st)
+    # a shorter limit is the operator's call; a longer one waits again
+    with pytest.raises(RotationBlocked):
+        activate_pending(store, now=clock[0], silent_after=dt.timedelta(minutes=20))
+    activate_pending(store, now=clock[0])
+    assert store.read_authorities().previous is not None
+
+    # moving leaves: the silent holder of an old-CA leaf does not hold back retire either
+    alive.renew()
+    alive.load()
+    retire_previous(store, now=clock[0])
+    assert store.read_authorities().previous is None

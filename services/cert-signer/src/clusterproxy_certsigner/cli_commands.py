@@ -22,6 +22,7 @@ from .csr import normalize_host
 from .models import Binding
 from .rotation import (
     DEFAULT_CA_DAYS,
+    SILENT_AFTER,
     RotationBlocked,
     RotationError,
     activate_pending,
@@ -58,6 +59,15 @@ def _ttl(text: str) -> dt.timedelta:
     seconds = parse_duration(text)
     if seconds <= 0 or seconds > MAX_TOKEN_TTL.total_seconds():
         raise InvalidValue(f"invalid token lifetime {text!r}: between 1s and {MAX_TOKEN_TTL}")
+    return dt.timedelta(seconds=seconds)
+
+
+def _silent_after(text: str) -> dt.timedelta:
+    seconds = parse_duration(text)
+    if seconds < 60:
+        raise InvalidValue(
+            f"invalid --silent-after {text!r}: at least 1m (keep it above the parties' trust refresh)"
+        )
     return dt.timedelta(seconds=seconds)
 
 
@@ -125,6 +135,7 @@ def rotate_ca(
     force: bool = False,
     days: int = DEFAULT_CA_DAYS,
     now: dt.datetime | None = None,
+    silent_after: dt.timedelta = SILENT_AFTER,
 ) -> str:
     """Run one rotation step (``start``, ``activate``, ``retire``; None: the next one) and describe it.
 
@@ -141,14 +152,14 @@ def rotate_ca(
             "Next: wait until `certs status` shows every party trusts it, then run `rotate-ca activate`."
         )
     if step == "activate":
-        record = activate_pending(store, now=now, force=force)
+        record = activate_pending(store, now=now, force=force, silent_after=silent_after)
         return (
             f"step 2/3 done: CA {record.id} now signs every new certificate; the old CA stays trusted.\n"
             "Next: parties renew onto it soon after their next trust refresh; when `certs status` shows "
             "every party presenting a certificate of the new CA, run `rotate-ca retire`."
         )
     if step == "retire":
-        record = retire_previous(store, now=now, force=force)
+        record = retire_previous(store, now=now, force=force, silent_after=silent_after)
         return f"step 3/3 done: CA {record.id} is retired: out of every trust bundle, its key deleted."
     raise RotationError(f"unknown rotation step {step!r}: start, activate or retire")
 
@@ -201,6 +212,12 @@ def format_status(data: dict[str, Any]) -> str:
     if data["waiting_for"]:
         lines += ["", "waiting for:"]
         lines += [f"  {w['identity']} ({w['serial'][:12]}): {w['reason']}" for w in data["waiting_for"]]
+    if data["silent"]:
+        lines += ["", "silent (not heard from lately; taken for gone, not waited for):"]
+        lines += [
+            f"  {r['identity']} ({r['serial'][:12]}, CA {r['ca_id']}): last heard {r['last_heard']}"
+            for r in data["silent"]
+        ]
     t = data["tokens"]
     lines += ["", f"bootstrap tokens: {t['unused']} unused, {t['used']} used, {t['expired']} expired"]
     lines += [f"WARNING: {w}" for w in data["warnings"]]
@@ -218,6 +235,17 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 # --- argparse ------------------------------------------------------------------------------------------
 
 
+def _add_silent_after(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--silent-after",
+        type=_silent_after,
+        default=SILENT_AFTER,
+        metavar="DURATION",
+        help="a certificate holder not heard from for this long is taken for gone and not waited for "
+        f"(default {SILENT_AFTER.total_seconds() / 60:g}m)",
+    )
+
+
 def register_certs_commands(commands: Any) -> None:
     """Add ``status``, ``rotate-ca`` and ``token ...`` to an existing sub-command set
     (``parser.add_subparsers()``); each sets ``args.run`` to :func:`run_certs` and ``args.subparser``
@@ -226,6 +254,7 @@ def register_certs_commands(commands: Any) -> None:
     st = commands.add_parser("status", help="CAs, rotation phase, parties and what they trust")
     add_store_flag(st)
     st.add_argument("--json", action="store_true", help="print JSON")
+    _add_silent_after(st)
     st.set_defaults(run=run_certs, certs_run=_status, subparser=st)
 
     rc = commands.add_parser(
@@ -238,6 +267,7 @@ def register_certs_commands(commands: Any) -> None:
     add_store_flag(rc)
     rc.add_argument("step", nargs="?", choices=["start", "activate", "retire"], help="default: the next step")
     rc.add_argument("--force", action="store_true", help="skip the safety check of activate/retire")
+    _add_silent_after(rc)
     rc.add_argument("--ca-days", type=int, default=DEFAULT_CA_DAYS, help="lifetime of a new CA in days")
     rc.set_defaults(run=run_certs, certs_run=_rotate, subparser=rc)
 
@@ -299,13 +329,16 @@ def run_certs(
 
 
 def _status(store: CertStore, args: argparse.Namespace, out: TextIO) -> int:
-    data = status(store, now=utc_now())
+    data = status(store, now=utc_now(), silent_after=args.silent_after)
     print(json.dumps(data, indent=2, sort_keys=True) if args.json else format_status(data), file=out)
     return 0
 
 
 def _rotate(store: CertStore, args: argparse.Namespace, out: TextIO) -> int:
-    print(rotate_ca(store, args.step, force=args.force, days=args.ca_days), file=out)
+    print(
+        rotate_ca(store, args.step, force=args.force, days=args.ca_days, silent_after=args.silent_after),
+        file=out,
+    )
     return 0
 
 

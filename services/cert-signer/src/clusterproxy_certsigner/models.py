@@ -354,6 +354,10 @@ class IssuedRecord:
         """Still valid and not replaced by a renewal: its holder counts as a party of the PKI."""
         return self.successor is None and self.superseded_by is None and self.not_after > now
 
+    def last_heard(self) -> dt.datetime:
+        """When its holder last reported (trust or what it presents), or its issuance if it never did."""
+        return max(t for t in (self.issued_at, self.trust_reported_at, self.seen_at) if t is not None)
+
     @property
     def superseded(self) -> bool:
         return self.superseded_by is not None

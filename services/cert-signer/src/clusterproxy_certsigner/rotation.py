@@ -100,15 +100,42 @@ def ensure_ca(store: CertStore, *, now: dt.datetime, days: int = DEFAULT_CA_DAYS
     raise RotationError("could not create the CA: the store kept changing")
 
 
-def live_parties(store: CertStore, now: dt.datetime) -> list[IssuedRecord]:
-    """The holders of every valid, not-yet-renewed certificate, except the signer's own."""
-    return [r for r in store.list_issued() if r.live(now) and r.via != "self"]
+#: A live certificate whose holder has not reported for this long is taken for gone, not waited for:
+#: a pod restarted without its files bootstraps a new certificate and leaves the old one valid for up
+#: to a day. Parties report at every trust refresh (1 min by default; every few seconds during a
+#: rotation, by the signer's hint), a signer at every store poll; keep it above the longest of those.
+SILENT_AFTER = dt.timedelta(minutes=15)
 
 
-def signer_certificates(store: CertStore, now: dt.datetime) -> list[IssuedRecord]:
+def _heard(r: IssuedRecord, now: dt.datetime, silent_after: dt.timedelta) -> bool:
+    return now - r.last_heard() < silent_after
+
+
+def live_parties(
+    store: CertStore, now: dt.datetime, silent_after: dt.timedelta = SILENT_AFTER
+) -> list[IssuedRecord]:
+    """The holders of every valid, not-yet-renewed certificate heard from lately, except the signer's own."""
+    return [
+        r for r in store.list_issued() if r.live(now) and r.via != "self" and _heard(r, now, silent_after)
+    ]
+
+
+def signer_certificates(
+    store: CertStore, now: dt.datetime, silent_after: dt.timedelta = SILENT_AFTER
+) -> list[IssuedRecord]:
     """The certificates the signer serves with (one per signer process; each replaces the one before):
     it reports what its TLS context trusts and presents like any party, at every store poll."""
-    return [r for r in store.list_issued() if r.live(now) and r.via == "self"]
+    return [
+        r for r in store.list_issued() if r.live(now) and r.via == "self" and _heard(r, now, silent_after)
+    ]
+
+
+def silent_parties(
+    store: CertStore, now: dt.datetime, silent_after: dt.timedelta = SILENT_AFTER
+) -> list[IssuedRecord]:
+    """Valid, not-yet-renewed certificates (the signer's own included) not heard from for
+    ``silent_after``: shown by status, never waited for by activate and retire."""
+    return [r for r in store.list_issued() if r.live(now) and not _heard(r, now, silent_after)]
 
 
 def _write(store: CertStore, current: Authorities, records: list[AuthorityRecord], **kw: Any) -> Authorities:
@@ -139,7 +166,7 @@ def start_rotation(store: CertStore, *, now: dt.datetime, days: int = DEFAULT_CA
 
 
 def activate_blockers(
-    store: CertStore, current: Authorities, now: dt.datetime
+    store: CertStore, current: Authorities, now: dt.datetime, silent_after: dt.timedelta = SILENT_AFTER
 ) -> list[tuple[IssuedRecord, str]]:
     """Every live party (and signer) whose TLS contexts do not trust the pending CA yet, with why."""
     pending = current.pending
@@ -147,24 +174,26 @@ def activate_blockers(
     fp = pending.fingerprint
     found = [
         (p, "it has not reported what it trusts" if p.trusted is None else "it does not trust the new CA yet")
-        for p in live_parties(store, now)
+        for p in live_parties(store, now, silent_after)
         if p.trusted is None or fp not in p.trusted
     ]
     found += [
         (r, "the signer has not loaded the new CA yet (it does within --store-poll)")
-        for r in signer_certificates(store, now)
+        for r in signer_certificates(store, now, silent_after)
         if r.trusted is None or fp not in r.trusted
     ]
     return found
 
 
-def activate_pending(store: CertStore, *, now: dt.datetime, force: bool = False) -> AuthorityRecord:
+def activate_pending(
+    store: CertStore, *, now: dt.datetime, force: bool = False, silent_after: dt.timedelta = SILENT_AFTER
+) -> AuthorityRecord:
     """Step 2: the pending CA signs from now on; the active one becomes ``previous`` (still trusted)."""
     current = store.read_authorities()
     pending, active = current.pending, current.active
     if pending is None:
         raise RotationError("no CA is pending: start a rotation first (rotate-ca start)")
-    blockers = activate_blockers(store, current, now)
+    blockers = activate_blockers(store, current, now, silent_after)
     if blockers and not force:
         raise RotationBlocked(
             f"{len(blockers)} part{'y does' if len(blockers) == 1 else 'ies do'} not trust the new CA "
@@ -248,30 +277,32 @@ def _seen(record: IssuedRecord) -> str:
 
 
 def retire_blockers(
-    store: CertStore, current: Authorities, now: dt.datetime
+    store: CertStore, current: Authorities, now: dt.datetime, silent_after: dt.timedelta = SILENT_AFTER
 ) -> list[tuple[IssuedRecord, str]]:
     """Every live party that may still present a leaf of the previous CA, with the reason."""
     previous, active = current.previous, current.active
     assert previous is not None and active is not None
     found = []
-    for p in live_parties(store, now):
+    for p in live_parties(store, now, silent_after):
         reason = _retire_blocker(p, previous, active, store, now)
         if reason is not None:
             found.append((p, reason))
-    for own in signer_certificates(store, now):
+    for own in signer_certificates(store, now, silent_after):
         reason = _retire_blocker(own, previous, active, store, now)
         if reason is not None:
             found.append((own, f"the signer (it re-issues its certificate within --store-poll): {reason}"))
     return found
 
 
-def retire_previous(store: CertStore, *, now: dt.datetime, force: bool = False) -> AuthorityRecord:
+def retire_previous(
+    store: CertStore, *, now: dt.datetime, force: bool = False, silent_after: dt.timedelta = SILENT_AFTER
+) -> AuthorityRecord:
     """Step 3: the previous CA leaves the trust bundle; its key is deleted."""
     current = store.read_authorities()
     previous = current.previous
     if previous is None:
         raise RotationError("no previous CA to retire (activate the pending CA first: rotate-ca activate)")
-    blockers = retire_blockers(store, current, now)
+    blockers = retire_blockers(store, current, now, silent_after)
     if blockers and not force:
         n = len(blockers)
         raise RotationBlocked(
@@ -343,14 +374,21 @@ def _phase(current: Authorities) -> str:
     return "stable"
 
 
+def _minutes(span: dt.timedelta) -> str:
+    return f"{span.total_seconds() / 60:g} min"
+
+
 def _names(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def status(store: CertStore, *, now: dt.datetime) -> dict[str, Any]:
+def status(
+    store: CertStore, *, now: dt.datetime, silent_after: dt.timedelta = SILENT_AFTER
+) -> dict[str, Any]:
     """Everything an operator needs to judge the PKI and the next rotation step, as JSON-able data."""
     current = store.read_authorities()
-    parties = live_parties(store, now)
+    parties = live_parties(store, now, silent_after)
+    silent = silent_parties(store, now, silent_after)
     phase = _phase(current)
     warnings: list[str] = []
     blockers: list[tuple[IssuedRecord, str]] = []
@@ -365,7 +403,7 @@ def status(store: CertStore, *, now: dt.datetime) -> dict[str, Any]:
         if expires - now < ROTATE_WARNING:
             warnings.append(f"the active CA expires at {format_time(expires)}: start a rotation now")
     elif phase == "new-ca-pending":
-        blockers = activate_blockers(store, current, now)
+        blockers = activate_blockers(store, current, now, silent_after)
         waiting = {p.serial: reason for p, reason in blockers}
         ready = not blockers
         names = [p.identity.key for p, _ in blockers]
@@ -375,7 +413,7 @@ def status(store: CertStore, *, now: dt.datetime) -> dict[str, Any]:
             else f"wait: {len(blockers)} parties do not trust the new CA yet ({_names(names)})"
         )
     else:
-        blockers = retire_blockers(store, current, now)
+        blockers = retire_blockers(store, current, now, silent_after)
         waiting = {p.serial: reason for p, reason in blockers}
         ready = not blockers
         names = [p.identity.key for p, _ in blockers]
@@ -384,6 +422,12 @@ def status(store: CertStore, *, now: dt.datetime) -> dict[str, Any]:
             if ready
             else f"wait: {len(blockers)} parties do not present a certificate of the new CA yet "
             f"({_names(names)}); parties renew onto it soon after their next trust refresh"
+        )
+    if silent and phase in ("new-ca-pending", "moving-leaves"):
+        warnings.append(
+            f"{len(silent)} certificate holder(s) silent for over {_minutes(silent_after)} are not waited "
+            f"for ({_names([r.identity.key for r in silent])}): taken for gone (a pod restarted without its "
+            "files, a stopped process); one that comes back on the previous CA after retire must bootstrap again"
         )
     tokens = store.list_tokens()
     return {
@@ -412,6 +456,15 @@ def status(store: CertStore, *, now: dt.datetime) -> dict[str, Any]:
         ],
         "waiting_for": [
             {"identity": p.identity.key, "serial": p.serial, "reason": reason} for p, reason in blockers
+        ],
+        "silent": [
+            {
+                "identity": r.identity.key,
+                "serial": r.serial,
+                "ca_id": r.ca_id,
+                "last_heard": format_time(r.last_heard()),
+            }
+            for r in sorted(silent, key=lambda r: r.identity.key)
         ],
         "tokens": {
             "unused": sum(1 for t in tokens if t.used_at is None and not t.expired(now)),
