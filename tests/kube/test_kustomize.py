@@ -238,6 +238,23 @@ async def test_the_addon_manager_runs_as_the_overlay_installs_it(
         ]
         assert signer["image"] == "cluster-proxy/cert-signer:dev"  # --cert-signer-image from the overlay
         assert found["service/proxy-agent-entrypoint"]["spec"]["type"] == "LoadBalancer"
+
+        def entrypoint_condition() -> dict[str, Any] | None:
+            mpc = json.loads(
+                kubectl_ok(hub, "get", "managedproxyconfiguration", "cluster-proxy", "-o", "json")
+            )
+            found = [c for c in mpc.get("status", {}).get("conditions", []) if c["type"] == "EntrypointReady"]
+            return found[0] if found else None
+
+        # no load-balancer provider here: the default entrypoint waits, and says so (docs/kubernetes.md)
+        await wait_until(
+            lambda: trio.to_thread.run_sync(entrypoint_condition), timeout=30, what="EntrypointReady"
+        )
+        condition = await trio.to_thread.run_sync(entrypoint_condition)
+        assert condition is not None and (condition["status"], condition["reason"]) == (
+            "False",
+            "WaitingForLoadBalancer",
+        )
         refused = [e for e in manager.events() if "forbidden" in json.dumps(e).lower()]
         assert not refused, refused[:3]
         output = kubectl_ok(hub, "apply", "-k", str(HUB))

@@ -480,3 +480,92 @@ def test_the_manager_can_take_over_an_agent_installed_by_hand() -> None:
     assert ours["metadata"]["namespace"] == NAMESPACE
     assert ours["spec"]["selector"] == {"matchLabels": manager_render.pod_selector("proxy-agent")}
     assert ours["spec"]["template"]["spec"]["serviceAccountName"] == manager_render.AGENT_SERVICE_ACCOUNT
+
+
+# What docs/kubernetes.md shows for a hub of one's own: the entrypoint, the replicas, a registry.
+MY_HUB_KUSTOMIZATION = {
+    "patches": [
+        {
+            "target": {"kind": "ManagedProxyConfiguration", "name": "cluster-proxy"},
+            "patch": yaml.safe_dump(
+                {
+                    "apiVersion": "proxy.open-cluster-management.io/v1alpha1",
+                    "kind": "ManagedProxyConfiguration",
+                    "metadata": {"name": "cluster-proxy"},
+                    "spec": {
+                        "proxyServer": {
+                            "replicas": 2,
+                            "entrypoint": {
+                                "type": "Hostname",
+                                "hostname": {"value": "proxy.hub.example.com"},
+                            },
+                        }
+                    },
+                }
+            ),
+        }
+    ],
+}
+
+
+def test_a_hub_overlay_of_your_own_sets_the_entrypoint(tmp_path: Path) -> None:
+    from clusterproxy_addon_manager.config import parse_mpc
+
+    objects = render(own_overlay(tmp_path / "my-hub", "hub", MY_HUB_KUSTOMIZATION, {}))
+    cfg = parse_mpc(
+        only(objects, "ManagedProxyConfiguration"), default_namespace="open-cluster-management-addon"
+    )
+    assert (cfg.entrypoint.type, cfg.entrypoint.hostname, cfg.server_replicas) == (
+        "Hostname",
+        "proxy.hub.example.com",
+        2,
+    )
+    assert cfg.server_image == "cluster-proxy/proxy-server:dev"
+
+
+# What docs/kubernetes.md shows for an agent behind a forward proxy, with one more egress rule.
+EXTRA_AGENT_ARGS = {
+    "patches": [
+        {
+            "target": {"kind": "Deployment", "name": "cluster-proxy-proxy-agent"},
+            "patch": yaml.safe_dump(
+                [
+                    {
+                        "op": "add",
+                        "path": "/spec/template/spec/containers/0/args/-",
+                        "value": "--proxy-url=http://proxy.corp.example:3128",
+                    },
+                    {
+                        "op": "add",
+                        "path": "/spec/template/spec/containers/0/args/-",
+                        "value": "--allow=10.0.0.0/8:443",
+                    },
+                ]
+            ),
+        }
+    ],
+}
+
+
+def test_agent_flags_added_by_a_patch_reach_the_agent(tmp_path: Path) -> None:
+    kustomization = {**MY_CLUSTER_KUSTOMIZATION, **EXTRA_AGENT_ARGS}
+    objects = render(own_overlay(tmp_path / "mine", "managed", kustomization, MY_CLUSTER))
+    (command,) = run_pod(pod_of(only(objects, "Deployment"), objects, tmp_path / "pods"))
+    assert command.argv[-2:] == ["--proxy-url=http://proxy.corp.example:3128", "--allow=10.0.0.0/8:443"]
+
+
+def test_a_namespace_of_your_own_moves_the_manager_and_its_bindings(tmp_path: Path) -> None:
+    """`namespace:` in one's own hub overlay moves the manager, its identity and what binds it; the
+    manager's --namespace (where it deploys the hub side) follows its pod's namespace."""
+    objects = render(own_overlay(tmp_path / "my-hub", "hub", {"namespace": "my-namespace"}, {}))
+    assert only(objects, "Namespace")["metadata"]["name"] == "my-namespace"
+    for kind in ("ServiceAccount", "Deployment", "Role", "RoleBinding"):
+        assert only(objects, kind)["metadata"]["namespace"] == "my-namespace", kind
+    for kind in ("RoleBinding", "ClusterRoleBinding"):
+        (subject,) = only(objects, kind)["subjects"]
+        assert (subject["name"], subject["namespace"]) == ("cluster-proxy-addon-manager", "my-namespace"), (
+            kind
+        )
+    deployment = only(objects, "Deployment")
+    (command,) = run_pod(pod_of(deployment, objects, tmp_path / "pods"))
+    assert "--namespace=my-namespace" in command.argv
