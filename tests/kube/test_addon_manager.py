@@ -883,3 +883,58 @@ def test_rbac_file_is_all_the_manager_needs(env: Env, hub: KubeCluster) -> None:
     ), records
     status, body = refused.readyz()
     assert status == 503 and "forbidden" in body
+
+
+def test_used_tokens_are_replaced_and_the_servers_certificate_reported(env: Env) -> None:
+    """Bootstrap with the tokens the manager handed out, as the signer does for a pod (its core, on
+    the real Secrets store): each used token is replaced at once, and the MPC reports the proxy-server's
+    certificate."""
+    from clusterproxy_certsigner.core import SignerCore
+    from clusterproxy_certsigner.kubestore import KubernetesSecretStore
+    from clusterproxy_protocol import certclient
+
+    env.create_mpc()
+    env.start_manager()
+    cluster = env.add_cluster()
+    env.add_addon(cluster)
+    work, _ = wait_for(lambda: env.work(cluster), timeout=LATENCY_BOUND, what="the work")
+    signing, _ = wait_for(
+        lambda: env.mpc_conditions().get("ProxyServerSecretsSigned"),
+        timeout=5,
+        what="ProxyServerSecretsSigned",
+    )
+    assert (signing["status"], signing["reason"]) == ("False", "WaitingForProxyServer")
+    core = SignerCore(KubernetesSecretStore(namespace=env.name, prefix="cluster-proxy-ca", api=env.core))
+
+    agent_token = work_token(work)
+    started = time.monotonic()
+    core.bootstrap(agent_token, certclient.agent_csr(certclient.generate_key(), cluster, "pod-a"))
+    replaced, _ = wait_for(
+        lambda: (w := env.work(cluster)) and work_token(w) != agent_token and w,
+        timeout=LATENCY_BOUND,
+        what="a new agent token after the first was used",
+    )
+    record("agent token used -> a new one in the ManifestWork", time.monotonic() - started)
+    assert replaced["metadata"]["uid"] == work["metadata"]["uid"]
+
+    def server_token() -> str:
+        secret = env.core.read_namespaced_secret("cluster-proxy-server-bootstrap", env.name)
+        return base64.b64decode(secret.data["bootstrap-token"]).decode()
+
+    first = server_token()
+    deployment = env.apps.read_namespaced_deployment("cluster-proxy", env.name)
+    hosts = [
+        a.split("=", 1)[1]
+        for a in deployment.spec.template.spec.containers[0].args
+        if a.startswith("--tls-host=")
+    ]
+    started = time.monotonic()
+    core.bootstrap(first, certclient.server_csr(certclient.generate_key(), "proxy-server", hosts))
+    wait_for(lambda: server_token() != first, timeout=LATENCY_BOUND, what="a new server token")
+    record("server token used -> a new one in its Secret", time.monotonic() - started)
+    signed, _ = wait_for(
+        lambda: (c := env.mpc_conditions().get("ProxyServerSecretsSigned")) and c["status"] == "True" and c,
+        timeout=5,
+        what="ProxyServerSecretsSigned True",
+    )
+    assert signed["reason"] == "CertificateIssued"

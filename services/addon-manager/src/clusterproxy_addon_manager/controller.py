@@ -19,14 +19,17 @@ condition changed.
 
 from __future__ import annotations
 
+import base64
 import copy
 import datetime as dt
+import json
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from clusterproxy_certsigner.models import IssuedRecord
 from clusterproxy_protocol.logs import get_logger
 
 from . import render
@@ -163,7 +166,18 @@ class HubInformers:
             f"{STORE_KIND_LABEL} in (token,authorities)",
             watch_timeout=timeout,
         )
-        self.all = (self.services, self.deployments, self.secrets, self.store)
+        # the signer's records of non-agent certificates (agents' carry a cluster label): whether a
+        # proxy-server holds a certificate, for ProxyServerSecretsSigned
+        self.issued = Informer(
+            kube,
+            SECRET,
+            controller._on_hub_object,
+            namespace=namespace,
+            label_selector=f"cluster-proxy.io/store={controller.options.store_prefix},"
+            f"{STORE_KIND_LABEL}=issued,!cluster-proxy.io/cluster",
+            watch_timeout=timeout,
+        )
+        self.all = (self.services, self.deployments, self.secrets, self.store, self.issued)
 
     def start(self) -> None:
         for informer in self.all:
@@ -460,8 +474,6 @@ class Controller:
                 )
             data = secret.get("data") or {}
             try:
-                import base64
-
                 cert_pem = base64.b64decode(data.get("tls.crt", "")).decode()
                 key_pem = base64.b64decode(data.get("tls.key", "")).decode()
                 import_custom_ca(self.credentials.store(cfg.namespace), cert_pem, key_pem, now=self.now())
@@ -565,7 +577,7 @@ class Controller:
             )
         else:
             conditions.append(Condition("EntrypointReady", "False", endpoints.reason, endpoints.message))
-        signed = self.credentials.live_server_certificate(cfg.namespace, render.SERVER_CERT_NAME)
+        signed = self._server_certificate(hub)
         if signed is not None:
             conditions.append(
                 Condition(
@@ -587,6 +599,25 @@ class Controller:
                 )
             )
         self._set_mpc_status(cfg, conditions)
+
+    def _server_certificate(self, hub: HubInformers) -> IssuedRecord | None:
+        """The newest live proxy-server certificate the signer issued, from the store's records of
+        non-agent certificates (watched: a server bootstrapping is seen at once)."""
+        now = self.now()
+        live = []
+        for secret in hub.issued.items():
+            raw = (secret.get("data") or {}).get("record.json")
+            try:
+                record = IssuedRecord.from_json(json.loads(base64.b64decode(raw or "")))
+            except (ValueError, KeyError, TypeError):
+                continue
+            if (
+                record.identity.kind == "server"
+                and record.identity.name == render.SERVER_CERT_NAME
+                and record.live(now)
+            ):
+                live.append(record)
+        return max(live, key=lambda r: r.issued_at, default=None)
 
     def _deployment_condition(self, hub: HubInformers, cfg: ProxyConfig, kind: str, name: str) -> Condition:
         deployment = self._fresh(hub.deployments, DEPLOYMENT, name, cfg.namespace) or {}
@@ -819,9 +850,6 @@ class Controller:
 
 def _token_group(secret: dict[str, Any]) -> str | None:
     """The group a token Secret of the signer's store was minted for (its description)."""
-    import base64
-    import json
-
     raw = (secret.get("data") or {}).get("record.json")
     if not isinstance(raw, str):
         return None

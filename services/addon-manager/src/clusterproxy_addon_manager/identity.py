@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from clusterproxy_certsigner.cli_commands import create_token
-from clusterproxy_certsigner.models import Binding, IssuedRecord, TokenRecord
+from clusterproxy_certsigner.models import Binding, TokenRecord
 from clusterproxy_certsigner.rotation import ensure_ca
 from clusterproxy_certsigner.store import CertStore, StoreError
 from clusterproxy_certsigner.tokens import MAX_TOKEN_TTL, secret_matches
@@ -144,16 +144,6 @@ class Credentials:
                 store.delete_token(record.id)
                 deleted.append(record.id)
         return deleted
-
-    def live_server_certificate(self, namespace: str, name: str) -> IssuedRecord | None:
-        """The newest live certificate the signer issued for the proxy-server ``name``."""
-        now = self.now()
-        live = [
-            r
-            for r in self.store(namespace).list_issued()
-            if r.identity.kind == "server" and r.identity.name == name and r.live(now)
-        ]
-        return max(live, key=lambda r: r.issued_at, default=None)
 
 
 def import_custom_ca(store: CertStore, cert_pem: str, key_pem: str, *, now: dt.datetime) -> str:
