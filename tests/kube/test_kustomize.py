@@ -6,6 +6,9 @@
   object ``unchanged``.
 - A managed cluster: ``kubectl apply -k deploy/kustomize/overlays/managed`` as shipped (the example),
   the same checks, and the agent's ServiceAccount may do nothing.
+- The addon-manager started from the hub's stored Deployment as its ServiceAccount, with only the
+  overlay's RBAC: it registers the addon and deploys the hub side; the overlay applied again after it
+  is unchanged.
 - The by-hand path end to end: a cert-signer on the hub's Secrets store and a proxy-server (processes
   on loopback, as the addon-manager would run them), the admin's steps with the real CLI (the trust
   bundle, a bootstrap token for cluster1), an overlay of the admin's own applied to cluster1, and the
@@ -13,11 +16,12 @@
   test plays the kubelet: tests/unit/test_kustomize_render.py): it bootstraps and its tunnel reaches
   the proxy-server.
 
-These tests run on API servers of their own (``KubeClusters`` of tests.support.kubeapi with a hub and
-cluster1), not on the session's shared ``kube_clusters``: the hub overlay creates cluster-scoped and
-fixed-name objects (the CRD, the ManagedProxyConfiguration ``cluster-proxy``, the namespace
+These tests run on API servers of their own (a hub and cluster1: this module's ``kube_clusters``
+fixture), not on the session's shared ones: the hub overlay creates cluster-scoped and fixed-name
+objects (the CRD, the ManagedProxyConfiguration ``cluster-proxy``, the namespace
 ``open-cluster-management-addon``) that other tests create their own way, a namespace can never be
-deleted there (no controller-manager), and step 1 is only shown on a hub that has never seen the CRD.
+deleted there (no controller-manager), and the documented install (CRDs first) means something only on a
+hub that has never seen the CRD.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from tests.unit.test_kustomize_render import (
     start_pod,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.kube, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 HUB = KUSTOMIZE / "overlays" / "hub"
 HUB_CRDS = HUB / "crds"
@@ -61,12 +65,14 @@ MPC_CRD = "managedproxyconfigurations.proxy.open-cluster-management.io"
 
 
 @pytest.fixture(scope="module")
-def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeClusters]:
-    """A hub with the OCM CRDs (the prerequisite) and cluster1; nothing of this project on either."""
+def kube_clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeClusters]:
+    """This module's own hub (with the OCM CRDs, the prerequisite) and cluster1, nothing of this
+    project on either. It overrides the session fixture of the same name on purpose: the conftest then
+    builds missing binaries before the first test (outside any test's timeout) and marks these tests
+    ``kube``, as for every test on real API servers."""
     require(shutil.which("kubectl") is not None, "kubectl (apt-get install kubernetes-client)")
-    with KubeClusters(
-        tmp_path_factory.mktemp("kustomize"), names=("hub", "cluster1"), built=kubeapi.binaries()
-    ) as running:
+    directory = tmp_path_factory.mktemp("kustomize")
+    with KubeClusters(directory, names=("hub", "cluster1"), built=kubeapi.binaries()) as running:
         install_crds(running["hub"])
         yield running
 
@@ -115,9 +121,9 @@ def assert_apply_changes_nothing(cluster: KubeCluster, overlay: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def hub_installed(clusters: KubeClusters) -> KubeCluster:
+def hub_installed(kube_clusters: KubeClusters) -> KubeCluster:
     """The hub installed as docs/kubernetes.md says: the CRDs, wait for them, the hub overlay."""
-    hub = clusters["hub"]
+    hub = kube_clusters["hub"]
     kubectl_ok(hub, "apply", "-k", str(HUB_CRDS))
     kubectl_ok(hub, "wait", "--for=condition=Established", "--timeout=60s", f"crd/{MPC_CRD}")
     kubectl_ok(hub, "apply", "-k", str(HUB))
@@ -146,16 +152,18 @@ def test_applying_the_hub_again_changes_nothing(hub_installed: KubeCluster) -> N
     assert_apply_changes_nothing(hub_installed, HUB_CRDS)
 
 
-def test_the_managed_overlay_as_shipped_applies_and_again_changes_nothing(clusters: KubeClusters) -> None:
-    cluster1 = clusters["cluster1"]
+def test_the_managed_overlay_as_shipped_applies_and_again_changes_nothing(
+    kube_clusters: KubeClusters,
+) -> None:
+    cluster1 = kube_clusters["cluster1"]
     kubectl_ok(cluster1, "apply", "-k", str(MANAGED))
     assert_every_object_exists(cluster1, MANAGED)
     assert_apply_changes_nothing(cluster1, MANAGED)
 
 
-def test_the_agents_service_account_may_do_nothing(clusters: KubeClusters) -> None:
+def test_the_agents_service_account_may_do_nothing(kube_clusters: KubeClusters) -> None:
     """The agent never calls the Kubernetes API, so its ServiceAccount is bound to nothing."""
-    cluster1 = clusters["cluster1"]
+    cluster1 = kube_clusters["cluster1"]
     kubectl_ok(cluster1, "apply", "-k", str(MANAGED))
     agent = f"system:serviceaccount:{NAMESPACE}:cluster-proxy"
     for verb, resource, scope in (
@@ -323,9 +331,9 @@ def live_objects(cluster: KubeCluster, namespace: str) -> list[dict[str, Any]]:
 
 
 async def test_an_agent_from_a_managed_overlay_of_your_own_reaches_the_hub(
-    hub_installed: KubeCluster, clusters: KubeClusters, tmp_path: Path
+    hub_installed: KubeCluster, kube_clusters: KubeClusters, tmp_path: Path
 ) -> None:
-    hub, cluster1 = hub_installed, clusters["cluster1"]
+    hub, cluster1 = hub_installed, kube_clusters["cluster1"]
     signer = await HubSigner(hub, tmp_path).start()
     proxy = SignedHub(pki=None, log_dir=tmp_path, signer=signer)  # type: ignore[arg-type]
     agent: Process | None = None
