@@ -342,7 +342,8 @@ async def test_no_proxy_exempts_the_hub_and_the_agent_dials_directly(hub: Hub, n
         starting = await agent.wait_event("agent_starting")
         assert starting["proxy_to_server"] == "direct: NO_PROXY entry '127.0.0.0/8' matches"
         assert "proxy" not in await agent.wait_event("tunnel_connected")
-        await transfer(hub, "exempt-from-proxy", await serve_digest(nursery))
+        seconds = await transfer(hub, "exempt-from-proxy", await serve_digest(nursery))
+        print(f"\n16 MiB each way, direct (NO_PROXY): {seconds:.2f} s")
         assert proxy.requests() == [] and proxy.connections() == probes, proxy.tail()
     finally:
         proxy.stop()
