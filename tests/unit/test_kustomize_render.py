@@ -343,17 +343,24 @@ def test_every_object_carries_the_project_labels(overlay: tuple[str, list[dict[s
         assert "app.kubernetes.io/part-of" not in deployment["spec"]["selector"]["matchLabels"]
 
 
-def test_the_configuration_names_only_project_images(overlay: tuple[str, list[dict[str, Any]]]) -> None:
-    """Images outside containers too: the ManagedProxyConfiguration names what the manager deploys."""
+def test_the_configuration_names_only_project_images(
+    overlay: tuple[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """Images outside containers too: the ManagedProxyConfiguration names what the manager deploys,
+    and the manager's --cert-signer-image the signer it deploys."""
     _, objects = overlay
     for obj in objects:
-        if obj["kind"] != "ManagedProxyConfiguration":
-            continue
-        for part, repository in (
-            ("proxyServer", "cluster-proxy/proxy-server"),
-            ("proxyAgent", "cluster-proxy/proxy-agent"),
-        ):
-            assert obj["spec"][part]["image"] == f"{repository}:{IMAGE_TAG}"
+        if obj["kind"] == "ManagedProxyConfiguration":
+            for part, repository in (
+                ("proxyServer", "cluster-proxy/proxy-server"),
+                ("proxyAgent", "cluster-proxy/proxy-agent"),
+            ):
+                assert obj["spec"][part]["image"] == f"{repository}:{IMAGE_TAG}"
+    for _, pod in pods_of(objects, tmp_path):
+        for command in start_pod(pod):
+            for word in command.argv:
+                if word.startswith("--cert-signer-image="):
+                    assert word == f"--cert-signer-image=cluster-proxy/cert-signer:{IMAGE_TAG}"
 
 
 # --- overlays of your own (docs/kubernetes.md) ----------------------------------------------------------
