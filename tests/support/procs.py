@@ -21,6 +21,7 @@ import trio
 
 from clusterproxy_cli.commands import agent_argv, server_argv
 from clusterproxy_protocol.certclient import CertFiles
+from clusterproxy_protocol.forward_proxy import without_proxy_variables
 from tests.support.pki import PkiFiles
 
 BIN = Path(sys.executable).parent
@@ -79,7 +80,7 @@ class Process:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env={**without_proxy_variables(os.environ), "PYTHONUNBUFFERED": "1", **(env or {})},
         )
 
     @property

@@ -23,6 +23,7 @@ from clusterproxy_protocol.forward_proxy import (
     ProxyRefused,
     ProxySettings,
     ProxyURL,
+    without_proxy_variables,
 )
 from clusterproxy_protocol.forward_proxy_trio import ForwardProxy
 from clusterproxy_protocol.pki import DevCA
@@ -500,3 +501,14 @@ def test_an_unused_proxy_ca_file_is_reported(certs: dict[str, Path]) -> None:
     assert any(
         "--proxy-ca-file" in note and "no https:// proxy applies" in note for note in settings.proxy_notes()
     )
+
+
+def test_children_dialing_loopback_get_no_proxy_variables() -> None:
+    env = {
+        "HTTPS_PROXY": "http://corp:3128",
+        "https_proxy": "x",
+        "HTTP_PROXY": "x",
+        "no_proxy": "y",
+        "PATH": "/bin",
+    }
+    assert without_proxy_variables(env) == {"PATH": "/bin"}

@@ -17,6 +17,7 @@ import trio
 
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import SignerEndpoint, SignerRequestError
+from clusterproxy_protocol.forward_proxy import without_proxy_variables
 
 from . import _http
 
@@ -84,7 +85,7 @@ class Supervisor:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**without_proxy_variables(os.environ), "PYTHONUNBUFFERED": "1"},
                 start_new_session=True,
             )
         nursery.start_soon(self._watch, child)

@@ -35,6 +35,7 @@ __all__ = [
     "HTTPS_PROXY_VARIABLES",
     "HTTP_PROXY_VARIABLES",
     "NO_PROXY_VARIABLES",
+    "without_proxy_variables",
     "ConnectAnswer",
     "ConnectExchange",
     "ForwardProxyError",
@@ -52,6 +53,14 @@ __all__ = [
 HTTPS_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy")
 HTTP_PROXY_VARIABLES = ("HTTP_PROXY", "http_proxy")
 NO_PROXY_VARIABLES = ("NO_PROXY", "no_proxy")
+
+
+def without_proxy_variables(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without the proxy variables: for children that dial only loopback (local mode, the
+    tests), which a developer's corporate ``HTTPS_PROXY`` must not send through that proxy."""
+    dropped = {*HTTPS_PROXY_VARIABLES, *HTTP_PROXY_VARIABLES, *NO_PROXY_VARIABLES}
+    return {k: v for k, v in environ.items() if k not in dropped}
+
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
 SOCKS_SCHEMES = frozenset({"socks", "socks4", "socks4a", "socks5", "socks5h"})
