@@ -28,6 +28,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -357,6 +358,11 @@ class ServerProcess:
     def _last_run(self) -> str:
         return self.log_path.read_text(errors="replace").rsplit("=== start ", 1)[-1]
 
+    def terminate(self) -> None:
+        """SIGTERM, not waiting (:meth:`stop` waits)."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
         """SIGTERM, SIGKILL after ``timeout``; always reaped."""
         if self.popen is None:
@@ -655,6 +661,9 @@ class KubeClusters:
                     cluster.process.start()
 
     def stop(self) -> None:
+        """Every API server at once (each takes about a second to shut down), then etcd."""
+        for cluster in self:
+            cluster.process.terminate()
         for cluster in self:
             cluster.stop()
         self.etcd.process.stop()
@@ -708,7 +717,8 @@ def _build_command() -> None:
         print(f"{name} {version}: {path} ({time.monotonic() - started:.1f}s)", flush=True)
 
 
-def _up_command(directory: Path) -> None:
+def _up_command(directory: Path | None) -> None:
+    directory = directory or Path(tempfile.mkdtemp(prefix="cluster-proxy-kube-"))
     directory.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with KubeClusters(directory) as clusters:
@@ -716,8 +726,11 @@ def _up_command(directory: Path) -> None:
         print(f"etcd + {len(clusters.clusters)} API servers ready in {time.monotonic() - started:.1f}s")
         for cluster in clusters:
             print(f"  {cluster.name}: {cluster.url}  KUBECONFIG={cluster.kubeconfig}")
-        print("Ctrl-C stops them.", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
+        print("Ctrl-C (or SIGTERM) stops them.", flush=True)
+        stopped = threading.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stopped.set())
+        while not stopped.is_set():
             signal.pause()
 
 
@@ -726,7 +739,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("build", help="build (or find) etcd and kube-apiserver; print their paths and times")
     up = commands.add_parser("up", help="run etcd and the hub, cluster1, cluster2 API servers until Ctrl-C")
-    up.add_argument("--dir", type=Path, default=Path("/tmp/cluster-proxy-kube"), help="state directory")
+    up.add_argument("--dir", type=Path, help="state directory (default: a new temporary one)")
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
