@@ -864,9 +864,18 @@ def test_rbac_file_is_all_the_manager_needs(env: Env, hub: KubeCluster) -> None:
     env.core.read_namespaced_secret("cluster-proxy-ca-authorities", namespace)
     problems = [r for r in manager.process.events() if "forbidden" in json.dumps(r).lower()]
     assert not problems, problems
-    manager.stop()
-    # clean the shared namespace: the hub side goes with the MPC (the manager does it), the store stays
+    # the shared namespace is cleaned the way it would be: the hub side goes with the MPC, deleted by
+    # the manager (its RBAC covers that too); the CA store stays
     env.custom.delete_cluster_custom_object(*MPC, env.name)
+    wait_for(
+        lambda: (
+            not env.apps.list_namespaced_deployment(namespace, label_selector=LABEL).items
+            and not env.core.list_namespaced_service(namespace, label_selector=LABEL).items
+        ),
+        timeout=LATENCY_BOUND,
+        what="the hub side to go with the MPC",
+    )
+    manager.stop()
 
     # without the bindings: the first refusal names verb and resource and says what to grant
     bare = _token_kubeconfig(hub, env.tmp / "bare.kubeconfig", namespace, unique("no-rbac"))
