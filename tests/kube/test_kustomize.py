@@ -6,15 +6,15 @@
   object ``unchanged``.
 - A managed cluster: ``kubectl apply -k deploy/kustomize/overlays/managed`` as shipped (the example),
   the same checks, and the agent's ServiceAccount may do nothing.
-- The addon-manager started from the hub's stored Deployment as its ServiceAccount, with only the
+- The addon-manager's pod run from the hub's stored Deployment as its ServiceAccount, with only the
   overlay's RBAC: it registers the addon and deploys the hub side; the overlay applied again after it
   is unchanged.
 - The by-hand path end to end: a cert-signer on the hub's Secrets store and a proxy-server (processes
   on loopback, as the addon-manager would run them), the admin's steps with the real CLI (the trust
   bundle, a bootstrap token for cluster1), an overlay of the admin's own applied to cluster1, and the
-  agent started from the Deployment, ConfigMap and Secret read back from cluster1's API server (the
-  test plays the kubelet: tests/unit/test_kustomize_render.py): it bootstraps and its tunnel reaches
-  the proxy-server.
+  agent's pod run from the Deployment, ConfigMap and Secret stored on cluster1 (the tests play the
+  kubelet: tests.support.workagent.Kubelet): it bootstraps, its tunnel reaches the proxy-server and
+  the Deployment reports READY 1/1.
 
 These tests run on API servers of their own (a hub and cluster1: this module's ``kube_clusters``
 fixture), not on the session's shared ones: the hub overlay creates cluster-scoped and fixed-name
@@ -39,10 +39,10 @@ import yaml
 from clusterproxy_cli.commands import SIGNER, executable
 from tests.support import kubeapi, require
 from tests.support.certs import SERVER_HOSTS, SignedHub, SignerProcess
-from tests.support.kube_identities import token_kubeconfig
-from tests.support.kubeapi import KubeCluster, KubeClusters, install_crds
-from tests.support.procs import Process
+from tests.support.kubeapi import KubeCluster, KubeClusters, free_port, install_crds
+from tests.support.procs import Process, json_records
 from tests.support.waiting import wait_until
+from tests.support.workagent import SERVICE_ACCOUNT_DIR, Container, Kubelet, Pod, poll_until
 from tests.unit.test_kustomize_render import (
     KUSTOMIZE,
     MY_CLUSTER_KUSTOMIZATION,
@@ -50,9 +50,7 @@ from tests.unit.test_kustomize_render import (
     key_of,
     only,
     own_overlay,
-    pod_of,
     render,
-    start_pod,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -180,15 +178,34 @@ def test_the_agents_service_account_may_do_nothing(kube_clusters: KubeClusters) 
 # --- the addon-manager as the hub overlay installs it --------------------------------------------------
 
 
-def service_account_token_kubeconfig(cluster: KubeCluster, namespace: str, name: str, path: Path) -> Path:
-    """What a pod of ServiceAccount ``name`` presents: a TokenRequest token (the kubelet mounts one)."""
-    from kubernetes import client
+def with_free_admin_port(pod: Pod) -> Pod:
+    """The one change to a pod the tests make: its admin port moves to a free one. A pod has a network
+    namespace of its own; these processes share the machine's, where the Deployment's fixed port may
+    be taken. The readiness probe follows (the container's named port ``admin``)."""
+    port = free_port()
+    for container in pod.containers.values():
+        spec = container.spec
+        spec["args"] = [
+            f"--admin-listen=127.0.0.1:{port}" if a.startswith("--admin-listen=") else a for a in spec["args"]
+        ]
+        for declared in spec.get("ports") or []:
+            if declared.get("name") == "admin":
+                declared["containerPort"] = port
+    return pod
 
-    core = client.CoreV1Api(cluster.api_client())
-    answer = core.create_namespaced_service_account_token(
-        name, namespace, {"spec": {"expirationSeconds": 3600}}
-    )
-    return token_kubeconfig(cluster, path, f"system:serviceaccount:{namespace}:{name}", answer.status.token)
+
+def events(container: Container, event: str | None = None) -> list[dict[str, Any]]:
+    return json_records(container.log_path, event) if container.log_path.exists() else []
+
+
+def wait_event(container: Container, event: str, timeout: float) -> dict[str, Any]:
+    def found() -> dict[str, Any] | None:
+        if not container.running:
+            raise AssertionError(f"{container.name} exited ({container.returncode}):\n{container.tail()}")
+        seen = events(container, event)
+        return seen[0] if seen else None
+
+    return poll_until(found, timeout=timeout, what=f"{event} from {container.name}:\n{container.tail()}")
 
 
 def hub_objects_of_the_manager(hub: KubeCluster) -> dict[str, Any]:
@@ -205,39 +222,31 @@ def hub_objects_of_the_manager(hub: KubeCluster) -> dict[str, Any]:
     return found
 
 
-async def test_the_addon_manager_runs_as_the_overlay_installs_it(
+def entrypoint_condition(hub: KubeCluster) -> dict[str, Any] | None:
+    mpc = json.loads(kubectl_ok(hub, "get", "managedproxyconfiguration", "cluster-proxy", "-o", "json"))
+    found = [c for c in mpc.get("status", {}).get("conditions", []) if c["type"] == "EntrypointReady"]
+    return found[0] if found else None
+
+
+def test_the_addon_manager_runs_as_the_overlay_installs_it(
     hub_installed: KubeCluster, tmp_path: Path
 ) -> None:
-    """The manager started from the hub's stored Deployment (its args, its env) as its ServiceAccount
-    (with only the overlay's RBAC) registers the addon and deploys the hub side from the default
-    ManagedProxyConfiguration; applying the overlay again afterwards changes nothing: the overlay and
-    the manager write different objects."""
+    """The manager's pod run from the hub's stored Deployment (tests.support.workagent.Kubelet: its
+    command, args and environment, its ServiceAccount's token, with only the overlay's RBAC) registers
+    the addon and deploys the hub side from the default ManagedProxyConfiguration; applying the
+    overlay again afterwards changes nothing: the overlay and the manager write different objects."""
     hub = hub_installed
-    objects = json.loads(
-        kubectl_ok(hub, "get", "deployments,configmaps,secrets", "-n", HUB_NAMESPACE, "-o", "json")
-    )["items"]
-    deployment = next(o for o in objects if o["metadata"]["name"] == "cluster-proxy-addon-manager")
-    (command,) = start_pod(pod_of(deployment, objects, tmp_path / "pods"))
-    argv = [executable(command.argv[0])]
-    argv += ["--admin-listen=127.0.0.1:0" if a.startswith("--admin-listen=") else a for a in command.argv[1:]]
-    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
-    kubeconfig = service_account_token_kubeconfig(
-        hub, HUB_NAMESPACE, account, tmp_path / "manager.kubeconfig"
-    )
-    # In a pod the manager finds the mounted token; here $KUBECONFIG holds the same identity.
-    manager = Process("addon-manager", argv, tmp_path, env={**command.env, "KUBECONFIG": str(kubeconfig)})
+    kubelet = Kubelet(hub, tmp_path / "kubelet")
     try:
-        await manager.wait_event("manager_synced", timeout=30)
-        found: dict[str, Any] = {}
-
-        def deployed() -> bool:
-            found.update(hub_objects_of_the_manager(hub))
-            return bool(found)
-
-        await wait_until(
-            lambda: trio.to_thread.run_sync(deployed),
-            timeout=30,
-            what=f"the manager's hub objects:\n{manager.tail()}",
+        pod = with_free_admin_port(kubelet.pod(HUB_NAMESPACE, "cluster-proxy-addon-manager"))
+        # The manager reads a pod's token at its fixed path before $KUBECONFIG, and the stand-in cannot
+        # put it there: it names the stand-in's kubeconfig, which holds that very token, instead.
+        pod.container().spec["args"].append(f"--kubeconfig={SERVICE_ACCOUNT_DIR}/kubeconfig")
+        pod.start()
+        manager = pod.container()
+        wait_event(manager, "manager_synced", timeout=30)
+        found = poll_until(
+            lambda: hub_objects_of_the_manager(hub), timeout=30, what="the manager's hub objects"
         )
         cma = found["clustermanagementaddons.v1alpha1.addon.open-cluster-management.io/cluster-proxy"]
         assert cma["spec"]["addOnConfiguration"]["crName"] == "cluster-proxy", cma  # the default MPC
@@ -246,29 +255,15 @@ async def test_the_addon_manager_runs_as_the_overlay_installs_it(
         ]
         assert signer["image"] == "cluster-proxy/cert-signer:dev"  # --cert-signer-image from the overlay
         assert found["service/proxy-agent-entrypoint"]["spec"]["type"] == "LoadBalancer"
-
-        def entrypoint_condition() -> dict[str, Any] | None:
-            mpc = json.loads(
-                kubectl_ok(hub, "get", "managedproxyconfiguration", "cluster-proxy", "-o", "json")
-            )
-            found = [c for c in mpc.get("status", {}).get("conditions", []) if c["type"] == "EntrypointReady"]
-            return found[0] if found else None
-
         # no load-balancer provider here: the default entrypoint waits, and says so (docs/kubernetes.md)
-        await wait_until(
-            lambda: trio.to_thread.run_sync(entrypoint_condition), timeout=30, what="EntrypointReady"
-        )
-        condition = await trio.to_thread.run_sync(entrypoint_condition)
-        assert condition is not None and (condition["status"], condition["reason"]) == (
-            "False",
-            "WaitingForLoadBalancer",
-        )
-        refused = [e for e in manager.events() if "forbidden" in json.dumps(e).lower()]
+        condition = poll_until(lambda: entrypoint_condition(hub), timeout=30, what="EntrypointReady")
+        assert (condition["status"], condition["reason"]) == ("False", "WaitingForLoadBalancer")
+        refused = [e for e in events(manager) if "forbidden" in json.dumps(e).lower()]
         assert not refused, refused[:3]
         output = kubectl_ok(hub, "apply", "-k", str(HUB))
         assert all(line.endswith(" unchanged") for line in output.splitlines() if line.strip()), output
     finally:
-        manager.stop()
+        kubelet.close()
 
 
 # --- the by-hand path, end to end ----------------------------------------------------------------------
@@ -323,20 +318,13 @@ async def admin_cli(hub: KubeCluster, *args: str) -> str:
     return done.stdout.decode()
 
 
-def live_objects(cluster: KubeCluster, namespace: str) -> list[dict[str, Any]]:
-    answer = json.loads(
-        kubectl_ok(cluster, "get", "deployments,configmaps,secrets", "-n", namespace, "-o", "json")
-    )
-    return answer["items"]
-
-
 async def test_an_agent_from_a_managed_overlay_of_your_own_reaches_the_hub(
     hub_installed: KubeCluster, kube_clusters: KubeClusters, tmp_path: Path
 ) -> None:
     hub, cluster1 = hub_installed, kube_clusters["cluster1"]
     signer = await HubSigner(hub, tmp_path).start()
     proxy = SignedHub(pki=None, log_dir=tmp_path, signer=signer)  # type: ignore[arg-type]
-    agent: Process | None = None
+    kubelet = Kubelet(cluster1, tmp_path / "kubelet")
     try:
         await proxy.start_server()
 
@@ -360,18 +348,11 @@ async def test_an_agent_from_a_managed_overlay_of_your_own_reaches_the_hub(
         kubectl_ok(cluster1, "apply", "-k", str(mine))
         assert_every_object_exists(cluster1, mine)
 
-        # Play the kubelet with what cluster1 stores. A pod has a network namespace of its own; these
-        # processes share the machine's, so the admin port moves to a free one.
-        objects = live_objects(cluster1, NAMESPACE)
-        deployment = next(o for o in objects if o["metadata"]["name"] == "cluster-proxy-proxy-agent")
-        (command,) = start_pod(pod_of(deployment, objects, tmp_path / "pods"))
-        # The console script is on the image's PATH; here it is next to this Python.
-        argv = [executable(command.argv[0])]
-        argv += [
-            "--admin-listen=127.0.0.1:0" if a.startswith("--admin-listen=") else a for a in command.argv[1:]
-        ]
-        agent = Process("agent-cluster1", argv, tmp_path, env=command.env)
-        await agent.wait_event("cert_bootstrapped", timeout=30)
+        # The agent's pod, run from what cluster1 stores (no ServiceAccount token: it mounts none).
+        pod = with_free_admin_port(kubelet.pod(NAMESPACE, "cluster-proxy-proxy-agent"))
+        await trio.to_thread.run_sync(pod.start)
+        agent = pod.container()
+        await trio.to_thread.run_sync(lambda: wait_event(agent, "cert_bootstrapped", timeout=30))
 
         def cluster1_connected() -> bool:
             return any(a["cluster"] == "cluster1" for a in proxy.agents_connected())
@@ -379,10 +360,18 @@ async def test_an_agent_from_a_managed_overlay_of_your_own_reaches_the_hub(
         await wait_until(
             lambda: trio.to_thread.run_sync(cluster1_connected), timeout=30, what="cluster1's tunnel"
         )
+        # READY 1/1, as docs/kubernetes.md says to check: the readiness probe (/readyz: a tunnel is up)
+        # passes and the kubelet reports it in the Deployment's status.
+        await trio.to_thread.run_sync(pod.wait_ready)
+        stored = json.loads(
+            kubectl_ok(
+                cluster1, "get", "deployment", "cluster-proxy-proxy-agent", "-n", NAMESPACE, "-o", "json"
+            )
+        )
+        assert stored["status"].get("readyReplicas") == 1, stored["status"]
         listed = await admin_cli(hub, "token", "list")
         rows = [line.split() for line in listed.splitlines() if line.split()[:1] == [token["id"]]]
         assert rows and rows[0][-1] == "used", listed
     finally:
-        if agent is not None:
-            agent.stop()
+        kubelet.close()
         proxy.stop()
