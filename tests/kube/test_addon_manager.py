@@ -947,3 +947,32 @@ def test_used_tokens_are_replaced_and_the_servers_certificate_reported(env: Env)
         what="ProxyServerSecretsSigned True",
     )
     assert signed["reason"] == "CertificateIssued"
+
+
+def test_moving_the_proxy_server_namespace(env: Env) -> None:
+    env.create_mpc()
+    env.start_manager()
+    cluster = env.add_cluster()
+    env.add_addon(cluster)
+    before, _ = wait_for(lambda: env.work(cluster), timeout=LATENCY_BOUND, what="the work")
+    wait_for(lambda: env.mpc_conditions().get("ProxyServerDeployed"), timeout=5, what="the hub side")
+    moved = f"{env.name}-moved"
+    env.create_namespace(moved)
+    env.patch_mpc({"spec": {"proxyServer": {"namespace": moved}}})
+
+    def settled() -> bool:
+        old = env.apps.list_namespaced_deployment(env.name, label_selector=LABEL).items
+        new = env.apps.list_namespaced_deployment(moved, label_selector=LABEL).items
+        return not old and {d.metadata.name for d in new} == {"cluster-proxy", "cluster-proxy-cert-signer"}
+
+    wait_for(settled, timeout=LATENCY_BOUND, what="the hub side to move")
+    assert not env.core.list_namespaced_service(env.name, label_selector=LABEL).items
+    # the agent now bootstraps from the new namespace's store: a new CA bundle and a token minted there
+    after, _ = wait_for(
+        lambda: (w := env.work(cluster)) and work_token(w) != work_token(before) and w,
+        timeout=LATENCY_BOUND,
+        what="the work to follow the move",
+    )
+    token_id = work_token(after).split(".")[0]
+    env.core.read_namespaced_secret(f"cluster-proxy-ca-token-{token_id}", moved)
+    assert manifests(after)["Secret"]["data"]["ca.crt"] != manifests(before)["Secret"]["data"]["ca.crt"]

@@ -245,6 +245,7 @@ class Controller:
         )
         self.informers = (self.mpcs, self.cmas, self.clusters, self.addons, self.deploy_configs, self.works)
         self._hub: HubInformers | None = None
+        self._retired_hub: HubInformers | None = None
         self._hub_lock = threading.Lock()
         # Objects as the manager last wrote them: newer than the informers' copy until the watch
         # event of that write arrives (a reconcile in between must not act on the old copy).
@@ -276,6 +277,7 @@ class Controller:
                 if self._hub is not None:
                     self.log.info("hub_namespace_changed", old=self._hub.namespace, new=namespace)
                     self._hub.stop()
+                    self._retired_hub = self._hub  # its objects are deleted by the next hub reconcile
                 self._hub = HubInformers(self, namespace)
                 self._hub.start()
             hub = self._hub
@@ -527,6 +529,12 @@ class Controller:
             self._delete_hub_objects(hub)
             return
         hub = self.hub_informers(cfg.namespace)
+        retired = self._retired_hub
+        if retired is not None and retired.namespace != cfg.namespace:
+            # spec.proxyServer.namespace changed: the old namespace's servers and signer go (their
+            # CA store stays there; see docs/addon-manager.md on moving namespaces)
+            self._delete_hub_objects(retired)
+        self._retired_hub = None
         endpoints = self._endpoints(cfg, hub)
         ready_endpoints = endpoints if isinstance(endpoints, Endpoints) else None
         conditions: list[Condition] = []

@@ -46,7 +46,6 @@ from .workqueue import WorkQueue
 __all__ = ["ManagerSettings", "build_parser", "main", "parse_settings", "serve"]
 
 ENV_PREFIX = "CLUSTER_PROXY_ADDON_MANAGER_"
-NOT_READY_RETRY = 0.05
 PROG = "cluster-proxy-addon-manager"
 
 
@@ -289,11 +288,12 @@ class Manager:
             try:
                 await trio.to_thread.run_sync(self.controller.reconcile, key, abandon_on_cancel=True)
             except NotReady as exc:
-                # not a failure: an informer is still listing (a fraction of a second)
-                self.queue.done(key)
-                self.queue.add_after(key, NOT_READY_RETRY)
+                # an informer is still listing (the hub namespace changed): retried with the key's
+                # backoff (0.1 s, then longer if it persists, e.g. a namespace the RBAC does not
+                # cover: its informer logs why), quietly
+                delay = self.queue.done(key, failed=True)
                 self.metrics.reconciles.labels(kind, "retry").inc()
-                self.log.debug("reconcile_waiting", key=key, reason=str(exc))
+                self.log.debug("reconcile_waiting", key=key, reason=str(exc), retry_in=round(delay or 0, 2))
             except Exception as exc:
                 delay = self.queue.done(key, failed=True)
                 self.metrics.reconciles.labels(kind, "error").inc()
