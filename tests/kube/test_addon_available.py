@@ -89,6 +89,24 @@ def test_table_has_the_seed_columns(stack: AddonStack) -> None:
     ]
 
 
+def test_mpc_shows_the_server_deployed_and_signed(stack: AddonStack) -> None:
+    """The hub side's own status: the kubelet stand-in reported the Deployment ready, the server
+    bootstrapped its certificate from the signer."""
+
+    def row() -> dict[str, str] | None:
+        done = stack.hub.kubectl("get", "managedproxyconfiguration", stack.mpc_name)
+        assert done.returncode == 0, done.stderr
+        rows = parse_table(done.stdout)
+        return (
+            rows[0]
+            if rows and rows[0].get("DEPLOYED") == "True" and rows[0].get("SIGNED") == "True"
+            else None
+        )
+
+    shown = poll_until(row, timeout=30, what="the MPC's DEPLOYED and SIGNED True", interval=0.25)
+    assert shown["ENTRYPOINT"] == "Hostname"
+
+
 def test_available_follows_the_agent(stack: AddonStack) -> None:
     member: Member = next(iter(stack.members.values()))
     assert member.agent is not None

@@ -250,6 +250,7 @@ def test_kubectl_cannot_use_the_bare_cluster_name_through_proxy_url(tunnel: Tunn
     code, _, err = _kubectl(bare, "get", "namespaces", "-o", "name")
     assert code != 0
     assert "x509" in err and cluster1.name in err, err
+    print(f"\nkubectl, server https://{cluster1.name} through proxy-url: {err.strip().splitlines()[-1]}")
 
     named = yaml.safe_load(bare.read_text())
     named["clusters"][0]["cluster"]["tls-server-name"] = API_SERVER_NAME
@@ -258,6 +259,7 @@ def test_kubectl_cannot_use_the_bare_cluster_name_through_proxy_url(tunnel: Tunn
     code, _, err = _kubectl(with_name, "get", "namespaces", "-o", "name")
     assert code != 0
     assert "x509" in err and API_SERVER_NAME in err, err
+    print(f"kubectl, the same with tls-server-name {API_SERVER_NAME}: {err.strip().splitlines()[-1]}")
 
 
 def test_kubectl_through_port_forward_by_bare_cluster_name(tunnel: Tunnel) -> None:

@@ -86,6 +86,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -223,6 +224,7 @@ class WorkAgent:
         self._hub_client = hub.api_client()
         self._managed_client = managed.api_client()
         self._dynamic: Any = None
+        self._discovery: tempfile.TemporaryDirectory[str] | None = None
         self.applied: dict[str, AppliedWork] = {}  # by ManifestWork name
         self.last_error = ""
         self._lock = threading.Lock()
@@ -239,7 +241,11 @@ class WorkAgent:
         from kubernetes.dynamic import DynamicClient
 
         if self._dynamic is None:
-            self._dynamic = DynamicClient(self._managed_client)
+            # its own discovery cache: the default file is named after the server's address, which a
+            # later API server on the same port would inherit
+            self._discovery = tempfile.TemporaryDirectory(prefix="work-agent-discovery-")
+            cache = Path(self._discovery.name) / "discovery.json"
+            self._dynamic = DynamicClient(self._managed_client, cache_file=str(cache))
         return self._dynamic
 
     def _resource(self, api_version: str, kind: str) -> Any:
@@ -500,6 +506,8 @@ class WorkAgent:
         self.stop()
         self._hub_client.close()
         self._managed_client.close()
+        if self._discovery is not None:
+            self._discovery.cleanup()
 
     def wait_applied(self, name: str, timeout: float = 30.0, *, generation: int | None = None) -> AppliedWork:
         """The started agent's apply of ManifestWork ``name`` (of ``generation``, if given)."""
