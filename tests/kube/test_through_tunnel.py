@@ -218,6 +218,9 @@ def test_python_client_lists_cluster1_namespaces_by_bare_cluster_name(tunnel: Tu
     assert cluster1.only_here in names
     assert cluster2.only_here not in names
     assert tunnel.stack.namespace not in names  # the hub's
+    agent = tunnel.stack.members[cluster1.name].agent
+    assert agent is not None  # its in-cluster default, which the pod network leads to cluster1's API server
+    assert agent.container().events("agent_starting")[0]["kube_apiserver"] == "kubernetes.default.svc:443"
     server = tunnel.stack.server
     assert server is not None
     # the proxy-server was asked for "<cluster>:443" (no other way of naming the cluster) and routed it

@@ -9,8 +9,8 @@ and the hub, with a small Deployment whose program reports what it was given:
   ``kubernetes.default.svc`` to the API server); the readiness probe and the Deployment's status;
   restart with the same emptyDir and a refreshed Secret; a clean stop; errors that name what is missing;
 - the work agent: server-side apply with the field manager ``work-agent``, the ManifestWork's status as
-  OCM's agent writes it (a refused manifest included), a new generation applied, a deleted work's
-  objects removed.
+  OCM's agent writes it (a refused manifest included), a new generation applied (what it no longer
+  holds deleted), a deleted work's objects removed.
 """
 
 from __future__ import annotations
@@ -489,11 +489,21 @@ def test_work_agent_applies_and_reports_like_ocm(kube_clusters: KubeClusters) ->
         agent.start(interval=0.1)
         fixed = custom.get_namespaced_custom_object(*args, "w")
         fixed["spec"]["workload"]["manifests"][3]["metadata"]["name"] = "now-valid"
+        del fixed["spec"]["workload"]["manifests"][2]  # the ClusterRole leaves the work
         custom.replace_namespaced_custom_object(*args, "w", fixed)
         agent.wait_applied("w", timeout=30, generation=2)
-        work = _conditions(custom.get_namespaced_custom_object(*args, "w")["status"])
+        status = custom.get_namespaced_custom_object(*args, "w")["status"]
+        work = _conditions(status)
         assert (work["Applied"]["status"], work["Applied"]["observedGeneration"]) == ("True", 2)
         assert (work["Available"]["status"], work["Available"]["reason"]) == ("True", "ResourcesAvailable")
+        assert [m["resourceMeta"]["name"] for m in status["resourceStatus"]["manifests"]] == [
+            target,
+            "applied",
+            "now-valid",
+        ]
+        with cluster1.api_client() as api, pytest.raises(client.exceptions.ApiException) as gone_role:
+            client.RbacAuthorizationV1Api(api).read_cluster_role(f"{target}-reader")
+        assert gone_role.value.status == 404  # applied by generation 1, not in generation 2: deleted
 
         # a deleted work: what it applied goes too
         custom.delete_namespaced_custom_object(*args, "w")

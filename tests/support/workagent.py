@@ -36,7 +36,8 @@ adds none, so nothing hangs when a test stops it).
   ``/var/run/secrets/kubernetes.io/serviceaccount``, so they are written under the pod's directory
   (that path is mapped like a mount in command, args and env) and ``KUBECONFIG`` names a kubeconfig
   holding the same token, CA and API server; programs that read ``$KUBECONFIG`` before the in-cluster
-  files (the kubernetes client, the cert-signer) get the pod's identity;
+  files (the kubernetes client, the cert-signer) get the pod's identity. The token (one hour, as a
+  kubelet asks) is not refreshed;
 - the pod network: pods share the machine's loopback (as with ``hostNetwork: true``), so two
   containers listening on one port collide; the tests choose free ports. Cluster DNS and kube-proxy
   are emulated **inside Python programs only** by a ``sitecustomize`` on ``PYTHONPATH``: a lookup of
@@ -102,14 +103,19 @@ import yaml
 from tests.support.kubeapi import KubeCluster, _die_with_parent
 
 __all__ = [
+    "ADDON_NAME",
     "CLUSTER_DOMAIN",
     "FIELD_MANAGER",
+    "AddonStack",
+    "AppliedWork",
     "Container",
     "Kubelet",
+    "Member",
     "Pod",
     "WorkAgent",
     "WorkAgentError",
     "expand",
+    "install_mpc_crd",
     "poll_until",
     "rewrite_mount_paths",
 ]
@@ -123,7 +129,7 @@ SYSTEM_BIN = (Path("/usr/bin"), Path("/bin"))
 POLL = 0.05
 INIT_TIMEOUT = 60.0
 DEFAULT_GRACE = 30.0
-POD_DNS_ENV = "WORKAGENT_POD_NETWORK"
+POD_NETWORK_ENV = "WORKAGENT_POD_NETWORK"
 
 WORK_GROUP, WORK_VERSION, WORK_PLURAL = "work.open-cluster-management.io", "v1", "manifestworks"
 
@@ -175,6 +181,14 @@ class ManifestResult:
     available: bool = False
 
 
+@dataclass(frozen=True)
+class AppliedObject:
+    api_version: str
+    kind: str
+    name: str
+    namespace: str  # "" when cluster-scoped
+
+
 @dataclass
 class AppliedWork:
     """What one apply of a ManifestWork did."""
@@ -183,9 +197,7 @@ class AppliedWork:
     uid: str
     generation: int
     results: list[ManifestResult]
-    applied_objects: list[tuple[dict[str, Any], str, str]] = field(
-        default_factory=list
-    )  # (resource, name, ns)
+    applied_objects: list[AppliedObject] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -274,18 +286,6 @@ class WorkAgent:
                 return None
             raise
 
-    def wait_work(self, name: str, timeout: float = 30.0, *, generation_above: int = 0) -> dict[str, Any]:
-        """The ManifestWork ``name`` once it exists (with a generation above ``generation_above``)."""
-        return poll_until(
-            lambda: (
-                (w := self.get_work(name)) is not None
-                and w["metadata"].get("generation", 0) > generation_above
-                and w
-            ),
-            timeout=timeout,
-            what=f"ManifestWork {self.cluster_name}/{name} on the hub",
-        )
-
     # applying
     def apply(self, work: Mapping[str, Any] | str) -> AppliedWork:
         """Apply every manifest of ``work`` (the object, or its name: read from the hub) to the managed
@@ -298,7 +298,11 @@ class WorkAgent:
             work = found
         with self._lock:
             result = self._apply(work)
-            self._write_status(work, result)
+            previous = self.applied.get(result.name)
+            if previous is not None and previous.uid == result.uid:
+                # what an earlier generation applied and this one no longer holds goes, as with OCM
+                self._delete(set(previous.applied_objects) - set(result.applied_objects))
+            self._write_status(result)
             self.applied[result.name] = result
             return result
 
@@ -340,7 +344,7 @@ class WorkAgent:
             except Exception as exc:
                 item.error = f"Failed to apply manifest: {_api_error(exc)}"
                 continue
-            result.applied_objects.append(({"api_version": api_version, "kind": kind}, name, namespace))
+            result.applied_objects.append(AppliedObject(api_version, kind, name, namespace))
             try:
                 self._dyn().get(resource, name=name, namespace=namespace or None)
                 item.available = True
@@ -348,7 +352,7 @@ class WorkAgent:
                 item.available = False
         return result
 
-    def _write_status(self, work: Mapping[str, Any], result: AppliedWork) -> None:
+    def _write_status(self, result: AppliedWork) -> None:
         generation = result.generation
         manifests = []
         for item in result.results:
@@ -443,18 +447,19 @@ class WorkAgent:
         stays Terminating on these API servers); returns how many objects were deleted."""
         with self._lock:
             applied = self.applied.pop(name, None)
-            if applied is None:
-                return 0
-            deleted = 0
-            for kind, obj_name, namespace in reversed(applied.applied_objects):
-                try:
-                    resource = self._resource(kind["api_version"], kind["kind"])
-                    self._dyn().delete(resource, name=obj_name, namespace=namespace or None)
-                    deleted += 1
-                except Exception as exc:
-                    if _status_code(exc) != 404:
-                        raise
-            return deleted
+            return 0 if applied is None else self._delete(applied.applied_objects)
+
+    def _delete(self, objects: Iterable[AppliedObject]) -> int:
+        deleted = 0
+        for obj in reversed(list(objects)):
+            try:
+                resource = self._resource(obj.api_version, obj.kind)
+                self._dyn().delete(resource, name=obj.name, namespace=obj.namespace or None)
+                deleted += 1
+            except Exception as exc:
+                if _status_code(exc) != 404:
+                    raise
+        return deleted
 
     # the loop
     def sync_once(self) -> None:
@@ -636,7 +641,7 @@ def _install():
 
 
 _install()
-'''.replace("%(env)s", POD_DNS_ENV)
+'''.replace("%(env)s", POD_NETWORK_ENV)
 
 
 @dataclass(frozen=True)
@@ -929,7 +934,7 @@ VOLUME_TYPES = ("secret", "configMap", "emptyDir")
 class Pod:
     """One replica of a Deployment, run as processes (see the module's docstring for how)."""
 
-    def __init__(self, kubelet: Kubelet, deployment: dict[str, Any], index: int) -> None:
+    def __init__(self, kubelet: Kubelet, deployment: dict[str, Any]) -> None:
         self.kubelet = kubelet
         self.cluster = kubelet.cluster
         self.deployment = deployment
@@ -943,7 +948,6 @@ class Pod:
         digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
         self.name = f"{self.deployment_name}-{digest}-{secrets.token_hex(3)[:5]}"
         self.uid = str(uuid.uuid4())
-        self.index = index
         self.directory = kubelet.directory / self.namespace / self.name
         self.service_account: str = (
             self.spec.get("serviceAccountName") or self.spec.get("serviceAccount") or "default"
@@ -1054,7 +1058,6 @@ class Pod:
             root.mkdir(parents=True, exist_ok=True)
             for old in root.rglob("*"):
                 if old.is_file():
-                    old.chmod(0o600)
                     old.unlink()
             if data is None:
                 continue
@@ -1262,7 +1265,7 @@ class Pod:
         if self.kubeconfig is not None:
             full["KUBECONFIG"] = str(self.kubeconfig)
         full["PYTHONPATH"] = os.pathsep.join(p for p in (str(network), full.get("PYTHONPATH", "")) if p)
-        full[POD_DNS_ENV] = str(network / "table.json")
+        full[POD_NETWORK_ENV] = str(network / "table.json")
         working = container.get("workingDir")
         cwd = str(home)
         if working:
@@ -1445,8 +1448,7 @@ class Kubelet:
 
     def pod(self, namespace: str, name: str) -> Pod:
         """A pod of Deployment ``namespace/name`` as it is now, not started (:meth:`Pod.start`)."""
-        index = sum(1 for p in self.pods if (p.namespace, p.deployment_name) == (namespace, name))
-        pod = Pod(self, self.deployment(namespace, name), index)
+        pod = Pod(self, self.deployment(namespace, name))
         self.pods.append(pod)
         return pod
 
