@@ -259,7 +259,9 @@ def test_signer_command_line_is_accepted_by_the_signer(ca_pem: str, tmp_path: Pa
     assert "hub.example.com" in args.tls_host
     assert "cluster-proxy-cert-signer.open-cluster-management-addon.svc" in args.tls_host
     role = find(objects, "Role", "cluster-proxy-cert-signer")
-    assert role["rules"][0]["resources"] == ["secrets"]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "list", "create", "update", "delete"]}
+    ]
 
 
 # --- managed cluster -----------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from clusterproxy_certsigner.kubestore import RBAC_VERBS as SIGNER_STORE_VERBS
 from clusterproxy_protocol.wire import format_authority
 
 from .config import Endpoints, ProxyConfig, ProxySettings
@@ -250,14 +251,9 @@ def hub_objects(inputs: HubInputs) -> list[dict[str, Any]]:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": meta(SIGNER_SERVICE_ACCOUNT, "cert-signer"),
-            # The Secrets store (CA, tokens, issued records) in this namespace: nothing else.
-            "rules": [
-                {
-                    "apiGroups": [""],
-                    "resources": ["secrets"],
-                    "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
-                }
-            ],
+            # The Secrets store (CA, tokens, issued records) in this namespace: exactly the verbs
+            # the store uses, nothing else.
+            "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": list(SIGNER_STORE_VERBS)}],
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
