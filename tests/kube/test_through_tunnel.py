@@ -243,6 +243,19 @@ def test_kubectl_proxy_url_with_client_certificate_lists_cluster1(tunnel: Tunnel
     assert code == 0, err
     names = _names(out)
     assert cluster1.only_here in names and cluster2.only_here not in names
+    # kubectl presented the hub client certificate to the proxy-server (which requires one)
+    server = tunnel.stack.server
+    assert server is not None
+    streams = poll_until(
+        lambda: [
+            r
+            for r in server.container().events("stream_closed")
+            if r.get("target") == f"{API_SERVER_NAME}:443" and r.get("cluster") == cluster1.name
+        ],
+        timeout=10,
+        what="the proxy-server's stream_closed for kubectl's stream",
+    )
+    assert {r["client"] for r in streams} == {"hub-admin"}, streams
 
 
 def test_kubectl_cannot_use_the_bare_cluster_name_through_proxy_url(tunnel: Tunnel) -> None:
