@@ -765,6 +765,80 @@ def test_mpc_deleted_takes_the_hub_side_with_it(env: Env) -> None:
     env.core.read_namespaced_secret("cluster-proxy-ca-authorities", env.name)
 
 
+# --- the default configuration ---------------------------------------------------------------------------
+
+
+def mpc_or_none(env: Env) -> dict[str, Any] | None:
+    try:
+        return env.mpc()
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def test_an_absent_configuration_is_created_with_the_crds_defaults(env: Env) -> None:
+    """No MPC at the start: the manager creates it (an empty spec; the API server fills in the CRD's
+    defaults) and deploys from it. Deleted while the manager runs, it stays deleted and the hub side
+    goes (as before); a restarted manager creates it again."""
+    env.create_namespace(env.name)
+    manager = env.start_manager()
+    # created before manager_synced is logged, so it exists now
+    created = manager.event("default_configuration_created")
+    assert created is not None and created["name"] == env.name, manager.process.tail()
+    mpc = env.mpc()
+    assert mpc["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "cluster-proxy-addon-manager"
+    spec = mpc["spec"]
+    assert spec["proxyServer"]["image"] == "cluster-proxy/proxy-server:dev"
+    assert spec["proxyAgent"]["image"] == "cluster-proxy/proxy-agent:dev"
+    assert (spec["proxyServer"]["replicas"], spec["proxyAgent"]["replicas"]) == (1, 1)
+    assert spec["proxyServer"]["entrypoint"]["type"] == "LoadBalancerService"
+    assert spec["authentication"]["signer"]["type"] == "SelfSigned"
+    assert "namespace" not in spec["proxyServer"]  # the manager's own: --namespace
+    wait_for(lambda: env.mpc_conditions().get("ProxyServerDeployed"), timeout=10, what="the hub side from it")
+    env.apps.read_namespaced_deployment("cluster-proxy", env.name)
+
+    first_uid = mpc["metadata"]["uid"]
+    env.custom.delete_cluster_custom_object(*MPC, env.name)
+    wait_for(
+        lambda: not env.apps.list_namespaced_deployment(env.name, label_selector=LABEL).items,
+        timeout=LATENCY_BOUND,
+        what="the hub side to go with the deleted MPC",
+    )
+    assert mpc_or_none(env) is None, "the running manager created the deleted MPC again"
+    assert len(manager.events("default_configuration_created")) == 1
+    manager.stop()
+
+    restarted = env.start_manager()
+    assert restarted.event("default_configuration_created") is not None
+    assert env.mpc()["metadata"]["uid"] != first_uid
+
+
+def test_an_existing_configuration_is_not_overwritten(env: Env) -> None:
+    env.create_mpc(
+        {"proxyServer": {"replicas": 2, "entrypoint": {"type": "Hostname", "hostname": {"value": "h1"}}}}
+    )
+    before = env.mpc()
+    manager = env.start_manager()
+    wait_for(lambda: env.mpc_conditions().get("ProxyServerDeployed"), timeout=10, what="the hub side")
+    after = env.mpc()
+    assert after["spec"] == before["spec"]
+    assert after["metadata"]["generation"] == before["metadata"]["generation"]
+    assert after["metadata"].get("labels") == before["metadata"].get("labels")
+    assert manager.event("default_configuration_created") is None
+    assert env.apps.read_namespaced_deployment("cluster-proxy", env.name).spec.replicas == 2
+
+
+def test_no_configuration_is_created_when_told_not_to(env: Env) -> None:
+    env.create_namespace(env.name)
+    manager = env.start_manager("--no-create-default-configuration")
+    # the decision is taken before manager_synced is logged
+    assert manager.event("default_configuration_created") is None
+    assert mpc_or_none(env) is None
+    status, body = manager.readyz()
+    assert status == 200, body
+
+
 def test_missing_crds_are_named(kube_clusters: KubeClusters, tmp_path: Path) -> None:
     """cluster1 has no OCM or MPC CRDs: the manager says which are missing and how to install them,
     and is not ready."""

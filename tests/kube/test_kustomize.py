@@ -1,14 +1,15 @@
 """The kustomize overlays against real API servers, as docs/kubernetes.md tells a user to apply them.
 
-- The hub: ``kubectl apply -k deploy/kustomize/overlays/hub/crds``, wait for the CRD, then
-  ``kubectl apply -k deploy/kustomize/overlays/hub``: both exit 0, every object ``kubectl kustomize``
-  renders exists afterwards (read back by kind, name and namespace), and applying again reports every
-  object ``unchanged``.
+- The hub: ONE ``kubectl apply -k deploy/kustomize/overlays/hub`` on an API server that has never
+  seen the CRD exits 0, every object ``kubectl kustomize`` renders exists afterwards (read back by
+  kind, name and namespace), and applying again reports every object ``unchanged``.
 - A managed cluster: ``kubectl apply -k deploy/kustomize/overlays/managed`` as shipped (the example),
   the same checks, and the agent's ServiceAccount may do nothing.
 - The addon-manager's pod run from the hub's stored Deployment as its ServiceAccount, with only the
-  overlay's RBAC: it registers the addon and deploys the hub side; the overlay applied again after it
-  is unchanged.
+  overlay's RBAC: it creates the default ManagedProxyConfiguration (the CRD's defaults), registers the
+  addon and deploys the hub side; then ``kubectl apply -k deploy/kustomize/overlays/hub-configuration``
+  exits 0 and the configuration takes its values, an overlay of one's own on it (a Hostname entrypoint,
+  two replicas) reaches what the manager deploys, and the hub overlay applied again is unchanged.
 - The by-hand path end to end: a cert-signer on the hub's Secrets store and a proxy-server (processes
   on loopback, as the addon-manager would run them), the admin's steps with the real CLI (the trust
   bundle, a bootstrap token for cluster1), an overlay of the admin's own applied to cluster1, and the
@@ -20,8 +21,8 @@ These tests run on API servers of their own (a hub and cluster1: this module's `
 fixture), not on the session's shared ones: the hub overlay creates cluster-scoped and fixed-name
 objects (the CRD, the ManagedProxyConfiguration ``cluster-proxy``, the namespace
 ``open-cluster-management-addon``) that other tests create their own way, a namespace can never be
-deleted there (no controller-manager), and the documented install (CRDs first) means something only on a
-hub that has never seen the CRD.
+deleted there (no controller-manager), and the one-command install means something only on a hub that
+has never seen the CRD.
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ from tests.support.certs import SERVER_HOSTS, SignedHub, SignerProcess
 from tests.support.kubeapi import KubeCluster, KubeClusters, free_port, install_crds
 from tests.support.procs import Process, json_records
 from tests.support.waiting import wait_until
-from tests.support.workagent import SERVICE_ACCOUNT_DIR, Container, Kubelet, Pod, poll_until
+from tests.support.workagent import Container, Kubelet, Pod, poll_until
 from tests.unit.test_kustomize_render import (
     KUSTOMIZE,
     MY_CLUSTER_KUSTOMIZATION,
+    MY_HUB_KUSTOMIZATION,
     NAMESPACE,
     key_of,
-    only,
     own_overlay,
     render,
 )
@@ -56,7 +57,7 @@ from tests.unit.test_kustomize_render import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 HUB = KUSTOMIZE / "overlays" / "hub"
-HUB_CRDS = HUB / "crds"
+HUB_CONFIGURATION = KUSTOMIZE / "overlays" / "hub-configuration"
 MANAGED = KUSTOMIZE / "overlays" / "managed"
 HUB_NAMESPACE = "open-cluster-management-addon"
 MPC_CRD = "managedproxyconfigurations.proxy.open-cluster-management.io"
@@ -120,34 +121,24 @@ def assert_apply_changes_nothing(cluster: KubeCluster, overlay: Path) -> None:
 
 @pytest.fixture(scope="module")
 def hub_installed(kube_clusters: KubeClusters) -> KubeCluster:
-    """The hub installed as docs/kubernetes.md says: the CRDs, wait for them, the hub overlay."""
+    """The hub installed as docs/kubernetes.md says: one ``kubectl apply -k`` of the hub overlay, on
+    an API server that has never seen the CRD (exit 0, checked by kubectl_ok)."""
     hub = kube_clusters["hub"]
-    kubectl_ok(hub, "apply", "-k", str(HUB_CRDS))
-    kubectl_ok(hub, "wait", "--for=condition=Established", "--timeout=60s", f"crd/{MPC_CRD}")
+    assert hub.kubectl("get", "crd", MPC_CRD).returncode != 0, "the CRD was there before the install"
     kubectl_ok(hub, "apply", "-k", str(HUB))
     return hub
 
 
-def test_the_hub_installs_and_every_rendered_object_exists(hub_installed: KubeCluster) -> None:
+def test_the_hub_installs_in_one_apply_and_every_rendered_object_exists(hub_installed: KubeCluster) -> None:
     live = assert_every_object_exists(hub_installed, HUB)
     kinds = {o["kind"] for o in live}
-    assert {
-        "CustomResourceDefinition",
-        "Namespace",
-        "ServiceAccount",
-        "Deployment",
-        "ManagedProxyConfiguration",
-    } <= kinds
-    mpc = only(live, "ManagedProxyConfiguration")
-    # stored through the CRD's schema: what the overlay leaves out took the CRD's defaults
-    assert mpc["spec"]["deploy"]["ports"]["signer"] == 8443
-    assert mpc["spec"]["authentication"]["signer"]["type"] == "SelfSigned"
-    assert mpc["spec"]["proxyServer"]["image"] == "cluster-proxy/proxy-server:dev"
+    assert {"CustomResourceDefinition", "Namespace", "ServiceAccount", "Deployment"} <= kinds
+    assert "ManagedProxyConfiguration" not in kinds  # the manager creates it: tested below
+    kubectl_ok(hub_installed, "wait", "--for=condition=Established", "--timeout=60s", f"crd/{MPC_CRD}")
 
 
 def test_applying_the_hub_again_changes_nothing(hub_installed: KubeCluster) -> None:
     assert_apply_changes_nothing(hub_installed, HUB)
-    assert_apply_changes_nothing(hub_installed, HUB_CRDS)
 
 
 def test_the_managed_overlay_as_shipped_applies_and_again_changes_nothing(
@@ -228,23 +219,58 @@ def entrypoint_condition(hub: KubeCluster) -> dict[str, Any] | None:
     return found[0] if found else None
 
 
+def mpc_of(hub: KubeCluster) -> dict[str, Any] | None:
+    done = hub.kubectl("get", "managedproxyconfiguration", "cluster-proxy", "-o", "json")
+    return json.loads(done.stdout) if done.returncode == 0 else None
+
+
+def proxy_server_replicas(hub: KubeCluster) -> int | None:
+    done = hub.kubectl("get", "deployment", "cluster-proxy", "-n", HUB_NAMESPACE, "-o", "json")
+    return json.loads(done.stdout)["spec"]["replicas"] if done.returncode == 0 else None
+
+
+def assert_configuration_applies_unchanged(hub: KubeCluster, overlay: Path) -> None:
+    """:func:`assert_apply_changes_nothing` for the configuration, which the manager's status writes
+    change meanwhile: its generation (its spec), not its resourceVersion, stays."""
+    before = mpc_of(hub)
+    output = kubectl_ok(hub, "apply", "-k", str(overlay))
+    assert output.strip().endswith(" unchanged") and len(output.strip().splitlines()) == 1, output
+    after = mpc_of(hub)
+    assert before is not None and after is not None
+    assert after["metadata"]["generation"] == before["metadata"]["generation"], "applying again changed it"
+
+
 def test_the_addon_manager_runs_as_the_overlay_installs_it(
     hub_installed: KubeCluster, tmp_path: Path
 ) -> None:
     """The manager's pod run from the hub's stored Deployment (tests.support.workagent.Kubelet: its
-    command, args and environment, its ServiceAccount's token, with only the overlay's RBAC) registers
-    the addon and deploys the hub side from the default ManagedProxyConfiguration; applying the
-    overlay again afterwards changes nothing: the overlay and the manager write different objects."""
+    command, args and environment, its ServiceAccount's token through $KUBECONFIG, with only the
+    overlay's RBAC) creates the default ManagedProxyConfiguration with the CRD's defaults, registers the
+    addon and deploys the hub side from it. Then the declared configuration: ``overlays/hub-configuration``
+    applies (exit 0) and the configuration takes its values; an overlay of one's own on it (a Hostname
+    entrypoint, two replicas) reaches what the manager deploys. Applying the hub overlay again changes
+    nothing: the overlay and the manager write different objects."""
     hub = hub_installed
+    assert mpc_of(hub) is None, "the hub overlay holds no configuration: the manager creates it"
     kubelet = Kubelet(hub, tmp_path / "kubelet")
     try:
         pod = with_free_admin_port(kubelet.pod(HUB_NAMESPACE, "cluster-proxy-addon-manager"))
-        # The manager reads a pod's token at its fixed path before $KUBECONFIG, and the stand-in cannot
-        # put it there: it names the stand-in's kubeconfig, which holds that very token, instead.
-        pod.container().spec["args"].append(f"--kubeconfig={SERVICE_ACCOUNT_DIR}/kubeconfig")
         pod.start()
         manager = pod.container()
+        created = wait_event(manager, "default_configuration_created", timeout=30)
+        assert created["name"] == "cluster-proxy"
         wait_event(manager, "manager_synced", timeout=30)
+        mpc = mpc_of(hub)
+        assert mpc is not None
+        # an empty spec, filled in by the CRD's defaults
+        spec = mpc["spec"]
+        assert spec["proxyServer"]["image"] == "cluster-proxy/proxy-server:dev"
+        assert spec["proxyAgent"]["image"] == "cluster-proxy/proxy-agent:dev"
+        assert spec["proxyServer"]["entrypoint"]["type"] == "LoadBalancerService"
+        assert spec["deploy"]["ports"]["signer"] == 8443
+        assert spec["authentication"]["signer"]["type"] == "SelfSigned"
+        assert mpc["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "cluster-proxy-addon-manager"
+
         found = poll_until(
             lambda: hub_objects_of_the_manager(hub), timeout=30, what="the manager's hub objects"
         )
@@ -258,8 +284,36 @@ def test_the_addon_manager_runs_as_the_overlay_installs_it(
         # no load-balancer provider here: the default entrypoint waits, and says so (docs/kubernetes.md)
         condition = poll_until(lambda: entrypoint_condition(hub), timeout=30, what="EntrypointReady")
         assert (condition["status"], condition["reason"]) == ("False", "WaitingForLoadBalancer")
+
+        # the configuration declared with kustomize, applied after the hub overlay: a plain apply
+        kubectl_ok(hub, "apply", "-k", str(HUB_CONFIGURATION))
+        (declared,) = assert_every_object_exists(hub, HUB_CONFIGURATION)
+        assert declared["metadata"]["uid"] == mpc["metadata"]["uid"], "the configuration was replaced"
+        assert declared["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kustomize"
+        assert "kubectl.kubernetes.io/last-applied-configuration" in declared["metadata"]["annotations"]
+        assert declared["spec"]["proxyServer"]["entrypoint"] == {
+            "type": "LoadBalancerService",
+            "loadBalancerService": {"name": "proxy-agent-entrypoint"},
+            "port": 8091,
+        }
+        assert_configuration_applies_unchanged(hub, HUB_CONFIGURATION)
+
+        # an overlay of one's own on it (docs/kubernetes.md, "Configuring the hub")
+        mine = own_overlay(tmp_path / "my-hub", "hub-configuration", MY_HUB_KUSTOMIZATION, {})
+        kubectl_ok(hub, "apply", "-k", str(mine))
+        poll_until(
+            lambda: proxy_server_replicas(hub) == 2 or None, timeout=30, what="2 proxy-server replicas"
+        )
+        condition = poll_until(
+            lambda: (c := entrypoint_condition(hub)) and c["status"] == "True" and c,
+            timeout=30,
+            what="EntrypointReady True with the Hostname entrypoint",
+        )
+        assert_configuration_applies_unchanged(hub, mine)
+
         refused = [e for e in events(manager) if "forbidden" in json.dumps(e).lower()]
         assert not refused, refused[:3]
+        assert len(events(manager, "default_configuration_created")) == 1
         output = kubectl_ok(hub, "apply", "-k", str(HUB))
         assert all(line.endswith(" unchanged") for line in output.splitlines() if line.strip()), output
     finally:

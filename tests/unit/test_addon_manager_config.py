@@ -239,6 +239,7 @@ def test_flags_defaults_and_env_twins() -> None:
     defaults = parse_settings([], environ={})
     assert defaults.namespace == "open-cluster-management-addon"
     assert defaults.mpc_name == "cluster-proxy"
+    assert defaults.create_default_configuration is True
     assert defaults.admin_urls == []
     assert (defaults.resync_period, defaults.availability_poll, defaults.token_ttl) == (600.0, 10.0, 86400.0)
     assert defaults.admin_listen == ("0.0.0.0", 8094)
@@ -253,9 +254,11 @@ def test_flags_defaults_and_env_twins() -> None:
             "CLUSTER_PROXY_ADDON_MANAGER_AVAILABILITY_POLL": "2s",
             "CLUSTER_PROXY_ADDON_MANAGER_TOKEN_TTL": "1h",
             "CLUSTER_PROXY_ADDON_MANAGER_LOG_LEVEL": "debug",
+            "CLUSTER_PROXY_ADDON_MANAGER_CREATE_DEFAULT_CONFIGURATION": "false",
         },
     )
     assert str(env.kubeconfig) == "/k" and env.namespace == "ns1" and env.mpc_name == "other"
+    assert env.create_default_configuration is False
     assert env.admin_urls == ["http://10.0.0.1:8092", "http://10.0.0.2:8092"]
     assert (env.resync_period, env.availability_poll, env.token_ttl, env.log_level) == (
         60.0,
@@ -268,6 +271,83 @@ def test_flags_defaults_and_env_twins() -> None:
         environ={"CLUSTER_PROXY_ADDON_MANAGER_NAMESPACE": "ns1"},
     )
     assert flags.namespace == "ns2" and flags.admin_urls == ["http://h:1"]
+    assert (
+        parse_settings(["--no-create-default-configuration"], environ={}).create_default_configuration
+        is False
+    )
+    assert (
+        parse_settings(
+            ["--create-default-configuration"],
+            environ={"CLUSTER_PROXY_ADDON_MANAGER_CREATE_DEFAULT_CONFIGURATION": "false"},
+        ).create_default_configuration
+        is True
+    )
+
+
+# --- where the manager finds the hub -------------------------------------------------------------------
+
+
+def kubeconfig_file(path: Path, server: str) -> Path:
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": server}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "c",
+            }
+        )
+    )
+    return path
+
+
+@pytest.fixture
+def in_a_pod(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The in-cluster environment a pod has: the Service address in the environment and the
+    ServiceAccount's files (at a folder of the test's: the client's fixed path is patched to it)."""
+    from kubernetes.config import incluster_config
+
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    (account / "token").write_text("pod-token")
+    (account / "ca.crt").write_text((ROOT / "deploy/kustomize/overlays/managed/example/ca.crt").read_text())
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(account / "token"))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(account / "ca.crt"))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    return account
+
+
+def test_kubeconfig_env_comes_before_the_pods_service_account(
+    in_a_pod: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the cert-signer: --kubeconfig, then $KUBECONFIG, then the pod's own identity."""
+    from clusterproxy_addon_manager.kube import load_configuration
+
+    assert load_configuration(None).host == "https://10.96.0.1:443"  # in a pod, nothing else given
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig_file(tmp_path / "env.kubeconfig", "https://env:6443")))
+    assert load_configuration(None).host == "https://env:6443"
+    flag = kubeconfig_file(tmp_path / "flag.kubeconfig", "https://flag:6443")
+    assert load_configuration(flag).host == "https://flag:6443"
+
+
+def test_a_kubeconfig_that_is_not_there_is_named(
+    in_a_pod: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from clusterproxy_addon_manager.kube import load_configuration
+    from clusterproxy_protocol.config import ConfigError
+
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match=r"\$KUBECONFIG .*missing: no such file"):
+        load_configuration(None)
+    monkeypatch.delenv("KUBECONFIG")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+    with pytest.raises(ConfigError, match="no Kubernetes configuration"):
+        load_configuration(None)
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,10 @@ from tests.support import require
 
 REPO = Path(__file__).resolve().parents[2]
 KUSTOMIZE = REPO / "deploy" / "kustomize"
+#: the overlays that run something (a Deployment each)
 OVERLAYS = ("hub", "managed")
+#: every overlay shipped: the hub's declared configuration (no Deployment) too
+ALL_OVERLAYS = ("hub", "hub-configuration", "managed")
 
 # The project's images (the compose issue builds them) and the one console script each may run.
 PROJECT_IMAGES = {
@@ -330,8 +333,13 @@ def test_a_misspelt_flag_is_caught(overlay: tuple[str, list[dict[str, Any]]], tm
             )
 
 
-def test_every_object_carries_the_project_labels(overlay: tuple[str, list[dict[str, Any]]]) -> None:
-    _, objects = overlay
+@pytest.fixture(scope="module", params=ALL_OVERLAYS)
+def any_overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, render(KUSTOMIZE / "overlays" / request.param)
+
+
+def test_every_object_carries_the_project_labels(any_overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    _, objects = any_overlay
     for obj in objects:
         labels = obj["metadata"].get("labels") or {}
         assert labels.get("app.kubernetes.io/part-of") == "cluster-proxy", key_of(obj)
@@ -343,12 +351,40 @@ def test_every_object_carries_the_project_labels(overlay: tuple[str, list[dict[s
         assert "app.kubernetes.io/part-of" not in deployment["spec"]["selector"]["matchLabels"]
 
 
+def test_no_overlay_holds_an_object_of_a_crd_it_installs(
+    any_overlay: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """kubectl maps every object of one apply to its API before it creates any: an object whose kind
+    comes from a CRD in the same apply fails on a fresh cluster ("ensure CRDs are installed first").
+    So the hub overlay installs in one command, and the configuration is an overlay of its own."""
+    name, objects = any_overlay
+    installed = {
+        (o["spec"]["group"], o["spec"]["names"]["kind"])
+        for o in objects
+        if o["kind"] == "CustomResourceDefinition"
+    }
+    for obj in objects:
+        group = obj["apiVersion"].rpartition("/")[0]
+        assert (group, obj["kind"]) not in installed, (
+            f"overlay {name}: {key_of(obj)} needs a CRD of the same apply"
+        )
+
+
+def test_the_hub_installs_the_crd_and_the_configuration_needs_it() -> None:
+    hub = render(KUSTOMIZE / "overlays" / "hub")
+    crd = only(hub, "CustomResourceDefinition")
+    configuration = render(KUSTOMIZE / "overlays" / "hub-configuration")
+    assert [o["kind"] for o in configuration] == ["ManagedProxyConfiguration"]
+    assert crd["spec"]["names"]["kind"] == "ManagedProxyConfiguration"
+    assert crd["spec"]["group"] == configuration[0]["apiVersion"].split("/")[0]
+
+
 def test_the_configuration_names_only_project_images(
-    overlay: tuple[str, list[dict[str, Any]]], tmp_path: Path
+    any_overlay: tuple[str, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     """Images outside containers too: the ManagedProxyConfiguration names what the manager deploys,
     and the manager's --cert-signer-image the signer it deploys."""
-    _, objects = overlay
+    _, objects = any_overlay
     for obj in objects:
         if obj["kind"] == "ManagedProxyConfiguration":
             for part, repository in (
@@ -395,7 +431,10 @@ def test_images_of_your_own_reach_every_image_field(tmp_path: Path) -> None:
     assert manager["image"] == "registry.example/cp/addon-manager:v9"
     env = {e["name"]: e.get("value") for e in manager["env"]}
     assert env["CERT_SIGNER_IMAGE"] == "registry.example/cp/cert-signer:v9"
-    mpc = only(hub, "ManagedProxyConfiguration")["spec"]
+    configuration = render(
+        own_overlay(tmp_path / "configuration", "hub-configuration", {"images": images}, {})
+    )
+    mpc = only(configuration, "ManagedProxyConfiguration")["spec"]
     assert mpc["proxyServer"]["image"] == "registry.example/cp/proxy-server:v9"
     assert mpc["proxyAgent"]["image"] == "registry.example/cp/proxy-agent:v9"
     managed = render(own_overlay(tmp_path / "managed", "managed", {"images": images}, {}))
@@ -450,12 +489,13 @@ def test_the_hub_overlay_writes_nothing_the_addon_manager_writes() -> None:
     from clusterproxy_addon_manager.main import parse_settings as manager_settings
 
     objects = render(KUSTOMIZE / "overlays" / "hub")
+    configuration = render(KUSTOMIZE / "overlays" / "hub-configuration")
     deployment = only(objects, "Deployment")
     pod = pod_of(deployment, objects, Path("/nonexistent"))
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     env = pod.environment(container)
     settings = manager_settings([expand(a, env) for a in container["args"]], environ=env)
-    mpc = only(objects, "ManagedProxyConfiguration")
+    mpc = only(configuration, "ManagedProxyConfiguration")
     assert mpc["metadata"]["name"] == settings.mpc_name
     cfg = parse_mpc(mpc, default_namespace=settings.namespace)
     theirs = manager_render.hub_objects(
@@ -518,7 +558,7 @@ MY_HUB_KUSTOMIZATION = {
 def test_a_hub_overlay_of_your_own_sets_the_entrypoint(tmp_path: Path) -> None:
     from clusterproxy_addon_manager.config import parse_mpc
 
-    objects = render(own_overlay(tmp_path / "my-hub", "hub", MY_HUB_KUSTOMIZATION, {}))
+    objects = render(own_overlay(tmp_path / "my-hub", "hub-configuration", MY_HUB_KUSTOMIZATION, {}))
     cfg = parse_mpc(
         only(objects, "ManagedProxyConfiguration"), default_namespace="open-cluster-management-addon"
     )

@@ -297,6 +297,28 @@ class Controller:
             except NotReady:
                 time.sleep(0.02)
 
+    def create_default_configuration(self) -> bool:
+        """Create the MPC ``--mpc-name`` with an empty spec (the CRD's defaults fill it in) when the
+        informers, having listed, hold none: once, at the start. Never overwrites: an MPC that exists
+        is left as it is, and a 409 means another writer created it meanwhile. True when it created
+        one. Blocking; the informers must be synced."""
+        name = self.options.mpc_name
+        if self.mpcs.get(name) is not None:
+            return False
+        try:
+            created = self.kube.create(MANAGED_PROXY_CONFIGURATION, render.default_configuration(name))
+        except Conflict:
+            self.log.info("default_configuration_exists", name=name, reason="created by another writer")
+            return False
+        spec = created.get("spec") or {}
+        self.log.info(
+            "default_configuration_created",
+            name=name,
+            server_image=(spec.get("proxyServer") or {}).get("image"),
+            agent_image=(spec.get("proxyAgent") or {}).get("image"),
+        )
+        return True
+
     def cluster_names(self) -> set[str]:
         names = {i["metadata"]["name"] for i in self.clusters.items()}
         names |= {i["metadata"]["namespace"] for i in self.addons.items()}

@@ -253,38 +253,44 @@ def _error(
 
 
 def load_configuration(kubeconfig: Path | None) -> Any:
-    """A ``kubernetes.client.Configuration``: from ``kubeconfig`` when given, else the in-cluster
-    configuration (a pod's service account), else ``$KUBECONFIG`` / ``~/.kube/config``."""
+    """A ``kubernetes.client.Configuration``, from the first of: ``kubeconfig`` (``--kubeconfig``),
+    ``$KUBECONFIG``, the in-cluster configuration (a pod's service account), ``~/.kube/config``. The
+    cert-signer looks in the same order: an explicit kubeconfig, even in a pod, wins over the pod's
+    own identity."""
     from kubernetes import client, config
     from kubernetes.config.config_exception import ConfigException
 
     configuration = client.Configuration()
-    if kubeconfig is not None:
-        if not kubeconfig.is_file():
-            raise ConfigError(f"--kubeconfig {kubeconfig}: no such file")
+
+    def from_file(path: Path, source: str) -> Any:
+        if not path.is_file():
+            raise ConfigError(
+                f"{source} {path}: no such file; point it at the hub's kubeconfig "
+                "(--kubeconfig, env CLUSTER_PROXY_ADDON_MANAGER_KUBECONFIG, or KUBECONFIG)"
+            )
         try:
-            config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
+            config.load_kube_config(config_file=str(path), client_configuration=configuration)
         except (ConfigException, OSError, ValueError, TypeError) as exc:
-            raise ConfigError(f"--kubeconfig {kubeconfig}: {exc}") from None
+            raise ConfigError(f"{source} {path}: {exc}") from None
         return configuration
+
+    if kubeconfig is not None:
+        return from_file(kubeconfig, "--kubeconfig")
+    if os.environ.get("KUBECONFIG"):
+        return from_file(Path(os.environ["KUBECONFIG"].split(os.pathsep)[0]), "$KUBECONFIG")
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         try:
             config.load_incluster_config(client_configuration=configuration)
         except ConfigException as exc:
             raise ConfigError(f"in-cluster configuration: {exc}") from None
         return configuration
-    fallback = os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
-    first = fallback.split(os.pathsep)[0]
-    if not Path(first).is_file():
+    default = Path.home() / ".kube" / "config"
+    if not default.is_file():
         raise ConfigError(
             "no Kubernetes configuration: pass --kubeconfig FILE (env CLUSTER_PROXY_ADDON_MANAGER_KUBECONFIG), "
-            "run in a pod (in-cluster service account), or set KUBECONFIG"
+            "set KUBECONFIG, or run in a pod (in-cluster service account)"
         )
-    try:
-        config.load_kube_config(config_file=first, client_configuration=configuration)
-    except (ConfigException, OSError, ValueError, TypeError) as exc:
-        raise ConfigError(f"kubeconfig {first}: {exc}") from None
-    return configuration
+    return from_file(default, "kubeconfig")
 
 
 # --- the client ----------------------------------------------------------------------------------------

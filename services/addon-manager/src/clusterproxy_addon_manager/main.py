@@ -39,7 +39,7 @@ from . import render
 from .availability import admin_urls_from_dns, poll_once
 from .controller import Controller, ManagerOptions, NotReady
 from .identity import Credentials
-from .kube import Kube, KubeError, load_configuration
+from .kube import Forbidden, Kube, KubeError, Unavailable, load_configuration
 from .metrics import ManagerMetrics
 from .workqueue import WorkQueue
 
@@ -85,6 +85,7 @@ class ManagerSettings:
     kubeconfig: Path | None = None
     namespace: str = "open-cluster-management-addon"
     mpc_name: str = "cluster-proxy"
+    create_default_configuration: bool = True
     admin_urls: list[str] = field(default_factory=list)
     resync_period: float = 600.0
     availability_poll: float = 10.0
@@ -102,6 +103,7 @@ class ManagerSettings:
             "kubeconfig": str(self.kubeconfig) if self.kubeconfig else "in-cluster or $KUBECONFIG",
             "namespace": self.namespace,
             "mpc_name": self.mpc_name,
+            "create_default_configuration": self.create_default_configuration,
             "admin_urls": self.admin_urls or f"every address of {render.ADMIN_SERVICE}.<namespace>.svc",
             "resync_period": self.resync_period,
             "availability_poll": self.availability_poll,
@@ -138,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
         "ManagedProxyConfiguration does not name one (spec.proxyServer.namespace)",
     )
     flag("--mpc-name", type=_name, default="cluster-proxy", help="the ManagedProxyConfiguration to follow")
+    flag(
+        "--create-default-configuration",
+        type=bool,
+        default=True,
+        help="at start, create the ManagedProxyConfiguration --mpc-name with the CRD's defaults when it "
+        "does not exist (never overwrites one)",
+    )
     flag(
         "--admin-url",
         type=_admin_url,
@@ -212,6 +221,7 @@ def parse_settings(
         kubeconfig=args.kubeconfig,
         namespace=args.namespace,
         mpc_name=args.mpc_name,
+        create_default_configuration=args.create_default_configuration,
         admin_urls=list(dict.fromkeys(args.admin_url)),
         resync_period=args.resync_period,
         availability_poll=args.availability_poll,
@@ -341,6 +351,31 @@ class Manager:
             self.controller.set_availability(availability)
             await trio.sleep(self.settings.availability_poll)
 
+    async def _create_default_configuration(self) -> None:
+        """The controller's create, retried while the API server cannot answer; any other refusal is
+        logged (what to do included) and the manager goes on without it."""
+        delay = 0.2
+        while True:
+            try:
+                await trio.to_thread.run_sync(
+                    self.controller.create_default_configuration, abandon_on_cancel=True
+                )
+                return
+            except Unavailable as exc:
+                self.log.warning("default_configuration_failed", error=str(exc), retry_in=delay)
+                await trio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            except Forbidden as exc:
+                self.log.error(
+                    "default_configuration_failed",
+                    error=f"{exc}; or start the manager with --no-create-default-configuration "
+                    f"and create the ManagedProxyConfiguration {self.settings.mpc_name!r} yourself",
+                )
+                return
+            except KubeError as exc:
+                self.log.error("default_configuration_failed", error=str(exc))
+                return
+
     async def run(self, *, task_status: trio.TaskStatus[Manager] = trio.TASK_STATUS_IGNORED) -> None:
         host, port = self.settings.admin_listen
         try:
@@ -370,6 +405,8 @@ class Manager:
             started = trio.current_time()
             while not self.controller.synced:
                 await trio.sleep(0.02)
+            if self.settings.create_default_configuration:
+                await self._create_default_configuration()
             # the hub namespace's informers too, before the first reconcile needs them; and the
             # store's client (importing the generated kubernetes client takes most of a second)
             await trio.to_thread.run_sync(self.controller.start_hub_informers)

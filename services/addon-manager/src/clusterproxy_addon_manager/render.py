@@ -55,6 +55,7 @@ __all__ = [
     "HubInputs",
     "agent_manifest_work",
     "cluster_management_addon",
+    "default_configuration",
     "hub_objects",
     "server_tls_hosts",
     "signer_tls_hosts",
@@ -444,6 +445,20 @@ def _signer_deployment(inputs: HubInputs, meta: Any) -> dict[str, Any]:
         **_placement(cfg.node_selector, cfg.tolerations),
     }
     return _deployment(meta(SIGNER_DEPLOYMENT, "cert-signer"), "cert-signer", 1, pod_spec)
+
+
+def default_configuration(name: str) -> dict[str, Any]:
+    """The ManagedProxyConfiguration the manager creates when none named ``name`` exists at its start:
+    an empty spec, so that every field takes the CRD's default (the images included)."""
+    return {
+        "apiVersion": "proxy.open-cluster-management.io/v1alpha1",
+        "kind": "ManagedProxyConfiguration",
+        "metadata": {
+            "name": name,
+            "labels": {"app.kubernetes.io/part-of": PART_OF, "app.kubernetes.io/managed-by": MANAGED_BY},
+        },
+        "spec": {},
+    }
 
 
 def cluster_management_addon(mpc_name: str) -> dict[str, Any]:
