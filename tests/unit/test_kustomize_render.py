@@ -616,3 +616,35 @@ def test_a_namespace_of_your_own_moves_the_manager_and_its_bindings(tmp_path: Pa
     deployment = only(objects, "Deployment")
     (command,) = run_pod(pod_of(deployment, objects, tmp_path / "pods"))
     assert "--namespace=my-namespace" in command.argv
+
+
+# What docs/kubernetes.md shows to keep the manager from creating the default configuration.
+NO_DEFAULT_CONFIGURATION = {
+    "patches": [
+        {
+            "target": {"kind": "Deployment", "name": "cluster-proxy-addon-manager"},
+            "patch": yaml.safe_dump(
+                [
+                    {
+                        "op": "add",
+                        "path": "/spec/template/spec/containers/0/args/-",
+                        "value": "--no-create-default-configuration",
+                    }
+                ]
+            ),
+        }
+    ],
+}
+
+
+def test_the_manager_creates_the_default_configuration_unless_a_patch_says_not_to(tmp_path: Path) -> None:
+    from clusterproxy_addon_manager.main import parse_settings as manager_settings
+
+    def settings_of(objects: list[dict[str, Any]], root: Path) -> Any:
+        (command,) = run_pod(pod_of(only(objects, "Deployment"), objects, root))
+        return manager_settings(command.argv[1:], environ=command.env)
+
+    shipped = render(KUSTOMIZE / "overlays" / "hub")
+    assert settings_of(shipped, tmp_path / "shipped").create_default_configuration is True
+    mine = render(own_overlay(tmp_path / "my-hub", "hub", NO_DEFAULT_CONFIGURATION, {}))
+    assert settings_of(mine, tmp_path / "mine").create_default_configuration is False
