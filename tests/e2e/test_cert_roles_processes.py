@@ -21,7 +21,7 @@ from clusterproxy_protocol.errors import TunnelClosed
 from clusterproxy_protocol.tls import client_context
 from clusterproxy_sdk import open_tunnel
 from tests.support import require
-from tests.support.certs import ClientParty, SignedHub, SignerProcess
+from tests.support.certs import ClientParty, SignedHub, SignerProcess, curl_proxy_argv
 from tests.support.procs import http_get
 from tests.support.targets import Target, serve_echo, serve_http
 from tests.support.waiting import wait_until
@@ -68,26 +68,6 @@ def refusals(hub: SignedHub) -> list[dict[str, object]]:
     return [e for e in hub.server.events() if e.get("event") == "tls_peer_refused"]
 
 
-def curl_argv(hub: SignedHub, files: CertFiles, cluster: str, url: str) -> list[str]:
-    return [
-        "curl",
-        "--silent",
-        "--show-error",
-        "--max-time",
-        "20",
-        "--proxytunnel",
-        "--proxy",
-        f"https://{cluster}@127.0.0.1:{hub.client_port}",
-        "--proxy-cacert",
-        str(files.ca),
-        "--proxy-cert",
-        str(files.cert),
-        "--proxy-key",
-        str(files.key),
-        url,
-    ]
-
-
 async def sdk_echo(hub: SignedHub, files: CertFiles, cluster: str, echo: Target, payload: bytes) -> bytes:
     context = client_context(files.cert, files.key, files.ca, alpn=["h2"])
     async with open_tunnel(f"127.0.0.1:{hub.client_port}", context, server_hostname="localhost") as tunnel:
@@ -112,7 +92,7 @@ async def test_an_agent_certificate_cannot_reach_another_cluster_through_the_cli
 
     # curl with cluster1's agent certificate, asking for cluster2
     result = await trio.run_process(
-        curl_argv(hub, stolen, "cluster2", f"http://{secret.address}/"),
+        curl_proxy_argv(hub, stolen, "cluster2", f"http://{secret.address}/"),
         capture_stdout=True,
         capture_stderr=True,
         check=False,
@@ -135,7 +115,7 @@ async def test_an_agent_certificate_cannot_reach_another_cluster_through_the_cli
     # the hub's own server certificate, which carries clientAuth to renew over mTLS, is no client either
     server_files = hub.files["proxy-server"]
     result = await trio.run_process(
-        curl_argv(hub, server_files, "cluster2", f"http://{secret.address}/"),
+        curl_proxy_argv(hub, server_files, "cluster2", f"http://{secret.address}/"),
         capture_stdout=True,
         capture_stderr=True,
         check=False,
@@ -151,7 +131,7 @@ async def test_an_agent_certificate_cannot_reach_another_cluster_through_the_cli
     }
     client = await ClientParty.bootstrap(hub.signer, tmp_path / "alice", "alice")
     result = await trio.run_process(
-        curl_argv(hub, client.files, "cluster2", f"http://{secret.address}/"),
+        curl_proxy_argv(hub, client.files, "cluster2", f"http://{secret.address}/"),
         capture_stdout=True,
         capture_stderr=True,
         check=False,

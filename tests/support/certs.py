@@ -178,3 +178,13 @@ def count_events(process: Process, event: str, **match: Any) -> int:
         for e in process.events()
         if e.get("event") == event and all(e.get(k) == v for k, v in match.items())
     )
+
+
+def curl_proxy_argv(hub: SignedHub, files: CertFiles, cluster: str, url: str) -> list[str]:
+    """curl fetching ``url`` inside ``cluster`` through the hub's client port with ``files``."""
+    return [
+        "curl", "--silent", "--show-error", "--max-time", "20", "--proxytunnel",
+        "--proxy", f"https://{cluster}@127.0.0.1:{hub.client_port}",
+        "--proxy-cacert", str(files.ca), "--proxy-cert", str(files.cert), "--proxy-key", str(files.key),
+        url,
+    ]  # fmt: skip

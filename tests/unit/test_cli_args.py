@@ -188,3 +188,14 @@ def test_a_service_not_installed_fails_at_once_naming_its_package(
     assert f"{missing} not found" in err and f"install the {missing} package" in err
     assert "cluster-proxy-cli[local]" in err
     assert not (tmp_path / ".state").exists()  # nothing was started or written
+
+
+def test_enroll_names_every_missing_setting(monkeypatch) -> None:
+    for name in ("CLUSTER_PROXY_SIGNER", "CLUSTER_PROXY_CA", "CLUSTER_PROXY_ENROLL_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as info:
+        main(["enroll", "--name", "alice"])
+    assert info.value.code == (
+        "cluster-proxy enroll: missing --signer (or CLUSTER_PROXY_SIGNER), --ca (or CLUSTER_PROXY_CA), "
+        "--token (or CLUSTER_PROXY_ENROLL_TOKEN)"
+    )

@@ -45,6 +45,7 @@ from clusterproxy_sdk import TLSFiles, check_cluster
 
 from . import certs as certs_command
 from .commands import SIGNER
+from .enroll import add_enroll_command, run_enroll
 from .state import DEFAULT_STATE_DIR, LOCAL_JSON, proxy_settings, read_local_json
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -170,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
              help=f"take the proxy settings from DIR/{LOCAL_JSON} (written by `local up`)")  # fmt: skip
     add_flag(pf, "--connect-timeout", env="CLUSTER_PROXY_CONNECT_TIMEOUT", type=parse_duration, default="10s",
              help="TCP+TLS connect timeout to the proxy-server")  # fmt: skip
+
+    enrolment = add_enroll_command(commands)
+    enrolment.set_defaults(run=run_enroll, subparser=enrolment)
 
     up.set_defaults(run=_local_up, subparser=up)
     certs.set_defaults(run=_certs, subparser=certs)
