@@ -284,6 +284,13 @@ def test_flags_defaults_and_env_twins() -> None:
     )
 
 
+@pytest.mark.parametrize("bad", ["-cluster-proxy", "Cluster-Proxy", "proxy_", "a" * 254, ""])
+def test_object_names_are_checked(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_settings([f"--mpc-name={bad}"], environ={})
+    assert info.value.code == 2 and "a Kubernetes object name" in capsys.readouterr().err
+
+
 # --- where the manager finds the hub -------------------------------------------------------------------
 
 

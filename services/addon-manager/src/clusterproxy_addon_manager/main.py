@@ -33,7 +33,7 @@ from clusterproxy_protocol.config import (
     parse_positive_int,
 )
 from clusterproxy_protocol.logs import configure_logging, get_logger
-from clusterproxy_protocol.wire import format_authority
+from clusterproxy_protocol.wire import CLUSTER_NAME, format_authority
 
 from . import render
 from .availability import admin_urls_from_dns, poll_once
@@ -51,14 +51,10 @@ PROG = "cluster-proxy-addon-manager"
 
 def _name(text: str) -> str:
     value = text.strip()
-    if (
-        not value
-        or len(value) > 253
-        or not all(c.isalnum() or c in "-." for c in value)
-        or value != value.lower()
-    ):
+    if not CLUSTER_NAME.match(value):
         raise InvalidValue(
-            f"invalid name {text!r}: a Kubernetes object name (lower-case letters, digits, '-', '.')"
+            f"invalid name {text!r}: a Kubernetes object name (lower-case letters, digits, '-' and '.', "
+            "starting and ending with a letter or digit, at most 253 characters)"
         )
     return value
 
