@@ -293,7 +293,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Children of the main thread get SIGKILL if the test session dies without tearing down (a
     killed pytest must not leave API servers holding memory on a shared machine)."""
     import ctypes
@@ -332,7 +332,7 @@ class ServerProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent if in_main_thread else None,
+                preexec_fn=die_with_parent if in_main_thread else None,
             )
 
     @property

@@ -42,10 +42,10 @@ AGENT_FLAGS: dict[str, Any] = {
 }
 
 
-def json_records(path: Path, event: str | None = None) -> list[dict[str, Any]]:
-    """The JSON-lines records of a log (other lines are skipped), those of ``event`` if given."""
+def json_lines(text: str, event: str | None = None) -> list[dict[str, Any]]:
+    """The JSON-lines records in a log's text (other lines are skipped), those of ``event`` if given."""
     found = []
-    for line in path.read_text(errors="replace").splitlines():
+    for line in text.splitlines():
         if not line.startswith("{"):
             continue
         try:
@@ -55,6 +55,11 @@ def json_records(path: Path, event: str | None = None) -> list[dict[str, Any]]:
         if event is None or record.get("event") == event:
             found.append(record)
     return found
+
+
+def json_records(path: Path, event: str | None = None) -> list[dict[str, Any]]:
+    """The JSON-lines records of a log file (see :func:`json_lines`)."""
+    return json_lines(path.read_text(errors="replace"), event)
 
 
 def alive(pid: int) -> bool:

@@ -100,7 +100,8 @@ from typing import Any
 
 import yaml
 
-from tests.support.kubeapi import KubeCluster, _die_with_parent
+from tests.support.kubeapi import KubeCluster, die_with_parent
+from tests.support.procs import json_lines
 
 __all__ = [
     "ADDON_NAME",
@@ -841,9 +842,7 @@ class Container:
                 stdin=subprocess.DEVNULL,
                 env=self.env,
                 cwd=cwd,
-                preexec_fn=_die_with_parent
-                if threading.current_thread() is threading.main_thread()
-                else None,
+                preexec_fn=die_with_parent if threading.current_thread() is threading.main_thread() else None,
             )
         self.starts += 1
 
@@ -857,17 +856,7 @@ class Container:
 
     def events(self, event: str | None = None) -> list[dict[str, Any]]:
         """JSON log records of the current run (``event`` ones if given)."""
-        records = []
-        for line in self.text().splitlines():
-            if not line.startswith("{"):
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if event is None or record.get("event") == event:
-                records.append(record)
-        return records
+        return json_lines(self.text(), event)
 
     def tail(self, lines: int = 30) -> str:
         return "\n".join(self.text(all_runs=True).splitlines()[-lines:])
