@@ -135,11 +135,11 @@ async def test_connects_identifies_relays_reconnects_and_drains(tunnel_pki, nurs
     # Connect and identify.
     mux = await hub.next_tunnel()
     response = await mux.request(
-        "GET", "/v1/info", [("cluster-proxy-server-id", "hub-0"), ("cluster-proxy-server-count", "2")]
+        "GET", "/v1/info", [("cluster-proxy-server-id", "hub-0"), ("cluster-proxy-server-count", "1")]
     )
     info = json.loads(response.body)
     assert (info["cluster"], info["agent_id"]) == ("cluster1", "agent-a")
-    assert service.agent.servers["hub-0"].server_count == 2
+    assert service.agent.servers["hub-0"].server_count == 1  # one replica: no second dial
     status, body = await admin_get(service.admin_address, "/readyz")
     assert (status, body) == (200, f"ok: 1 tunnel(s) connected to 127.0.0.1:{hub.port}\n")
     assert metric(service, "cluster_proxy_agent_tunnels_connected") == 1

@@ -374,6 +374,7 @@ class Mux:
         self.finished = trio.Event()  # set on entering FINISHED
         self.last_rtt: float | None = None
         self.peer_draining = False
+        self.peer_drain_started = trio.Event()  # set when the peer first announced its drain
         self._nursery: trio.Nursery | None = None
         self._reader_scope = trio.CancelScope()
         self._writer_scope = trio.CancelScope()
@@ -685,6 +686,8 @@ class Mux:
                 case ev.WindowOpened(stream_id=0) | ev.PeerSettingsChanged():
                     if isinstance(event, ev.PeerSettingsChanged):
                         self.peer_draining = event.max_concurrent_streams == 0
+                        if self.peer_draining:
+                            self.peer_drain_started.set()
                     for stream in self._streams.values():
                         stream.on_writable()
                 case ev.WindowOpened(stream_id=sid):

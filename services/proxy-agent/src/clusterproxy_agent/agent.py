@@ -1,14 +1,20 @@
 """The agent's side of the tunnel: answers the streams the proxy-server opens.
 
 ``CONNECT host:port`` -> egress policy, resolve, dial, ``200`` and relay bytes (or an error status
-with a reason); ``GET /v1/info`` -> who this agent is. One :class:`Agent` per process holds the state
-shared by all its tunnels (live connections, the server identities learnt, metrics).
+with a reason); ``GET /v1/info`` -> who this agent is, and which proxy-server replica this tunnel
+reached. One :class:`Agent` per process holds the state shared by all its tunnels (live connections,
+the server identities learnt, metrics); :mod:`.replicas` decides how many tunnels to keep.
+
+One tunnel per replica: a ``GET /v1/info`` naming a server id that another live, non-draining tunnel
+already holds is answered ``409`` (the server then closes the new tunnel), unless the holder no longer
+answers a PING, in which case the holder is closed and the new tunnel takes its place.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,7 +25,7 @@ from clusterproxy_agent.dialer import ConnectFailed, Connector, ResolveFailed, R
 from clusterproxy_agent.egress import EgressPolicy, Target, TargetError, normalize_name, parse_target
 from clusterproxy_agent.metrics import AgentMetrics
 from clusterproxy_protocol.driver import IncomingRequest, Mux
-from clusterproxy_protocol.errors import clean_reason
+from clusterproxy_protocol.errors import TunnelError, clean_reason
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.relay import relay
 from clusterproxy_protocol.wire import (
@@ -32,9 +38,10 @@ from clusterproxy_protocol.wire import (
     format_authority,
 )
 
-__all__ = ["CAPABILITIES", "Agent", "AgentConfig", "ServerIdentity", "agent_version"]
+__all__ = ["CAPABILITIES", "Agent", "AgentConfig", "ServerIdentity", "TunnelRecord", "agent_version"]
 
 CAPABILITIES = ("connect", "half-close")
+DUPLICATE_STATUS = 409  # the answer to /v1/info on a tunnel to a replica this agent already holds
 
 
 def agent_version() -> str:
@@ -58,6 +65,9 @@ class AgentConfig:
     dial_timeout: float = 10.0
     policy: EgressPolicy = field(default_factory=EgressPolicy.build)
     version: str = field(default_factory=agent_version)
+    # how long the tunnel already holding a replica gets to answer a PING before a new tunnel to the
+    # same replica replaces it (one that answers keeps its place and the new one is closed)
+    holder_ping_timeout: float = 5.0
 
 
 @dataclass
@@ -69,11 +79,38 @@ class ServerIdentity:
     address: str = ""
 
 
-@dataclass
-class _TunnelRecord:
+@dataclass(eq=False)
+class TunnelRecord:
+    """One live tunnel: where it was dialed, since when, and which replica it reached."""
+
+    mux: Mux
     address: str
-    connected_at: float
+    connected_at: float  # trio clock
+    connected_since: float = field(default_factory=time.time)  # wall clock, for people
     identity: ServerIdentity | None = None
+    duplicate: bool = False  # reached a replica another tunnel holds: being closed
+    identified: trio.Event = field(default_factory=trio.Event)  # /v1/info answered (either way)
+
+    @property
+    def server_id(self) -> str | None:
+        return self.identity.server_id if self.identity is not None else None
+
+    @property
+    def holds_replica(self) -> bool:
+        """Live, not a duplicate, and its server is not draining: a tunnel that counts."""
+        return not self.mux.dead and not self.duplicate and not self.mux.peer_draining
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "server_id": self.server_id,
+            "server_count": self.identity.server_count if self.identity is not None else None,
+            "address": self.address,
+            "connected_since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.connected_since)),
+            "draining": self.mux.peer_draining,
+            "duplicate": self.duplicate,
+            "open_streams": self.mux.open_streams,
+            "last_rtt": self.mux.last_rtt,
+        }
 
 
 class Agent:
@@ -90,10 +127,13 @@ class Agent:
         self.config = config
         self._resolve = resolver
         self._connect = connector
-        self.tunnels: dict[Mux, _TunnelRecord] = {}
+        self.tunnels: dict[Mux, TunnelRecord] = {}
         self._closed_bytes = [0, 0]
         self.metrics = metrics or AgentMetrics(self.byte_totals)
+        self.metrics.watch_replicas(self.replica_tunnels, lambda: self.expected_replicas)
         self.last_error: str | None = None
+        self.expected_replicas = 1  # set by the replica set: how many distinct replicas it looks for
+        self._changed = trio.Event()
         self.log = get_logger("clusterproxy_agent", cluster=config.cluster, agent_id=config.agent_id)
         self._kube_target = parse_target(format_authority(*config.kube_apiserver))
 
@@ -105,12 +145,41 @@ class Agent:
 
     @property
     def servers(self) -> dict[str, ServerIdentity]:
-        """Server id -> identity, for every live tunnel whose server told us its id."""
+        """Server id -> identity, for every live tunnel whose server told us its id (duplicates aside)."""
         out: dict[str, ServerIdentity] = {}
         for mux, record in self.tunnels.items():
-            if record.identity is not None and record.identity.server_id and not mux.dead:
+            if (
+                record.identity is not None
+                and record.identity.server_id
+                and not mux.dead
+                and not record.duplicate
+            ):
                 out[record.identity.server_id] = record.identity
         return out
+
+    def replica_tunnels(self) -> list[TunnelRecord]:
+        """Every live tunnel that is not a duplicate (draining ones included), oldest first."""
+        return [r for mux, r in self.tunnels.items() if not mux.dead and not r.duplicate]
+
+    def held_replicas(self) -> set[str]:
+        """Ids of the replicas held by a live, non-draining tunnel."""
+        return {r.server_id for r in self.tunnels.values() if r.holds_replica and r.server_id}
+
+    def describe_servers(self) -> dict[str, object]:
+        """For the admin API: the replicas looked for and held, and every live tunnel."""
+        return {
+            "expected_replicas": self.expected_replicas,
+            "held_replicas": sorted(self.held_replicas()),
+            "tunnels": [r.describe() for r in self.tunnels.values() if not r.mux.dead],
+        }
+
+    def notify_change(self) -> None:
+        """Wake :meth:`wait_change` waiters: a tunnel came, went, was identified or began draining."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_change(self) -> None:
+        await self._changed.wait()
 
     def byte_totals(self) -> tuple[int, int]:
         live = list(self.tunnels)
@@ -120,17 +189,20 @@ class Agent:
         )
 
     @contextmanager
-    def tunnel(self, mux: Mux, address: str) -> Iterator[None]:
+    def tunnel(self, mux: Mux, address: str) -> Iterator[TunnelRecord]:
         """Register a live tunnel for the duration of the block (readiness, metrics, HA state)."""
-        self.tunnels[mux] = _TunnelRecord(address, trio.current_time())
+        record = self.tunnels[mux] = TunnelRecord(mux, address, trio.current_time())
         self.metrics.tunnels_connected.inc()
+        self.notify_change()
         try:
-            yield
+            yield record
         finally:
             del self.tunnels[mux]
             self._closed_bytes[0] += mux.bytes_in
             self._closed_bytes[1] += mux.bytes_out
             self.metrics.tunnels_connected.dec()
+            record.identified.set()  # nobody waits for an answer that can no longer come
+            self.notify_change()
 
     def drain(self) -> None:
         """Ask every server to open no new streams; open streams go on."""
@@ -188,6 +260,10 @@ class Agent:
         record = self.tunnels.get(request.mux)
         if record is not None:
             identity.address = record.address
+            holder = await self._live_holder(identity.server_id, record)
+            if holder is not None:
+                await self._refuse_duplicate(request, record, holder, identity)
+                return
             if record.identity != identity:
                 self.log.info(
                     "server_identified",
@@ -196,6 +272,8 @@ class Agent:
                     server_count=identity.server_count,
                 )
             record.identity = identity
+            record.identified.set()
+            self.notify_change()
         body = json.dumps(
             {
                 "agent_id": self.config.agent_id,
@@ -205,6 +283,49 @@ class Agent:
             }
         ).encode()
         await request.respond(200, body, [("content-type", "application/json")])
+
+    async def _live_holder(self, server_id: str | None, record: TunnelRecord) -> TunnelRecord | None:
+        """The other tunnel holding replica ``server_id``, if it still answers a PING; one that does not
+        is closed (a replica restarted under the same id, a connection that died silently)."""
+        if not server_id:
+            return None
+        for other in list(self.tunnels.values()):
+            if other is record or other.server_id != server_id or not other.holds_replica:
+                continue
+            with trio.move_on_after(self.config.holder_ping_timeout):
+                try:
+                    await other.mux.ping()
+                except TunnelError:
+                    pass
+                else:
+                    return other
+            other.mux.close(
+                f"replaced by a new tunnel to server {server_id}: no PING answer within "
+                f"{_seconds(self.config.holder_ping_timeout)}"
+            )
+            self.log.warning("server_tunnel_replaced", server_id=server_id, server=other.address)
+        return None
+
+    async def _refuse_duplicate(
+        self, request: IncomingRequest, record: TunnelRecord, holder: TunnelRecord, identity: ServerIdentity
+    ) -> None:
+        """This tunnel reached a replica another tunnel holds: say so, and let the server close it."""
+        record.identity = identity
+        record.duplicate = True
+        record.identified.set()
+        self.metrics.duplicate_dials.inc()
+        self.log.info(
+            "replica_already_held",
+            server=record.address,
+            server_id=identity.server_id,
+            held_since=holder.connected_since,
+        )
+        self.notify_change()
+        await request.refuse(
+            DUPLICATE_STATUS,
+            f"agent {self.config.agent_id!r} of cluster {self.config.cluster!r} already holds a tunnel "
+            f"to server {identity.server_id!r}: this one is not needed",
+        )
 
     def resolve_target(self, authority: str) -> Target:
         """Parse the ``:authority``; the bare cluster name means the kube-apiserver."""

@@ -18,7 +18,8 @@ import trio
 
 from clusterproxy_agent.agent import Agent, AgentConfig, agent_version
 from clusterproxy_agent.egress import EgressPolicy, Rule, parse_rule
-from clusterproxy_agent.tunnel import TunnelOptions, TunnelRunner, tls_opener
+from clusterproxy_agent.replicas import ReplicaSet
+from clusterproxy_agent.tunnel import Opener, TunnelOptions, tls_opener
 from clusterproxy_protocol import certclient, workarounds
 from clusterproxy_protocol.admin import Response, metrics_response, serve_admin
 from clusterproxy_protocol.bootstrap import bootstrap_with_retry
@@ -77,6 +78,14 @@ def agent_id(text: str) -> str:
     return value
 
 
+def server_addresses(text: str) -> list[tuple[str, int]]:
+    """``HOST:PORT``, or several separated by commas: the proxy-server replicas' agent port(s)."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise InvalidValue(f"invalid server address {text!r}: expected HOST:PORT[,HOST:PORT...]")
+    return [parse_dialable_hostport(item) for item in items]
+
+
 def signer_url(text: str) -> str:
     """``https://HOST:PORT`` (or ``HOST:PORT``) of the cert-signer."""
     try:
@@ -104,7 +113,7 @@ TUNNEL = TunnelSettings(stall_timeout=60.0)
 
 @dataclass
 class AgentSettings:
-    server: tuple[str, int]
+    server: tuple[str, int]  # the first (often the only) address of --server
     cluster: str
     ca: Path
     cert: Path
@@ -133,10 +142,19 @@ class AgentSettings:
     # forward proxy for the hub and the signer: flags or HTTPS_PROXY / NO_PROXY (ProxySettings)
     proxy: ProxySettings = field(default_factory=ProxySettings)
     proxy_ca_file: Path | None = None
+    # every address of --server: one (load-balanced: dialed until each replica is held) or one per
+    # replica; empty means [server]
+    servers: list[tuple[str, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if not self.servers:
+            self.servers = [self.server]
         if not self.server_name:
             self.server_name = self.server[0]
+
+    @property
+    def server_list(self) -> str:
+        return ",".join(format_authority(*address) for address in self.servers)
 
     def policy(self) -> EgressPolicy:
         return EgressPolicy.build(
@@ -173,7 +191,7 @@ class AgentSettings:
     def proxy_notes(self) -> list[str]:
         """Proxy settings found and not used, for a warning at start."""
         notes = list(self.proxy.notes)
-        routes = [self.proxy.route(*self.server)]
+        routes = [self.proxy.route(*address) for address in self.servers]
         if self.signer:
             routes.append(self.proxy.route(*self.signer_address()))
         if self.proxy_ca_file and not any(r.proxy and r.proxy.scheme == "https" for r in routes):
@@ -183,7 +201,7 @@ class AgentSettings:
     def summary(self) -> dict[str, object]:
         """The effective configuration for the startup log (paths only, never key material)."""
         return {
-            "server": format_authority(*self.server),
+            "server": self.server_list,
             "server_name": self.server_name,
             "kube_apiserver": format_authority(*self.kube_apiserver),
             "ca": str(self.ca),
@@ -201,7 +219,7 @@ class AgentSettings:
             "drain_timeout": self.drain_timeout,
             "signer": self.signer,
             "trust_refresh": self.trust_refresh if self.signer else None,
-            "proxy_to_server": self.proxy.route(*self.server).why,
+            "proxy_to_server": "; ".join(self.proxy.route(*address).why for address in self.servers),
             "proxy_to_signer": self.proxy.route(*self.signer_address()).why if self.signer else None,
             "proxy_ca_file": str(self.proxy_ca_file) if self.proxy_ca_file else None,
             "version": agent_version(),
@@ -220,12 +238,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     flag(
         "--server",
-        type=parse_dialable_hostport,
+        type=server_addresses,
+        multiple=True,
         required=True,
-        metavar="HOST:PORT",
-        help="the proxy-server's agent port",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the proxy-server's agent port. One address (a load balancer or Service in front of every "
+        "replica): the agent keeps dialing it until it holds a tunnel to each replica the servers "
+        "count. Several addresses (comma-separated or repeated), one per replica: a tunnel to each",
     )
-    flag("--server-name", help="TLS name expected in the server certificate (default: the host of --server)")
+    flag(
+        "--server-name",
+        help="TLS name expected in the server certificate (default: the host of the first --server)",
+    )
     flag("--cluster", type=cluster_name, required=True, help="name of this managed cluster")
     flag("--agent-id", type=agent_id, help="id of this agent replica (default: the host name)")
     flag("--ca", type=existing_file, required=True, metavar="FILE", help="CA bundle to verify the server")
@@ -422,8 +446,13 @@ def parse_settings(
         )
     if not math.isfinite(args.drain_timeout):
         parser.error(f"--drain-timeout {args.drain_timeout!r} must be finite")
+    servers = [address for addresses in args.server for address in addresses]
+    repeated = sorted({format_authority(*a) for a in servers if servers.count(a) > 1})
+    if repeated:
+        parser.error(f"--server lists {', '.join(repeated)} more than once: give each replica once")
     settings = AgentSettings(
-        server=args.server,
+        server=servers[0],
+        servers=servers,
         server_name=(args.server_name or "").strip(),
         cluster=args.cluster,
         agent_id=args.agent_id or _default_agent_id(),
@@ -521,24 +550,8 @@ class Service:
                 policy=settings.policy(),
             )
         )
-        proxy, _route = settings.forward_proxy(*settings.server)
-        options = TunnelOptions(
-            server=settings.server,
-            connect_timeout=settings.connect_timeout,
-            keepalive=(settings.keepalive_interval, settings.keepalive_timeout),
-            backoff_initial=settings.backoff_initial,
-            backoff_max=settings.backoff_max,
-            settings=settings.tunnel,
-            proxy=str(proxy) if proxy is not None else None,
-        )
         self.tls = settings.reloading_context()
-        opener = tls_opener(
-            settings.server,
-            self.tls,
-            settings.server_name,
-            dial=proxy.open if proxy else trio.open_tcp_stream,
-        )
-        self.runner = TunnelRunner(self.agent, options, opener)
+        self.replicas = ReplicaSet(self.agent, [self._target(address) for address in settings.servers])
         self.renewer: CertRenewer | None = None
         if settings.signer:
             self.renewer = CertRenewer(
@@ -553,6 +566,25 @@ class Service:
         self.draining = False
         self.stop_requested = trio.Event()
 
+    def _target(self, address: tuple[str, int]) -> tuple[TunnelOptions, Opener]:
+        """How to reach one --server address: its tunnel options and its TLS opener (through the
+        forward proxy that applies to it, if any)."""
+        settings = self.settings
+        proxy, _route = settings.forward_proxy(*address)
+        options = TunnelOptions(
+            server=address,
+            connect_timeout=settings.connect_timeout,
+            keepalive=(settings.keepalive_interval, settings.keepalive_timeout),
+            backoff_initial=settings.backoff_initial,
+            backoff_max=settings.backoff_max,
+            settings=settings.tunnel,
+            proxy=str(proxy) if proxy is not None else None,
+        )
+        opener = tls_opener(
+            address, self.tls, settings.server_name, dial=proxy.open if proxy else trio.open_tcp_stream
+        )
+        return options, opener
+
     # admin routes
     def healthz(self) -> Response:
         return Response.text("ok")
@@ -562,16 +594,15 @@ class Service:
             return Response.text("not ready: shutting down", 503)
         connected = self.agent.connected
         if connected:
-            return Response.text(
-                f"ok: {connected} tunnel(s) connected to {format_authority(*self.settings.server)}"
-            )
+            return Response.text(f"ok: {connected} tunnel(s) connected to {self.settings.server_list}")
         last = self.agent.last_error or "still connecting"
-        return Response.text(
-            f"not ready: no tunnel connected to {format_authority(*self.settings.server)} ({last})", 503
-        )
+        return Response.text(f"not ready: no tunnel connected to {self.settings.server_list} ({last})", 503)
 
     def metrics(self) -> Response:
         return metrics_response(self.agent.metrics.registry)
+
+    def servers(self) -> Response:
+        return Response.json(self.agent.describe_servers())
 
     async def run(self, *, task_status: trio.TaskStatus[Service] = trio.TASK_STATUS_IGNORED) -> None:
         host, port = self.settings.admin_listen
@@ -586,14 +617,17 @@ class Service:
             await nursery.start(
                 serve_admin,
                 listeners,
-                {"/healthz": self.healthz, "/readyz": self.readyz, "/metrics": self.metrics},
+                {
+                    "/healthz": self.healthz,
+                    "/readyz": self.readyz,
+                    "/metrics": self.metrics,
+                    "/api/v1/servers": self.servers,
+                },
             )
             if self.renewer is not None:
                 await nursery.start(self.renewer.run)
-            await nursery.start(self.runner.run)
-            self.log.info(
-                "agent_started", admin_port=self.admin_address, server=format_authority(*self.settings.server)
-            )
+            await nursery.start(self.replicas.run)
+            self.log.info("agent_started", admin_port=self.admin_address, server=self.settings.server_list)
             task_status.started(self)
             await self.stop_requested.wait()
             await self.shutdown()
@@ -602,7 +636,7 @@ class Service:
     async def shutdown(self) -> None:
         """Drain: no new streams, open ones get up to --drain-timeout, then every tunnel closes."""
         self.draining = True
-        self.runner.stop()
+        self.replicas.stop()
         self.agent.drain()
         open_streams = sum(m.open_streams for m in self.agent.tunnels)
         self.log.info("draining", open_streams=open_streams, drain_timeout=self.settings.drain_timeout)
@@ -613,7 +647,7 @@ class Service:
             self.log.warning("drain_timeout", open_streams=left)
         self.agent.close_all("agent shutting down")
         with trio.move_on_after(5):
-            await self.runner.stopped.wait()
+            await self.replicas.stopped.wait()
         self.log.info("agent_stopped")
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import trio
 from cryptography import x509
 
-from clusterproxy_agent.agent import Agent
+from clusterproxy_agent.agent import Agent, TunnelRecord
 from clusterproxy_protocol.core import Role, TunnelSettings
 from clusterproxy_protocol.driver import limit_reporter, open_mux
 from clusterproxy_protocol.errors import describe_exception
@@ -33,6 +33,9 @@ __all__ = [
 ]
 
 ALPN = "h2"
+# A tunnel that reached a replica the agent already holds is closed by the server once it reads our
+# 409; should it not (an older server), the agent closes it itself after this long.
+DUPLICATE_CLOSE_GRACE = 5.0
 
 Opener = Callable[[], Awaitable[trio.abc.Stream]]
 Dial = Callable[[str, int], Awaitable[trio.abc.Stream]]  # a byte stream to HOST:PORT
@@ -131,7 +134,10 @@ def tls_opener(
 
 
 class TunnelRunner:
-    """One tunnel slot: connect, serve the mux until it closes, back off, again; until :meth:`stop`."""
+    """One tunnel slot: connect, serve the mux until it closes, back off, again; until :meth:`stop`.
+
+    :attr:`record` is the slot's live tunnel (None while it connects or backs off); the replica set
+    (:mod:`.replicas`) reads it to decide how many slots to run."""
 
     def __init__(
         self,
@@ -152,6 +158,11 @@ class TunnelRunner:
         self._stopping = False
         self._wait_scope: trio.CancelScope | None = None
         self.attempts = 0
+        self.record: TunnelRecord | None = None
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     def stop(self) -> None:
         """Connect no more; a connect or backoff in progress is abandoned, a live tunnel stays up."""
@@ -176,6 +187,7 @@ class TunnelRunner:
                     await trio.sleep(delay)
         finally:
             self.stopped.set()
+            self.agent.notify_change()
 
     def _interruptible(self) -> trio.CancelScope:
         scope = trio.CancelScope()
@@ -213,6 +225,7 @@ class TunnelRunner:
             return 0.0
         started = trio.current_time()
         reason = "closed"
+        duplicate = False
         try:
             async with open_mux(
                 transport,
@@ -222,14 +235,42 @@ class TunnelRunner:
                 keepalive=self.options.keepalive,
                 on_limit=limit_reporter(self.log, self.agent.metrics.count_limit),
             ) as mux:
-                with self.agent.tunnel(mux, self.options.address):
+                with self.agent.tunnel(mux, self.options.address) as record:
+                    self.record = record
                     self.log.info("tunnel_connected")
-                    await mux.closed.wait()
+                    try:
+                        async with trio.open_nursery() as watchers:
+                            watchers.start_soon(self._watch_drain, record)
+                            watchers.start_soon(self._close_if_duplicate, record)
+                            await mux.closed.wait()
+                            watchers.cancel_scope.cancel()
+                    finally:
+                        self.record = None
+                        duplicate = record.duplicate
                 reason = mux.dead_reason or reason
         except Exception as exc:
             reason = f"tunnel failed: {describe_exception(exc)}"
             self.log.exception("tunnel_error", error=reason)
         lived = trio.current_time() - started
+        if duplicate:  # counted and logged as replica_already_held; the backoff grows as for a failure
+            self.log.debug("tunnel_disconnected", error=reason, lived=round(lived, 3), duplicate=True)
+            return 0.0
         self.agent.last_error = f"tunnel disconnected: {reason}"
         self.log.info("tunnel_disconnected", error=reason, lived=round(lived, 3))
         return lived
+
+    async def _watch_drain(self, record: TunnelRecord) -> None:
+        """The server announced its drain: this tunnel no longer counts, and the replica set dials for
+        the replica's successor while the open streams finish here."""
+        await record.mux.peer_drain_started.wait()
+        self.log.info("server_draining", server_id=record.server_id)
+        self.agent.notify_change()
+
+    async def _close_if_duplicate(self, record: TunnelRecord) -> None:
+        await record.identified.wait()
+        if not record.duplicate:
+            return
+        with trio.move_on_after(DUPLICATE_CLOSE_GRACE):
+            await record.mux.closed.wait()
+            return
+        record.mux.close(f"this agent already holds a tunnel to server {record.server_id}")

@@ -10,10 +10,18 @@ from clusterproxy_server.registry import Registry
 
 
 def admin_routes(
-    registry: Registry, metrics: ServerMetrics, is_ready: Callable[[], bool]
+    registry: Registry,
+    metrics: ServerMetrics,
+    not_ready: Callable[[], str | None],
+    server_id: str,
 ) -> dict[str, Callable[[], Response]]:
+    """``not_ready()``: why this replica takes no new connections (starting, draining), None when it does.
+    Every agent entry names this replica (``server_id``): behind a load balancer, the answer says which
+    replica the agents listed are connected to."""
+
     def ready() -> Response:
-        return Response.text("ready") if is_ready() else Response.text("not ready: starting or draining", 503)
+        reason = not_ready()
+        return Response.text("ready") if reason is None else Response.text(f"not ready: {reason}", 503)
 
     def clusters() -> Response:
         return Response.json(
@@ -24,6 +32,6 @@ def admin_routes(
         "/healthz": lambda: Response.text("ok"),
         "/readyz": ready,
         "/metrics": lambda: metrics_response(metrics.registry),
-        "/api/v1/agents": lambda: Response.json(registry.describe()),
+        "/api/v1/agents": lambda: Response.json([{**a, "server_id": server_id} for a in registry.describe()]),
         "/api/v1/clusters": clusters,
     }

@@ -1,5 +1,11 @@
 """The agent port: mutual TLS, the agent's identity from its certificate, registration, and the tunnel
-kept in the registry for as long as it lives."""
+kept in the registry for as long as it lives.
+
+Registration is ``GET /v1/info`` on the new tunnel, telling the agent this replica's id and the replica
+count. An agent that already holds a tunnel to this replica (its dial through a load balancer landed
+here again) answers ``409``: the tunnel is closed, counted in
+``cluster_proxy_server_agent_duplicate_dials_total`` and logged at debug level only, since agents
+looking for a missing replica do this by design."""
 
 from __future__ import annotations
 
@@ -14,10 +20,18 @@ from clusterproxy_protocol.core import CANCEL, Role, TunnelSettings
 from clusterproxy_protocol.driver import Mux, limit_reporter, open_mux
 from clusterproxy_protocol.errors import TunnelClosed, TunnelError
 from clusterproxy_protocol.pki import CertRole, agent_identity_from_cert
-from clusterproxy_protocol.wire import INFO_PATH, SERVER_COUNT_HEADER, SERVER_ID_HEADER, format_address
+from clusterproxy_protocol.wire import (
+    INFO_PATH,
+    REASON_HEADER,
+    SERVER_COUNT_HEADER,
+    SERVER_ID_HEADER,
+    format_address,
+)
 from clusterproxy_server.handshake import accept_tls
 from clusterproxy_server.metrics import ServerMetrics
 from clusterproxy_server.registry import AgentTunnel, Registry
+
+REPLICA_ALREADY_HELD = 409  # the agent's answer to /v1/info: it holds a tunnel to this replica already
 
 
 class AgentPort:
@@ -33,6 +47,7 @@ class AgentPort:
         handshake_timeout: float,
         keepalive: tuple[float, float],
         tunnel_settings: TunnelSettings,
+        draining: trio.Event | None = None,
     ) -> None:
         self._context = context
         self.registry = registry
@@ -43,6 +58,7 @@ class AgentPort:
         self.handshake_timeout = handshake_timeout
         self.keepalive = keepalive
         self.tunnel_settings = tunnel_settings
+        self.draining = draining if draining is not None else trio.Event()  # set on SIGTERM
 
     async def serve(self, tcp: trio.SocketStream) -> None:
         peer = format_address(tcp.socket.getpeername())
@@ -70,6 +86,8 @@ class AgentPort:
             tunnel = await self._register(mux, identity, peer)
             if tunnel is None:
                 return
+            if self.draining.is_set():  # registered while this replica drains: the agent moves on
+                mux.drain()
             try:
                 await mux.closed.wait()
             finally:
@@ -96,6 +114,20 @@ class AgentPort:
         try:
             with trio.fail_after(self.handshake_timeout):
                 response = await mux.request("GET", INFO_PATH, headers)
+            if response.status == REPLICA_ALREADY_HELD:
+                reason = response.headers.get(REASON_HEADER) or "the agent holds a tunnel to this server"
+                self.metrics.agent_duplicate_dials.labels(cert_cluster).inc()
+                self.log.debug(
+                    "agent_tunnel_not_needed",
+                    cluster=cert_cluster,
+                    agent_id=cert_agent,
+                    peer=peer,
+                    error=reason,
+                )
+                mux.close(f"closed at the agent's request: {reason}")
+                return None
+            if response.status != 200:
+                raise ValueError(f"status {response.status}: {response.body[:200]!r}")
             info = json.loads(response.body)
             claimed_cluster, claimed_agent = str(info["cluster"]), str(info["agent_id"])
         except (TunnelError, trio.TooSlowError, ValueError, KeyError, TypeError) as exc:

@@ -3,10 +3,29 @@
 The agent port is :mod:`.agent_port`; the client port hands each connection, once authenticated and
 its protocol told by the first bytes, to a frontend (:mod:`.frontends`), which adapts it to the one
 dial-and-relay path (:mod:`.relaying`); the admin port's routes are :mod:`.admin`.
+
+Drain (:meth:`ProxyServer.shutdown`, on SIGTERM), for rolling upgrades behind a load balancer:
+
+1. ``/readyz`` fails at once, and the agent and client ports stop accepting: connections the kernel
+   already completed are still accepted and served, then the listening sockets close, so a load
+   balancer's next connection attempt is refused and goes to another replica (a refused connect is
+   safe to retry; a reset after the connection was established would not be).
+2. Agents are told (``SETTINGS_MAX_CONCURRENT_STREAMS 0`` on their tunnels): each dials for this
+   replica's successor and keeps its other tunnels; this replica still opens streams on their tunnels
+   for the client connections it has. HTTP/2 clients are told the same way (:mod:`.frontends.http2`)
+   and their connections closed with a GOAWAY once idle; an HTTP/1.1 connection carries one request and
+   ends with it.
+3. Open client connections get ``--drain-timeout`` to finish; the streams still open then are aborted
+   (RST, never a clean end: the client can tell), logged as ``drain_timeout``. A second signal ends the
+   wait at once.
+4. Agent tunnels are closed with a GOAWAY naming the reason, and the process exits.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -27,7 +46,7 @@ from clusterproxy_server.authz import ClientIdentity, PolicyFile
 from clusterproxy_server.config import ServerConfig
 from clusterproxy_server.ejection import OutlierEjection
 from clusterproxy_server.frontends import FRONTENDS, ClientConnection
-from clusterproxy_server.frontends.connection import send_and_close
+from clusterproxy_server.frontends.connection import Drain, send_and_close
 from clusterproxy_server.frontends.http1_messages import error_response
 from clusterproxy_server.frontends.sniff import client_protocol
 from clusterproxy_server.handshake import accept_tls
@@ -37,6 +56,11 @@ from clusterproxy_server.registry import Registry
 from clusterproxy_server.relaying import Relayer
 
 __all__ = ["BoundAddresses", "ProxyServer", "ServerConfig"]
+
+# accept(2) errors that mean "overloaded, try again shortly" (as trio.serve_listeners treats them)
+ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+ACCEPT_RETRY = 0.1
+CUT_GRACE = 1.0  # seconds HTTP/2 client connections get to send their GOAWAY at the drain's end
 
 
 @dataclass(frozen=True)
@@ -82,7 +106,9 @@ class ProxyServer:
             pending=PendingDials(
                 config.max_pending_dials_per_connection, config.max_pending_dials_per_client
             ),
+            startup_grace=config.startup_grace,
         )
+        self.drain = Drain()
         self.agent_port = AgentPort(
             context=lambda: self._agent_tls.context,
             registry=self.registry,
@@ -93,8 +119,14 @@ class ProxyServer:
             handshake_timeout=config.handshake_timeout,
             keepalive=(config.keepalive_interval, config.keepalive_timeout),
             tunnel_settings=config.tunnel,
+            draining=self.drain.started,
         )
         self.ready = False
+        self._accepting: list[trio.CancelScope] = []
+        self._client_connections = 0
+        self._clients_gone = trio.Event()
+        self._clients_gone.set()
+        self._drain_cut = trio.Event()  # a second signal: stop waiting for open streams
 
     async def run(self, *, task_status: trio.TaskStatus[BoundAddresses] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
@@ -105,14 +137,17 @@ class ProxyServer:
             *(ls[0].socket.getsockname()[:2] for ls in (agent_listeners, client_listeners, admin_listeners))
         )
         async with trio.open_nursery() as nursery:
-            routes = admin_routes(self.registry, self.metrics, lambda: self.ready)
+            routes = admin_routes(self.registry, self.metrics, self._not_ready, cfg.server_id)
             await nursery.start(serve_admin, admin_listeners, routes)
             if self.renewer is not None:
                 await nursery.start(self.renewer.run)
-            async with trio.open_nursery() as ports:
-                self._ports = ports
-                ports.start_soon(trio.serve_listeners, self.handle_agent, agent_listeners)
-                ports.start_soon(trio.serve_listeners, self.handle_client, client_listeners)
+            async with trio.open_nursery() as agents, trio.open_nursery() as clients:
+                self._agents, self._clients = agents, clients
+                for listener in agent_listeners:
+                    agents.start_soon(self._accept, listener, self.handle_agent, agents)
+                for listener in client_listeners:
+                    clients.start_soon(self._accept, listener, self.handle_client, clients)
+                self.relayer.start_grace()
                 self.ready = True
                 self.log.info(
                     "server_started",
@@ -123,9 +158,44 @@ class ProxyServer:
                     signer=cfg.signer,
                     certificate_serial=format(self._certificate().serial_number, "x"),
                     client_policy=str(cfg.client_policy) if cfg.client_policy else None,
+                    server_id=cfg.server_id,
+                    server_count=cfg.server_count,
+                    startup_grace=cfg.startup_grace,
                 )
                 task_status.started(bound)
             nursery.cancel_scope.cancel()
+
+    def _not_ready(self) -> str | None:
+        if self.drain.started.is_set():
+            return "draining"
+        return None if self.ready else "starting"
+
+    async def _accept(
+        self,
+        listener: trio.SocketListener,
+        handler: Callable[[trio.SocketStream], Awaitable[None]],
+        handlers: trio.Nursery,
+    ) -> None:
+        """Accept connections until the drain; then take those the kernel has already completed (their
+        clients believe they are connected) and close the listening socket, so that later attempts are
+        refused and a load balancer sends them elsewhere."""
+        async with listener:
+            with trio.CancelScope() as accepting:
+                self._accepting.append(accepting)
+                if self.drain.started.is_set():
+                    accepting.cancel()
+                while True:
+                    try:
+                        stream = await listener.accept()
+                    except OSError as exc:
+                        if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+                            raise
+                        self.log.error("accept_failed", error=os.strerror(exc.errno or 0), retry=ACCEPT_RETRY)
+                        await trio.sleep(ACCEPT_RETRY)
+                        continue
+                    handlers.start_soon(_handle, handler, stream)
+            for stream in _completed_connections(listener):
+                handlers.start_soon(_handle, handler, stream)
 
     def _certificate(self) -> x509.Certificate:
         return x509.load_pem_x509_certificate(self.config.cert.read_bytes())
@@ -134,21 +204,74 @@ class ProxyServer:
     def open_relays(self) -> int:
         return self.relayer.open
 
+    def cut_drain(self) -> None:
+        """Stop waiting for open streams (a second signal): they are aborted now."""
+        self._drain_cut.set()
+
     async def shutdown(self) -> None:
-        """Stop accepting, let open streams finish (up to the drain timeout), then stop."""
+        """Drain (see the module): stop accepting, tell agents and clients, give open streams up to the
+        drain timeout, then close every tunnel and stop."""
         self.ready = False
-        self.log.info("server_draining", open_streams=self.relayer.open)
+        self.drain.started.set()
+        started = trio.current_time()
+        self.log.info(
+            "server_draining",
+            open_streams=self.relayer.open,
+            client_connections=self._client_connections,
+            drain_timeout=self.config.drain_timeout,
+        )
+        for scope in self._accepting:
+            scope.cancel()
         for tunnel in self.registry.tunnels():
             tunnel.mux.drain()
-        with trio.move_on_after(self.config.drain_timeout):
-            await self.relayer.wait_idle()
-        self._ports.cancel_scope.cancel()
+        with trio.move_on_after(self.config.drain_timeout) as waiting:
+            async with trio.open_nursery() as wait:
+
+                async def cut() -> None:
+                    await self._drain_cut.wait()
+                    wait.cancel_scope.cancel()
+
+                wait.start_soon(cut)
+                await self._clients_gone.wait()
+                wait.cancel_scope.cancel()
+        if self._client_connections:
+            waited = trio.current_time() - started
+            self.log.warning(
+                "drain_timeout" if waiting.cancelled_caught else "drain_cut_short",
+                open_streams=self.relayer.open,
+                client_connections=self._client_connections,
+                waited=round(waited, 3),
+                error="aborting the streams still open (their clients see a reset, not an end)",
+            )
+            self.drain.cut(
+                f"proxy-server shut down: streams still open after {waited:.3g}s of drain "
+                f"(--drain-timeout {self.config.drain_timeout:g}s)"
+            )
+            # Their GOAWAY (and its reason) goes out before the connections are torn down; cancelling
+            # a connection's writer could lose it.
+            with trio.move_on_after(CUT_GRACE):
+                await self.drain.wait_http2_closed()
+        self._clients.cancel_scope.cancel()  # what is left (HTTP/1.1 relays) is aborted: RST
+        for tunnel in self.registry.tunnels():
+            tunnel.mux.close("proxy-server shutting down")
+        with trio.move_on_after(CUT_GRACE):  # as above: their GOAWAY goes out first
+            await self.registry.wait_empty()
+        self._agents.cancel_scope.cancel()
+        self.log.info("server_drained", waited=round(trio.current_time() - started, 3))
 
     async def handle_agent(self, tcp: trio.SocketStream) -> None:
         await self._guarded("agent", tcp, self.agent_port.serve)
 
     async def handle_client(self, tcp: trio.SocketStream) -> None:
-        await self._guarded("client", tcp, self._serve_client)
+        if self._client_connections == 0:
+            self._clients_gone = trio.Event()
+        self._client_connections += 1
+        try:
+            await self._guarded("client", tcp, self._serve_client)
+        finally:
+            self._client_connections -= 1
+            if self._client_connections == 0:
+                self._clients_gone.set()
 
     async def _guarded(
         self, port: str, tcp: trio.SocketStream, serve: Callable[[trio.SocketStream], Awaitable[None]]
@@ -210,5 +333,32 @@ class ProxyServer:
             cfg.handshake_timeout,
             cfg.client_tunnel,
             on_limit,
+            self.drain,
         )
         await FRONTENDS[protocol](connection)
+
+
+async def _handle(handler: Callable[[trio.SocketStream], Awaitable[None]], stream: trio.SocketStream) -> None:
+    try:
+        await handler(stream)
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+def _completed_connections(listener: trio.SocketListener) -> list[trio.SocketStream]:
+    """Connections in ``listener``'s accept queue, taken without waiting (through a duplicate of its
+    descriptor, which shares the queue)."""
+    found: list[trio.SocketStream] = []
+    try:
+        queue = socket.socket(fileno=os.dup(listener.socket.fileno()))
+    except OSError:
+        return found
+    with queue:
+        queue.setblocking(False)
+        while True:
+            try:
+                sock, _ = queue.accept()
+            except OSError:  # BlockingIOError: the queue is empty
+                break
+            found.append(trio.SocketStream(trio.socket.from_stdlib_socket(sock)))
+    return found

@@ -39,6 +39,10 @@ class ServerConfig:
     keepalive_interval: float = 10.0
     keepalive_timeout: float = 20.0
     drain_timeout: float = 30.0
+    # A replica younger than this holds a request for a cluster it has no agent of yet (its agents
+    # are still dialing it) instead of answering 404/503 at once; main.py's default: 10 s with
+    # --server-count above 1, else 0.
+    startup_grace: float = 0.0
     tunnel: TunnelSettings = AGENT_TUNNEL  # agent tunnels
     client_tunnel: TunnelSettings = CLIENT_TUNNEL  # HTTP/2 connections on the client port
     # cert-signer: bootstrap (``main.serve``) and renewal; None keeps the files as they are

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import signal
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +37,9 @@ from clusterproxy_server.ejection import EjectionPolicy
 
 ENV = "CLUSTER_PROXY_SERVER_"
 AGENT_ANSWER_TIMEOUT = 12.0  # the agents' default --dial-timeout (10 s) plus a margin
+# With replicas, a new one waits this long for agents before refusing (most find it within a few
+# seconds: docs/architecture.md, "High availability").
+REPLICA_STARTUP_GRACE = 10.0
 SERVER_CERT_NAME = "proxy-server"  # CN of a certificate from the signer (bootstrap tokens name it)
 
 
@@ -146,8 +150,25 @@ def build_parser() -> argparse.ArgumentParser:
         "others get 403 (docs/certificates.md). Re-read when it changes. Default: every client "
         "reaches every cluster",
     )
-    flag("--server-id", help="identity told to agents (default: hostname plus a random suffix)")
-    flag("--server-count", type=parse_positive_int, default="1", help="number of server replicas")
+    flag(
+        "--server-id",
+        help="this replica's identity, told to agents (each keeps one tunnel per id); unique per "
+        "running process (default: the host name plus a random suffix, new at every start)",
+    )
+    flag(
+        "--server-count",
+        type=parse_positive_int,
+        default="1",
+        help="number of proxy-server replicas behind the agents' address: each agent keeps dialing it "
+        "until it holds a tunnel to that many distinct replicas",
+    )
+    flag(
+        "--startup-grace",
+        type=parse_duration,
+        help="for this long after start, a request for a cluster this replica has no agent of waits "
+        "for one to connect (within --dial-timeout) instead of 404/503 at once: agents are still "
+        "finding a new replica. Default: 10s with --server-count above 1, else 0",
+    )
     flag(
         "--known-clusters",
         type=_cluster_names,
@@ -307,6 +328,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if args.startup_grace is not None and not math.isfinite(args.startup_grace):
+        raise ConfigError(f"--startup-grace {args.startup_grace!r} must be finite")
     answer_timeout = args.agent_answer_timeout or min(AGENT_ANSWER_TIMEOUT, args.dial_timeout)
     if answer_timeout > args.dial_timeout:
         raise ConfigError(
@@ -331,6 +354,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         keepalive_interval=args.keepalive_interval,
         keepalive_timeout=args.keepalive_timeout,
         drain_timeout=args.drain_timeout,
+        startup_grace=(
+            args.startup_grace
+            if args.startup_grace is not None
+            else (REPLICA_STARTUP_GRACE if args.server_count > 1 else 0.0)
+        ),
         tunnel=tunnel,
         client_tunnel=client_tunnel,
     )
@@ -375,16 +403,29 @@ async def bootstrap(config: ServerConfig) -> None:
 
 
 async def serve(config: ServerConfig) -> None:
+    """Run until SIGTERM/SIGINT, then drain (a second signal cuts the drain short)."""
     await bootstrap(config)
     server = ProxyServer(config)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.run)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                get_logger("proxy-server").info("signal_received", signal=signal.Signals(signum).name)
-                await server.shutdown()
-                nursery.cancel_scope.cancel()
-                break
+    log = get_logger("proxy-server", server_id=config.server_id)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.run)
+            stop = trio.Event()
+
+            async def watch_signals() -> None:
+                async for signum in signals:
+                    name = signal.Signals(signum).name
+                    if not stop.is_set():
+                        log.info("signal_received", signal=name)
+                        stop.set()
+                    else:
+                        log.warning("drain_cut_by_signal", signal=name)
+                        server.cut_drain()
+
+            nursery.start_soon(watch_signals)
+            await stop.wait()
+            await server.shutdown()
+            nursery.cancel_scope.cancel()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

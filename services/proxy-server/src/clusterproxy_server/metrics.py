@@ -85,6 +85,14 @@ class ServerMetrics:
             registry=r,
         )
 
+        self.agent_duplicate_dials = Counter(
+            "cluster_proxy_server_agent_duplicate_dials_total",
+            "Agent tunnels closed at registration because the agent already holds one to this replica "
+            "(agents looking for a missing replica behind a load balancer)",
+            ["cluster"],
+            registry=r,
+        )
+
     def count_limit(self, port: str) -> Callable[[str], None]:
         """Count an HTTP/2 abuse limit that tripped on a connection of ``port`` (client or agent)."""
         return lambda limit: self.http2_limits.labels(port, limit).inc()

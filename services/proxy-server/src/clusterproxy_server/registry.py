@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import trio
+
 from clusterproxy_protocol.driver import Mux
 from clusterproxy_protocol.errors import NoAgentConnected, UnknownCluster
 from clusterproxy_server.ejection import Ejection, EjectionPolicy, OutlierEjection, TunnelHealth
@@ -45,10 +47,21 @@ class Registry:
         self.known_clusters: set[str] = set(known_clusters or ())
         self._tunnels: dict[str, list[AgentTunnel]] = {}
         self.ejection = ejection or OutlierEjection(EjectionPolicy())
+        self._added = trio.Event()
+        self._empty = trio.Event()
+        self._empty.set()
 
     def add(self, tunnel: AgentTunnel) -> None:
         self.known_clusters.add(tunnel.cluster)
         self._tunnels.setdefault(tunnel.cluster, []).append(tunnel)
+        self._added.set()
+        self._added = trio.Event()
+        if self._empty.is_set():
+            self._empty = trio.Event()
+
+    async def wait_added(self) -> None:
+        """Until the next tunnel registers."""
+        await self._added.wait()
 
     def remove(self, tunnel: AgentTunnel) -> None:
         tunnels = self._tunnels.get(tunnel.cluster, [])
@@ -56,6 +69,12 @@ class Registry:
             tunnels.remove(tunnel)
         if not tunnels:
             self._tunnels.pop(tunnel.cluster, None)
+        if not self._tunnels:
+            self._empty.set()
+
+    async def wait_empty(self) -> None:
+        """Until no tunnel is registered."""
+        await self._empty.wait()
 
     def find(self, cluster: str, agent_id: str) -> AgentTunnel | None:
         """The live tunnel of that agent identity, if one is registered."""

@@ -4,11 +4,17 @@ A frontend adapts its connection to a :class:`ClientRequest` (what the client as
 and how to refuse it); :meth:`Relayer.proxy` does the rest the same way for all of them: route, authorize,
 bound the client's pending dials, pick a tunnel, dial through the agent (once more on another tunnel
 when the first agent failed by itself), relay, count.
+
+A replica that has just started (one of several behind a load balancer, say the successor in a rolling
+upgrade) has not heard from every agent yet: for its first ``startup_grace`` seconds, a request for a
+cluster it has no usable tunnel of (unknown to it, or no agent connected) waits for the next agent to
+register rather than being refused at once, within the client's dial timeout.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
@@ -20,9 +26,11 @@ from clusterproxy_protocol.errors import (
     ConnectRefused,
     DialTimeout,
     Forbidden,
+    MalformedTarget,
     NoAgentConnected,
     TargetUnreachable,
     TunnelClosed,
+    UnknownCluster,
 )
 from clusterproxy_protocol.relay import relay
 from clusterproxy_protocol.wire import FAULT_HEADER, FAULT_TARGET
@@ -30,7 +38,7 @@ from clusterproxy_server.authz import ClientIdentity, PolicyFile
 from clusterproxy_server.metrics import ServerMetrics
 from clusterproxy_server.pending_dials import ConnectionDials, PendingDials, ScopedTooManyRequests
 from clusterproxy_server.registry import AgentTunnel, Registry
-from clusterproxy_server.routing import Route, resolve
+from clusterproxy_server.routing import Route, may_name_unknown_cluster, resolve
 
 RETRIES_ON_AGENT_FAILURE = 1  # another tunnel of the cluster, once: a second failure is the answer
 
@@ -76,6 +84,7 @@ class Relayer:
         *,
         agent_answer_timeout: float | None = None,
         pending: PendingDials | None = None,
+        startup_grace: float = 0.0,
     ) -> None:
         self.registry = registry
         self.metrics = metrics
@@ -87,6 +96,22 @@ class Relayer:
         self.open = 0
         self._idle = trio.Event()
         self._idle.set()
+        self.startup_grace = startup_grace
+        self.grace_ends = -math.inf  # trio clock; ProxyServer.run sets it when the ports open
+
+    def start_grace(self) -> None:
+        """The replica starts serving now: its startup grace runs from here."""
+        self.grace_ends = trio.current_time() + self.startup_grace
+
+    async def _wait_for_an_agent(self, deadline: float) -> bool:
+        """Within the startup grace (and before ``deadline``): wait for the next agent to register and
+        say True (ask again); else False at once (answer now)."""
+        until = min(self.grace_ends, deadline)
+        if trio.current_time() >= until:
+            return False
+        with trio.move_on_at(until):
+            await self.registry.wait_added()
+        return True
 
     async def wait_idle(self) -> None:
         """Until no stream is being relayed."""
@@ -98,15 +123,16 @@ class Relayer:
 
     async def proxy(self, request: ClientRequest, connection: ConnectionDials | None = None) -> None:
         log = self.log.bind(frontend=request.frontend, client=request.client.name, target=request.authority)
+        deadline = trio.current_time() + self.dial_timeout
         try:
-            route = resolve(request.authority, dict(request.headers), self.registry.known_clusters)
+            route = await self._route(request, deadline)
             log = log.bind(cluster=route.cluster)
             self._authorize(request.client, route.cluster)
             with self.pending.hold(connection or ConnectionDials(), request.client.describe()):
                 self.metrics.pending_dials.inc()
                 try:
                     with self.metrics.dial_seconds.time():
-                        upstream, tunnel = await self._dial(route, log)
+                        upstream, tunnel = await self._dial(route, log, deadline)
                 finally:
                     self.metrics.pending_dials.dec()
         except ConnectRefused as exc:
@@ -139,6 +165,9 @@ class Relayer:
             )
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.info("stream_failed", error=str(exc))
+        except trio.Cancelled:  # the server is stopping (its drain timeout): relay() aborted both ends
+            log.warning("stream_aborted", error="proxy-server shutting down")
+            raise
         finally:
             # Bookkeeping first: under cancellation every await below would raise at once.
             gauge.dec()
@@ -146,6 +175,19 @@ class Relayer:
             if self.open == 0:
                 self._idle.set()
             upstream.abort()  # a no-op when the relay closed it already
+
+    async def _route(self, request: ClientRequest, deadline: float) -> Route:
+        """The cluster and target asked for; a bare name that may be a cluster this young replica has
+        not heard of yet waits for agents within the startup grace."""
+        headers = dict(request.headers)
+        while True:
+            try:
+                return resolve(request.authority, headers, self.registry.known_clusters)
+            except MalformedTarget:
+                if not may_name_unknown_cluster(request.authority, headers):
+                    raise
+                if not await self._wait_for_an_agent(deadline):
+                    raise
 
     def _authorize(self, client: ClientIdentity, cluster: str) -> None:
         """Raise Forbidden (403) when the client policy keeps ``client`` out of ``cluster``. Checked
@@ -157,7 +199,7 @@ class Relayer:
             raise Forbidden(decision.reason)
 
     async def _dial(
-        self, route: Route, log: structlog.stdlib.BoundLogger
+        self, route: Route, log: structlog.stdlib.BoundLogger, deadline: float
     ) -> tuple[TunnelStream, AgentTunnel]:
         """Open the stream on the least-loaded tunnel in routing. A tunnel that dies meanwhile makes us
         try the next; an agent that fails by itself (:func:`agent_fault`, or no answer within the agent
@@ -165,14 +207,15 @@ class Relayer:
         lost: set[AgentTunnel] = set()  # died while dialing
         failed: set[AgentTunnel] = set()  # failed at the agent level
         failure: ConnectRefused | None = None
-        deadline = trio.current_time() + self.dial_timeout
         while True:
             try:
                 # A retry never goes to an ejected tunnel: that would be a second failure, not a rescue.
                 tunnel = self.registry.pick(
                     route.cluster, exclude=lost | failed, fall_back_to_ejected=not failed
                 )
-            except NoAgentConnected:
+            except (NoAgentConnected, UnknownCluster):
+                if not (failure or lost) and await self._wait_for_an_agent(deadline):
+                    continue
                 if failure is not None:
                     raise failure from None
                 if lost:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ipaddress
 from dataclasses import dataclass
 
 from clusterproxy_protocol.errors import MalformedTarget
@@ -63,3 +64,19 @@ def resolve(authority: str, headers: dict[str, str], known_clusters: set[str]) -
             f"invalid cluster name {cluster!r}: expected a DNS-1123 name (lower case, digits, - and .)"
         )
     return Route(cluster, authority, named_by)
+
+
+def may_name_unknown_cluster(authority: str, headers: dict[str, str]) -> bool:
+    """Whether a request that named no cluster could be the upstream form (``CONNECT NAME:PORT``) for a
+    cluster not known yet: no cluster header, no proxy user, and a host that is a cluster name."""
+    if headers.get(CLUSTER_HEADER, "").strip() or headers.get("proxy-authorization"):
+        return False
+    try:
+        host, _ = parse_authority(authority)
+    except MalformedAddress:
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return False
+    except ValueError:
+        return bool(CLUSTER_NAME.match(host.lower()))

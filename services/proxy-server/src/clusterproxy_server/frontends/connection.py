@@ -2,16 +2,52 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import trio
 
 from clusterproxy_protocol.closing import abort, close_cleanly
-from clusterproxy_protocol.core import TunnelSettings
-from clusterproxy_protocol.driver import LimitHandler
+from clusterproxy_protocol.core import CANCEL, TunnelSettings
+from clusterproxy_protocol.driver import LimitHandler, Mux
 from clusterproxy_server.authz import ClientIdentity
 from clusterproxy_server.relaying import ClientRequest
+
+
+@dataclass(eq=False)
+class Drain:
+    """The server's drain as client connections see it: when it began, and the HTTP/2 connections to
+    close with a reason when it is over (their streams still open are cut)."""
+
+    started: trio.Event = field(default_factory=trio.Event)
+    http2: set[Mux] = field(default_factory=set)
+    _http2_gone: trio.Event = field(default_factory=trio.Event)
+
+    def __post_init__(self) -> None:
+        self._http2_gone.set()
+
+    @contextmanager
+    def serving(self, mux: Mux) -> Iterator[None]:
+        """``mux`` is an HTTP/2 client connection for the duration of the block."""
+        if not self.http2:
+            self._http2_gone = trio.Event()
+        self.http2.add(mux)
+        try:
+            yield
+        finally:
+            self.http2.discard(mux)
+            if not self.http2:
+                self._http2_gone.set()
+
+    def cut(self, reason: str) -> None:
+        """GOAWAY ``CANCEL`` with ``reason`` on every HTTP/2 client connection: their open streams fail."""
+        for mux in list(self.http2):
+            mux.close(reason, error_code=CANCEL)
+
+    async def wait_http2_closed(self) -> None:
+        """Until every HTTP/2 client connection has ended (after :meth:`cut`: sent its GOAWAY)."""
+        await self._http2_gone.wait()
 
 
 @dataclass(frozen=True)
@@ -23,6 +59,7 @@ class ClientConnection:
     request_timeout: float  # for the request head to arrive
     tunnel_settings: TunnelSettings
     on_limit: LimitHandler | None = None  # an HTTP/2 abuse limit tripped (metrics, one log line)
+    drain: Drain = field(default_factory=Drain)
 
 
 SEND_TIMEOUT = 5.0  # seconds a refusal may take to reach a slow reader

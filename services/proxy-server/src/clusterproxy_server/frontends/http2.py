@@ -2,6 +2,12 @@
 
 Each incoming stream goes to the first entry of ``STREAM_KINDS`` whose ``matches`` accepts it; a
 new kind of HTTP/2 stream (gRPC's ``POST /...``, say) is one module and one line there.
+
+When the server drains, each connection is told with ``SETTINGS_MAX_CONCURRENT_STREAMS = 0`` (no new
+streams; the open ones go on: a GOAWAY would stop an h2 peer's open streams too, docs/protocol.md), and
+closed with a GOAWAY once its last stream ended. A connection that has not opened its first stream yet
+was dialed before the drain began: it gets to open one (within the request timeout) before it is told,
+so that a client that dialed just then is served rather than refused.
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ from dataclasses import dataclass
 import trio
 
 from clusterproxy_protocol.core import Role
-from clusterproxy_protocol.driver import IncomingRequest, open_mux
+from clusterproxy_protocol.driver import IncomingRequest, Mux, open_mux
+from clusterproxy_protocol.errors import TunnelError
 from clusterproxy_server.authz import ClientIdentity
 from clusterproxy_server.frontends.connection import ClientConnection
 
@@ -56,20 +63,48 @@ class StreamKind:
 STREAM_KINDS: list[StreamKind] = [StreamKind(_is_connect, _serve_connect)]
 
 
+DRAINED = "proxy-server draining: open a new connection for new streams"
+
+
 async def serve(connection: ClientConnection) -> None:
+    first_stream = trio.Event()
+
     async def handle(request: IncomingRequest) -> None:
+        first_stream.set()
         for kind in STREAM_KINDS:
             if kind.matches(request):
                 await kind.serve(request, connection)
                 return
         await request.refuse(405, f"method {request.method} not served: open CONNECT streams here")
 
-    async with open_mux(
-        connection.stream,
-        Role.ACCEPTOR,
-        settings=connection.tunnel_settings,
-        handler=handle,
-        received=connection.received,
-        on_limit=connection.on_limit,
-    ) as mux:
-        await mux.closed.wait()
+    async with (
+        open_mux(
+            connection.stream,
+            Role.ACCEPTOR,
+            settings=connection.tunnel_settings,
+            handler=handle,
+            received=connection.received,
+            on_limit=connection.on_limit,
+        ) as mux,
+        trio.open_nursery() as watch,
+    ):
+        with connection.drain.serving(mux):
+            watch.start_soon(_drain_when_told, mux, connection, first_stream)
+            await mux.closed.wait()
+            watch.cancel_scope.cancel()
+
+
+async def _drain_when_told(mux: Mux, connection: ClientConnection, first_stream: trio.Event) -> None:
+    await connection.drain.started.wait()
+    with trio.move_on_after(connection.request_timeout):
+        await first_stream.wait()
+    mux.drain()
+    try:
+        # The PING's answer comes after the client has read our SETTINGS: any stream it opened before
+        # knowing has arrived by then, and is served.
+        with trio.move_on_after(connection.request_timeout):
+            await mux.ping()
+    except TunnelError:
+        return
+    await mux.wait_idle()
+    mux.close(DRAINED)

@@ -1,0 +1,375 @@
+"""Several proxy-server replicas behind a real haproxy (Debian's package) on loopback, with agents
+dialing it: the test harness of the HA tests (``tests/e2e/test_replicas.py``,
+``test_rolling_restart.py``).
+
+- :func:`start_haproxy`: haproxy in TCP mode, one frontend for the agents' port and one for the
+  clients' over *places* (clients: round robin; agents: least connections by default, so that an
+  agent looking for a missing replica reaches the one with the fewest agent tunnels, the new one, at
+  its first dial; ``roundrobin`` shows the agents cope with a balancer that ignores that), each
+  health-checked on its replica's ``/readyz`` (so a
+  draining replica leaves rotation as it would behind a Kubernetes Service), a refused connect retried
+  on another place (``retries 3``, ``option redispatch 1``). Its log (``option tcplog``) is in the test's
+  log folder; :meth:`Haproxy.states` reads what it thinks of each place from its stats socket.
+- :class:`Fleet`: a pool of places, each a fixed triple of loopback ports (agent, client, admin) in
+  haproxy's configuration. A replica runs in a place; its successor takes a free place, as a new pod
+  gets a new address (the predecessor keeps its admin port until it has drained). Agents dial haproxy.
+  Readiness everywhere is a condition polled with a deadline, never a sleep.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shutil
+import signal
+import socket
+import ssl
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from clusterproxy_cli.commands import agent_argv, server_argv
+from clusterproxy_protocol import tls
+from clusterproxy_protocol.certclient import CertFiles
+from tests.support.pki import PkiFiles
+from tests.support.procs import AGENT_FLAGS, ANY_PORT, POLL, Process, http_get
+from tests.support.proxies import binary, free_port
+
+HAPROXY_MISSING = "haproxy (Debian package haproxy; scripts/bootstrap.sh installs it)"
+STARTUP_TIMEOUT = 20.0
+CHECK_INTERVAL = "100ms"  # the tests' health checks: a draining replica leaves rotation within ~0.1 s
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one replica can run: its three loopback ports, fixed in haproxy's configuration."""
+
+    name: str
+    agent: int
+    client: int
+    admin: int
+
+
+def allocate_places(count: int) -> list[Place]:
+    """``count`` places on free loopback ports (bound then released)."""
+    ports = iter(_distinct_free_ports(3 * count))
+    return [Place(f"place{i}", next(ports), next(ports), next(ports)) for i in range(count)]
+
+
+def _distinct_free_ports(count: int) -> list[int]:
+    found: set[int] = set()
+    while len(found) < count:
+        found.add(free_port())
+    return sorted(found)
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Haproxy:
+    process: Process
+    agent_port: int
+    client_port: int
+    stats_socket: Path
+    private_dir: Path
+
+    def states(self) -> dict[tuple[str, str], str]:
+        """(backend, place) -> haproxy's status of that place ("UP", "DOWN", ...), from ``show stat``."""
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(5)
+            sock.connect(str(self.stats_socket))
+            sock.sendall(b"show stat\n")
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        text = data.decode().lstrip("# ")
+        states = {}
+        for row in csv.DictReader(io.StringIO(text)):
+            if row["svname"] not in ("FRONTEND", "BACKEND"):
+                states[(row["pxname"], row["svname"])] = row["status"].split()[0]
+        return states
+
+    async def wait_state(self, place: str, status: str, timeout: float = 10.0) -> None:
+        """Until haproxy reports ``place`` with ``status`` in both backends."""
+        with trio.move_on_after(timeout):
+            while True:
+                states = await trio.to_thread.run_sync(self.states)
+                if all(states.get((backend, place)) == status for backend in ("agents", "clients")):
+                    return
+                await trio.sleep(POLL)
+        raise AssertionError(f"haproxy: {place} not {status} after {timeout}s: {self.states()}")
+
+    def log_lines(self) -> list[str]:
+        return self.process.log_path.read_text(errors="replace").splitlines()
+
+    def stop(self) -> None:
+        self.process.stop()
+        shutil.rmtree(self.private_dir, ignore_errors=True)
+
+
+def haproxy_config(
+    places: Iterable[Place],
+    agent_port: int,
+    client_port: int,
+    stats_socket: Path,
+    agent_balance: str = "leastconn",
+) -> str:
+    """TCP mode; each place health-checked with ``GET /readyz`` on its admin port."""
+    lines = [
+        "global",
+        "    log stdout format raw local0 info",
+        f"    stats socket {stats_socket} mode 600 level admin",
+        "    maxconn 4000",
+        "defaults",
+        "    mode tcp",
+        "    log global",
+        "    option tcplog",
+        "    timeout connect 2s",
+        "    timeout client 10m",
+        "    timeout server 10m",
+        "    timeout check 1s",
+        "    retries 3",
+        "    option redispatch 1",
+        f"    default-server inter {CHECK_INTERVAL} fastinter {CHECK_INTERVAL} downinter {CHECK_INTERVAL}"
+        " fall 1 rise 1",
+    ]
+    places = list(places)
+    for role, port, balance in (
+        ("agents", agent_port, agent_balance),
+        ("clients", client_port, "roundrobin"),
+    ):
+        lines += [
+            f"frontend {role}",
+            f"    bind 127.0.0.1:{port}",
+            f"    default_backend {role}",
+            f"backend {role}",
+            f"    balance {balance}",
+            "    option httpchk GET /readyz",
+            "    http-check expect status 200",
+        ]
+        for place in places:
+            target = place.agent if role == "agents" else place.client
+            lines.append(f"    server {place.name} 127.0.0.1:{target} check port {place.admin}")
+    return "\n".join(lines) + "\n"
+
+
+async def start_haproxy(
+    log_dir: Path, places: list[Place], name: str = "haproxy", *, agent_balance: str = "leastconn"
+) -> Haproxy:
+    haproxy = binary("haproxy")
+    assert haproxy, HAPROXY_MISSING
+    private = Path(tempfile.mkdtemp(prefix="cpx-haproxy-"))  # a short path for the UNIX socket
+    agent_port, client_port = _distinct_free_ports(2)
+    config = log_dir / f"{name}.cfg"
+    config.write_text(haproxy_config(places, agent_port, client_port, private / "stats.sock", agent_balance))
+    # -db: stay in the foreground, logs (tcplog lines, server state changes) to stdout
+    process = Process(name, [haproxy, "-db", "-f", str(config)], log_dir)
+    proxy = Haproxy(process, agent_port, client_port, private / "stats.sock", private)
+    try:
+        with trio.fail_after(STARTUP_TIMEOUT):
+            while not (
+                await trio.to_thread.run_sync(_accepts, client_port)
+                and proxy.stats_socket.exists()
+                and await trio.to_thread.run_sync(_accepts, agent_port)
+            ):
+                if process.popen.poll() is not None:
+                    raise AssertionError(f"haproxy exited ({process.popen.returncode}):\n{process.tail()}")
+                await trio.sleep(POLL)
+    except BaseException:
+        proxy.stop()
+        raise
+    return proxy
+
+
+@dataclass
+class Replica:
+    server_id: str
+    place: Place
+    process: Process
+    sigterm_at: float | None = None  # trio clock
+
+
+@dataclass
+class Fleet:
+    """proxy-server replicas in places behind one haproxy, and agents dialing it."""
+
+    pki: PkiFiles
+    log_dir: Path
+    places: list[Place]
+    agent_balance: str = "leastconn"
+    haproxy: Haproxy | None = None
+    replicas: dict[str, Replica] = field(default_factory=dict)  # live ones, by server id
+    gone: list[Replica] = field(default_factory=list)
+    agents: dict[str, Process] = field(default_factory=dict)  # by "cluster/agent-id"
+    agent_admin: dict[str, str] = field(default_factory=dict)
+
+    async def start(self) -> None:
+        """haproxy, once it has checked every place (none runs a replica yet: all DOWN)."""
+        self.haproxy = await start_haproxy(self.log_dir, self.places, agent_balance=self.agent_balance)
+        for place in self.places:
+            await self.haproxy.wait_state(place.name, "DOWN")
+
+    # -- replicas ------------------------------------------------------------------------------------
+
+    def free_place(self) -> Place:
+        taken = {r.place.name for r in self.replicas.values()}
+        taken |= {r.place.name for r in self.gone if r.process.popen.poll() is None}
+        for place in self.places:
+            if place.name not in taken:
+                return place
+        raise AssertionError(f"no free place among {len(self.places)}")
+
+    async def start_replica(
+        self, server_id: str, count: int, *extra: str, place: Place | None = None
+    ) -> Replica:
+        place = place or self.free_place()
+        files = CertFiles(self.pki.server.cert, self.pki.server.key, self.pki.ca)
+        argv = server_argv(
+            files,
+            agent_listen=f"127.0.0.1:{place.agent}",
+            client_listen=f"127.0.0.1:{place.client}",
+            admin_listen=f"127.0.0.1:{place.admin}",
+            log_level="debug",
+            options=["--server-id", server_id, "--server-count", str(count), *extra],
+        )
+        process = Process(f"server-{server_id}", argv, self.log_dir)
+        await process.wait_event("server_started")
+        replica = Replica(server_id, place, process)
+        self.replicas[server_id] = replica
+        if self.haproxy is not None:
+            await self.haproxy.wait_state(place.name, "UP")
+        return replica
+
+    def sigterm(self, server_id: str) -> Replica:
+        replica = self.replicas.pop(server_id)
+        replica.sigterm_at = trio.current_time()
+        replica.process.kill(signal.SIGTERM)
+        self.gone.append(replica)
+        return replica
+
+    def sigkill(self, server_id: str) -> Replica:
+        replica = self.replicas.pop(server_id)
+        replica.process.kill(signal.SIGKILL)
+        self.gone.append(replica)
+        return replica
+
+    def agents_of(self, server_id: str) -> list[dict[str, Any]]:
+        """``/api/v1/agents`` of a live replica."""
+        status, body = http_get(f"http://127.0.0.1:{self.replicas[server_id].place.admin}/api/v1/agents")
+        assert status == 200, body
+        return json.loads(body)
+
+    # -- agents --------------------------------------------------------------------------------------
+
+    def start_agent(self, cluster: str, agent_id: str, *extra: str, server: str | None = None) -> Process:
+        """An agent dialing haproxy (or ``server``: another address, a list of them)."""
+        assert self.haproxy is not None
+        pair = self.pki.agent(cluster, agent_id)
+        files = CertFiles(pair.cert, pair.key, self.pki.ca)
+        argv = agent_argv(
+            files,
+            cluster=cluster,
+            agent_id=agent_id,
+            **(
+                {"server": server or f"127.0.0.1:{self.haproxy.agent_port}"}
+                | AGENT_FLAGS
+                | {"admin_listen": ANY_PORT, "log_level": "debug", "options": extra}
+            ),
+        )
+        process = Process(f"agent-{cluster}-{agent_id}", argv, self.log_dir)
+        self.agents[f"{cluster}/{agent_id}"] = process
+        return process
+
+    async def agent_servers(self, key: str) -> dict[str, Any]:
+        """An agent's ``/api/v1/servers``."""
+        if key not in self.agent_admin:
+            started = await self.agents[key].wait_event("agent_started")
+            self.agent_admin[key] = started["admin_port"]
+        status, body = await trio.to_thread.run_sync(
+            http_get, f"http://{self.agent_admin[key]}/api/v1/servers"
+        )
+        assert status == 200, body
+        return json.loads(body)
+
+    async def mesh(self) -> dict[str, Any]:
+        """What every side sees: per agent, the ids it holds and its live tunnels; per replica, the
+        agents connected to it."""
+        agents = {key: await self.agent_servers(key) for key in self.agents}
+        servers = {sid: await trio.to_thread.run_sync(self.agents_of, sid) for sid in list(self.replicas)}
+        return {"agents": agents, "servers": servers}
+
+    def converged(self, mesh: dict[str, Any]) -> bool:
+        """Exactly one tunnel from every agent to every live replica, seen from both ends, and nothing
+        else held."""
+        live = set(self.replicas)
+        for view in mesh["agents"].values():
+            tunnels = [t for t in view["tunnels"] if not t["duplicate"] and not t["draining"]]
+            if (
+                sorted(str(t["server_id"]) for t in tunnels) != sorted(live)
+                or set(view["held_replicas"]) != live
+            ):
+                return False
+        for server_id, agents in mesh["servers"].items():
+            keys = sorted(f"{a['cluster']}/{a['agent_id']}" for a in agents)
+            if keys != sorted(self.agents) or any(a["server_id"] != server_id for a in agents):
+                return False
+        return True
+
+    async def wait_converged(self, timeout: float = 20.0) -> float:
+        """Seconds until :meth:`converged`; AssertionError with every view after ``timeout``."""
+        started = trio.current_time()
+        mesh: dict[str, Any] = {}
+        with trio.move_on_after(timeout):
+            while True:
+                mesh = await self.mesh()
+                if self.converged(mesh):
+                    return trio.current_time() - started
+                await trio.sleep(POLL)
+        raise AssertionError(
+            f"agents not converged on {sorted(self.replicas)} after {timeout}s:\n"
+            + json.dumps(mesh, indent=1)[:6000]
+        )
+
+    def stop(self) -> None:
+        for process in self.agents.values():
+            process.stop()
+        for replica in [*self.replicas.values(), *self.gone]:
+            replica.process.stop()
+        if self.haproxy is not None:
+            self.haproxy.stop()
+
+
+async def strict_h1_connect(port: int, pki: PkiFiles, cluster: str, target: str) -> trio.SSLStream:
+    """An HTTP/1.1 CONNECT to ``target`` in ``cluster`` through the client port ``port``, answered 200
+    (target bytes that came with the answer are dropped: use a target that waits to be spoken to). Its
+    TLS takes only ``close_notify`` as an end: a reset or a bare FIN raises, so a stream that was
+    cut can never pass for one that finished."""
+    context: ssl.SSLContext = tls.client_context(pki.client.cert, pki.client.key, pki.ca, alpn=["http/1.1"])
+    tcp = await trio.open_tcp_stream("127.0.0.1", port)
+    stream = trio.SSLStream(tcp, context, server_hostname="localhost")
+    try:
+        request = f"CONNECT {target} HTTP/1.1\r\nhost: {target}\r\ncluster-proxy-cluster: {cluster}\r\n\r\n"
+        await stream.send_all(request.encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            data = await stream.receive_some(4096)
+            if not data:
+                raise AssertionError(f"closed before answering: {head!r}")
+            head += data
+        if head.split(b" ", 2)[1] != b"200":
+            raise AssertionError(f"CONNECT answered {head!r}")
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+    return stream

@@ -1,0 +1,282 @@
+"""The agent's replica set (``clusterproxy_agent.replicas``): the slot plan as a pure function, and the
+replica set itself against fake proxy-server replicas behind a fake load balancer (in-memory streams,
+the mock clock), each replica a real tunnel peer (``open_mux`` as the opener, ``GET /v1/info`` with its
+id and count, the agent's ``409`` honoured by closing)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import trio
+import trio.testing
+
+from clusterproxy_agent.agent import Agent, AgentConfig, ServerIdentity, TunnelRecord
+from clusterproxy_agent.egress import EgressPolicy
+from clusterproxy_agent.replicas import MAX_REPLICAS, Plan, ReplicaSet, SlotState, plan, wanted_replicas
+from clusterproxy_agent.tunnel import TunnelOptions
+from clusterproxy_protocol.core import Role
+from clusterproxy_protocol.driver import Mux, open_mux
+from clusterproxy_protocol.wire import SERVER_COUNT_HEADER, SERVER_ID_HEADER
+from tests.support.waiting import wait_until
+
+D, H, R = SlotState.DIALING, SlotState.HOLDING, SlotState.DRAINING
+
+
+# --- the plan -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("states", "wanted", "expected"),
+    [
+        ([], 1, Plan(1, ())),  # the first slot
+        ([H], 3, Plan(2, ())),  # told 3: two more
+        ([H, H, H], 3, Plan(0, ())),  # all held: nothing dials
+        ([H, R, H], 3, Plan(1, ())),  # a replica drains: one slot for its successor
+        ([H, R, H, D], 3, Plan(0, ())),  # ... already looking
+        ([H, H, H, D], 3, Plan(0, (3,))),  # the drained tunnel ended: its slot, now dialing, goes
+        ([H, D, H, D], 2, Plan(0, (3, 1))),  # count down: dialing slots stop, last started first
+        ([H, H, H], 2, Plan(0, ())),  # count down, all held: a live tunnel is never closed for it
+        ([D, D, D], 3, Plan(0, ())),  # all lost: each slot dials again by itself
+    ],
+)
+def test_plan(states: list[SlotState], wanted: int, expected: Plan) -> None:
+    assert plan(states, wanted) == expected
+
+
+@dataclass
+class _FakeMux:
+    dead: bool = False
+    peer_draining: bool = False
+
+
+def _record(count: int | None, *, draining: bool = False, duplicate: bool = False) -> TunnelRecord:
+    record = TunnelRecord(_FakeMux(peer_draining=draining), "hub:8091", 0.0)  # type: ignore[arg-type]
+    record.identity = ServerIdentity("s", count)
+    record.duplicate = duplicate
+    return record
+
+
+def test_wanted_is_the_largest_count_a_held_replica_tells() -> None:
+    assert wanted_replicas([], 1) == 1
+    assert wanted_replicas([_record(3), _record(2)], 1) == 3  # a rollout changing the count: the larger
+    assert (
+        wanted_replicas([_record(3, draining=True), _record(2)], 1) == 2
+    )  # a leaving replica's count does not
+    assert wanted_replicas([_record(5, duplicate=True), _record(2)], 1) == 2
+    assert wanted_replicas([_record(None)], 4) == 4  # an older server tells no count: the last one told
+    assert wanted_replicas([], 3) == 3  # nothing held: the last count told
+    assert wanted_replicas([_record(10_000)], 1) == MAX_REPLICAS  # a server cannot make us dial forever
+
+
+# --- the replica set against fake replicas ---------------------------------------------------------------
+
+
+@dataclass
+class FakeReplica:
+    server_id: str
+    count: int
+    tunnels: set[Mux] = field(default_factory=set)
+    refused: int = 0  # tunnels the agent answered 409 (it held this replica already)
+    draining: bool = False
+
+    async def serve(self, stream: trio.abc.Stream) -> None:
+        async with open_mux(stream, Role.OPENER) as mux:
+            response = await mux.request(
+                "GET",
+                "/v1/info",
+                [(SERVER_ID_HEADER, self.server_id), (SERVER_COUNT_HEADER, str(self.count))],
+            )
+            if response.status == 409:
+                self.refused += 1
+                mux.close("the agent holds this replica already")
+                return
+            assert response.status == 200
+            self.tunnels.add(mux)
+            if self.draining:
+                mux.drain()
+            try:
+                await mux.closed.wait()
+            finally:
+                self.tunnels.discard(mux)
+
+    def drain(self) -> None:
+        self.draining = True
+        for mux in self.tunnels:
+            mux.drain()
+
+    def stop(self) -> None:
+        for mux in list(self.tunnels):
+            mux.close("replica stopped")
+
+
+@dataclass
+class FakeBalancer:
+    """Spreads dials over the live, non-draining replicas (round robin, as haproxy or a Service might)."""
+
+    nursery: trio.Nursery
+    replicas: dict[str, FakeReplica] = field(default_factory=dict)
+    dials: int = 0
+    _turn: itertools.count = field(default_factory=itertools.count)
+
+    def add(self, server_id: str, count: int) -> FakeReplica:
+        replica = self.replicas[server_id] = FakeReplica(server_id, count)
+        return replica
+
+    def remove(self, server_id: str) -> None:
+        self.replicas.pop(server_id).stop()
+
+    async def open(self) -> trio.abc.Stream:
+        self.dials += 1
+        ready = [r for r in self.replicas.values() if not r.draining]
+        if not ready:
+            raise ConnectionRefusedError(111, "Connection refused")
+        replica = ready[next(self._turn) % len(ready)]
+        agent_side, replica_side = trio.testing.memory_stream_pair()
+        self.nursery.start_soon(replica.serve, replica_side)
+        return agent_side
+
+
+def make_agent() -> Agent:
+    return Agent(AgentConfig("cluster1", "agent-a", policy=EgressPolicy.build()))
+
+
+def options(name: str = "hub") -> TunnelOptions:
+    return TunnelOptions(server=(name, 8091), keepalive=None, backoff_initial=0.1, backoff_max=1.0)
+
+
+def holds(agent: Agent, balancer: FakeBalancer) -> bool:
+    """The agent holds exactly one tunnel to every live replica, and each replica counts exactly one."""
+    live = {sid for sid, r in balancer.replicas.items() if not r.draining}
+    tunnels = [r for r in agent.replica_tunnels() if r.holds_replica]
+    return (
+        sorted(str(r.server_id) for r in tunnels) == sorted(live)
+        and agent.held_replicas() == live
+        and all(len(balancer.replicas[sid].tunnels) == 1 for sid in live)
+    )
+
+
+async def run_replica_set(
+    nursery: trio.Nursery, agent: Agent, targets: list[tuple[TunnelOptions, Callable]], **kwargs: object
+) -> ReplicaSet:
+    replicas = ReplicaSet(agent, targets, rng=lambda: 1.0, **kwargs)  # type: ignore[arg-type]
+    await nursery.start(replicas.run)
+    return replicas
+
+
+async def stop(agent: Agent, replicas: ReplicaSet) -> None:
+    replicas.stop()
+    agent.close_all("test over")
+    with trio.fail_after(30):
+        await replicas.stopped.wait()
+
+
+async def test_holds_each_replica_once_and_follows_drain_and_scale(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    balancer = FakeBalancer(nursery)
+    for i in range(3):
+        balancer.add(f"r{i}", 3)
+    agent = make_agent()
+    replicas = await run_replica_set(nursery, agent, [(options(), balancer.open)])
+    await wait_until(lambda: holds(agent, balancer), timeout=60, what="the first mesh")
+    assert agent.expected_replicas == 3
+    duplicates = agent.metrics.registry.get_sample_value("cluster_proxy_agent_duplicate_dials_total")
+    assert duplicates == sum(r.refused for r in balancer.replicas.values())
+
+    # A rolling step: r1 drains (the balancer sends it nothing new), its successor r3 starts. The agent
+    # keeps r1's tunnel for its open streams and finds r3 meanwhile.
+    balancer.replicas["r1"].drain()
+    balancer.add("r3", 3)
+    await wait_until(lambda: agent.held_replicas() == {"r0", "r2", "r3"}, timeout=60, what="the successor")
+    draining = [r for r in agent.replica_tunnels() if r.server_id == "r1"]
+    assert len(draining) == 1 and not draining[0].mux.dead and draining[0].mux.peer_draining
+    balancer.remove("r1")
+    await wait_until(lambda: holds(agent, balancer) and len(replicas.slots) == 3, timeout=60, what="3 slots")
+
+    # Scale down to 2: r0 goes, r2 and r3 are replaced by replicas telling 2.
+    balancer.remove("r0")
+    for old, new in (("r2", "r4"), ("r3", "r5")):
+        balancer.replicas[old].drain()
+        balancer.add(new, 2)
+        await wait_until(lambda: new in agent.held_replicas(), timeout=60, what=new)  # noqa: B023
+        balancer.remove(old)
+    await wait_until(lambda: holds(agent, balancer) and len(replicas.slots) == 2, timeout=60, what="2 slots")
+    assert agent.expected_replicas == 2
+    dials = balancer.dials
+    await trio.sleep(120)  # (mock clock) with every replica held, nothing dials
+    assert balancer.dials == dials and holds(agent, balancer)
+    await stop(agent, replicas)
+
+
+async def test_a_missing_replica_costs_at_most_one_dial_per_backoff_max(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Two of three replicas live: the agent holds both and dials for the third, each dial that lands on
+    a held one answered 409 and backed off (no jitter here: the ceilings 0.1, 0.2, ..., then 1 s)."""
+    balancer = FakeBalancer(nursery)
+    balancer.add("r0", 3)
+    balancer.add("r1", 3)
+    agent = make_agent()
+    replicas = await run_replica_set(nursery, agent, [(options(), balancer.open)])
+    await wait_until(lambda: holds(agent, balancer), timeout=60, what="both replicas")
+    dials = balancer.dials
+    await trio.sleep(60)
+    spent = balancer.dials - dials
+    assert 40 <= spent <= 60 / 1.0 + 5, spent  # one slot: a dial per backoff_max once the backoff grew
+    assert holds(agent, balancer)  # never at the price of a held replica
+    assert sum(r.refused for r in balancer.replicas.values()) >= spent - 1
+    balancer.add("r2", 3)
+    await wait_until(lambda: holds(agent, balancer), timeout=5, what="the third replica within a backoff")
+    await stop(agent, replicas)
+
+
+async def test_an_explicit_list_holds_one_tunnel_per_address(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    balancers = [FakeBalancer(nursery) for _ in range(3)]
+    for i, balancer in enumerate(balancers):
+        balancer.add(f"r{i}", 3)
+    agent = make_agent()
+    targets = [(options(f"hub-{i}"), b.open) for i, b in enumerate(balancers)]
+    replicas = await run_replica_set(nursery, agent, targets)
+
+    def all_held() -> bool:
+        live = [r for b in balancers for r in b.replicas.values() if not r.draining]
+        return agent.held_replicas() == {r.server_id for r in live} and all(len(r.tunnels) == 1 for r in live)
+
+    await wait_until(all_held, timeout=60, what="every address")
+    assert agent.expected_replicas == 3 and len(replicas.slots) == 3
+    assert all(b.dials == 1 for b in balancers)  # no search: one dial per address
+
+    # The replica at hub-1 restarts at the same address (a new id): drained, the slot's successor dials it.
+    balancers[1].replicas["r1"].drain()
+    balancers[1].add("r1b", 3)
+    await wait_until(lambda: "r1b" in agent.held_replicas(), timeout=60, what="the restarted replica")
+    balancers[1].remove("r1")
+    await wait_until(lambda: len(replicas.slots) == 3 and len(agent.tunnels) == 3, timeout=60, what="3 slots")
+    await stop(agent, replicas)
+
+
+async def test_a_server_that_tells_no_count_is_one_replica(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """An older proxy-server (no id, no count): one tunnel, as before replicas."""
+
+    class Anonymous(FakeReplica):
+        async def serve(self, stream: trio.abc.Stream) -> None:
+            async with open_mux(stream, Role.OPENER) as mux:
+                assert (await mux.request("GET", "/v1/info")).status == 200
+                self.tunnels.add(mux)
+                await mux.closed.wait()
+
+    balancer = FakeBalancer(nursery)
+    balancer.replicas["old"] = Anonymous("old", 0)
+    agent = make_agent()
+    replicas = await run_replica_set(nursery, agent, [(options(), balancer.open)])
+    await wait_until(lambda: len(balancer.replicas["old"].tunnels) == 1, timeout=60, what="the tunnel")
+    await trio.sleep(60)
+    assert balancer.dials == 1 and len(replicas.slots) == 1 and agent.expected_replicas == 1
+    await stop(agent, replicas)
