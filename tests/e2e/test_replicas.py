@@ -17,20 +17,28 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import itertools
 import re
 from pathlib import Path
 
 import pytest
 import trio
 
-from clusterproxy_protocol.pki import DevCA
 from clusterproxy_sdk import TLSFiles, open_shared_tunnel, open_tunnel
 from tests.support import require
-from tests.support.haproxy import HAPROXY_MISSING, Fleet, allocate_places, strict_h1_connect
-from tests.support.pki import PkiFiles, make_pki
+from tests.support.haproxy import (
+    HAPROXY_MISSING,
+    EchoStreams,
+    Fleet,
+    allocate_places,
+    make_ha_pki,
+    strict_h1_connect,
+)
+from tests.support.pki import PkiFiles
 from tests.support.procs import Process, http_get
 from tests.support.proxies import binary
 from tests.support.targets import Target, pattern_digest, serve_digest, serve_source
+from tests.support.traffic import serve_bye_echo
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -42,13 +50,7 @@ SERVER_ARGS = ("--drain-timeout", "3s", "--dial-timeout", "10s")
 
 @pytest.fixture(scope="module")
 def ha_pki(tmp_path_factory: pytest.TempPathFactory) -> PkiFiles:
-    """The tests' PKI plus the second agent of cluster2."""
-    directory = tmp_path_factory.mktemp("ha-pki")
-    pki = make_pki(directory)
-    pki.agents["cluster2/agent-b"] = DevCA.create_or_load(directory / "ca").issue_agent(
-        "cluster2", "agent-b", directory / "leaves"
-    )
-    return pki
+    return make_ha_pki(tmp_path_factory.mktemp("ha-pki"))
 
 
 @pytest.fixture
@@ -179,7 +181,7 @@ async def read_until_end(stream: trio.abc.ReceiveStream) -> str:
         while await stream.receive_some(1 << 18):
             pass
     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-        return f"broken: {type(exc).__name__}: {exc}"
+        return f"broken: {type(exc).__name__}: {str(exc) or repr(exc.__cause__)}"
     return "clean end"
 
 
@@ -191,6 +193,9 @@ async def test_sigkill_of_a_replica_fails_its_streams_loudly_and_new_ones_go_to_
     await start_agents(fleet)
     source = await serve_source(nursery)
     digest = await serve_digest(nursery)
+    echo = await serve_bye_echo(nursery)
+    # Six echo streams through haproxy, each on its own connection: round robin puts some on the victim.
+    through = EchoStreams(fleet.haproxy.client_port, ha_pki, echo.address)
     victim = fleet.replicas["replica-1"]
     outcomes: dict[str, str] = {}
     attempts: list[tuple[float, float, str]] = []  # (started, opened or ended, outcome) of new streams
@@ -233,7 +238,10 @@ async def test_sigkill_of_a_replica_fails_its_streams_loudly_and_new_ones_go_to_
             for name, stream in victims.items():
                 inner.start_soon(watch, name, stream)
             inner.start_soon(new_streams_through_haproxy)
+            for n, frontend in itertools.product(range(3), ("http1", "h2")):
+                inner.start_soon(through.endless, frontend, "cluster1", stop, f"#{n}")
             await wait_until(lambda: sum(a[2] == "ok" for a in attempts) >= 5, timeout=20, what="probes")
+            await wait_until(lambda: through.endless_exchanges >= 12, timeout=20, what="echo streams")
             killed_at = trio.current_time()
             fleet.sigkill("replica-1")
             await wait_until(
@@ -247,6 +255,8 @@ async def test_sigkill_of_a_replica_fails_its_streams_loudly_and_new_ones_go_to_
             )
             stop.set()
     assert all(o.startswith("broken") for o in outcomes.values()), outcomes
+    for name, outcome in outcomes.items():
+        print(f"  direct to the victim: {name}: {outcome}")
     after = [a for a in attempts if a[0] > killed_at]
     first_ok = min(a[1] for a in after if a[2] == "ok") - killed_at
     failed_after = [a for a in after if a[2] != "ok"]
@@ -260,6 +270,12 @@ async def test_sigkill_of_a_replica_fails_its_streams_loudly_and_new_ones_go_to_
     )
     assert not failed_after, failed_after[:5]
     assert first_ok < 2
+    # Through haproxy: the streams that were on the victim broke (then reopened elsewhere), loudly and
+    # at the kill; none ended cleanly; the others went on to a clean BYE at the end.
+    for when, which, how in through.cuts:
+        print(f"  through haproxy, cut {when - killed_at:.3f}s after the kill: {which}: {how}")
+    assert through.cuts and all(0 <= when - killed_at < 2 for when, _, _ in through.cuts), through.cuts
+    assert not through.clean_ends and not through.failures, (through.clean_ends, through.failures)
 
     # The agents take a successor back into the mesh.
     await fleet.haproxy.wait_state(victim.place.name, "DOWN")

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,9 +27,9 @@ import pytest
 import trio
 
 from clusterproxy_protocol import tls
-from clusterproxy_sdk import TLSFiles, open_shared_tunnel, open_tunnel
+from clusterproxy_sdk import TLSFiles, open_shared_tunnel
 from tests.support import require
-from tests.support.haproxy import HAPROXY_MISSING, Fleet, Replica, allocate_places, strict_h1_connect
+from tests.support.haproxy import HAPROXY_MISSING, EchoStreams, Fleet, Replica, allocate_places, make_ha_pki
 from tests.support.pki import PkiFiles
 from tests.support.proxies import binary
 from tests.support.traffic import BYE, Traffic, serve_bye_echo, serve_sized
@@ -59,104 +57,7 @@ async def fleet(ha_pki: PkiFiles, tmp_path: Path):
 
 @pytest.fixture(scope="module")
 def ha_pki(tmp_path_factory: pytest.TempPathFactory) -> PkiFiles:
-    from clusterproxy_protocol.pki import DevCA
-    from tests.support.pki import make_pki
-
-    directory = tmp_path_factory.mktemp("ha-pki")
-    pki = make_pki(directory)
-    pki.agents["cluster2/agent-b"] = DevCA.create_or_load(directory / "ca").issue_agent(
-        "cluster2", "agent-b", directory / "leaves"
-    )
-    return pki
-
-
-@dataclass
-class LongLived:
-    """Long-lived streams through haproxy, with when and how each ended."""
-
-    port: int
-    pki: PkiFiles
-    echo_address: str
-    sessions_ok: int = 0
-    failures: list[str] = field(default_factory=list)  # sessions that did not complete
-    endless_exchanges: int = 0
-    cuts: list[tuple[float, str, str]] = field(default_factory=list)  # (when, which, how)
-    clean_ends: list[str] = field(default_factory=list)  # endless streams that ended cleanly: a bug
-
-    @asynccontextmanager
-    async def stream(self, frontend: str, cluster: str) -> AsyncIterator[trio.abc.Stream]:
-        """A stream to the echo target on a connection of its own (so its replica is the connection's)."""
-        if frontend == "http1":
-            async with await strict_h1_connect(self.port, self.pki, cluster, self.echo_address) as stream:
-                yield stream
-            return
-        host, port = self.echo_address.rsplit(":", 1)
-        files = TLSFiles(self.pki.ca, self.pki.client.cert, self.pki.client.key)
-        async with open_tunnel(f"127.0.0.1:{self.port}", files, server_hostname="localhost") as tunnel:
-            stream = await tunnel.connect(cluster, host, int(port))
-            async with stream:
-                yield stream
-
-    @staticmethod
-    async def exchange(stream: trio.abc.Stream, rng: random.Random) -> None:
-        message = rng.randbytes(4096)
-        with trio.fail_after(20):
-            await stream.send_all(message)
-            echoed = b""
-            while len(echoed) < len(message):
-                chunk = await stream.receive_some(len(message) - len(echoed))
-                if not chunk:
-                    raise AssertionError(f"clean end after {len(echoed)} of {len(message)} echoed bytes")
-                echoed += chunk
-        if echoed != message:
-            raise AssertionError("echo mismatch")
-
-    @staticmethod
-    async def bye(stream: trio.abc.Stream) -> None:
-        with trio.fail_after(20):
-            await stream.send_all(BYE)
-            if await stream.receive_some(len(BYE)) != BYE or await stream.receive_some(1) != b"":
-                raise AssertionError("no BYE echoed and clean end")
-
-    async def sessions(self, frontend: str, cluster: str, stop: trio.Event) -> None:
-        """One-second sessions back to back: each must complete (BYE echoed, then a clean end)."""
-        rng = random.Random(f"{frontend}-{cluster}")
-        while not stop.is_set():
-            try:
-                async with self.stream(frontend, cluster) as stream:
-                    ends = trio.current_time() + SESSION
-                    while trio.current_time() < ends:
-                        await self.exchange(stream, rng)
-                        await trio.sleep(0.1)
-                    await self.bye(stream)
-                self.sessions_ok += 1
-            except Exception as exc:
-                self.failures.append(f"{frontend} {cluster} session: {type(exc).__name__}: {exc}")
-
-    async def endless(self, frontend: str, cluster: str, stop: trio.Event) -> None:
-        """A stream kept until the test ends; when its replica's drain cuts it, record how and reopen."""
-        rng = random.Random(f"endless-{frontend}-{cluster}")
-        which = f"{frontend} {cluster}"
-        while not stop.is_set():
-            opened = False
-            try:
-                async with self.stream(frontend, cluster) as stream:
-                    opened = True
-                    while not stop.is_set():
-                        await self.exchange(stream, rng)
-                        self.endless_exchanges += 1
-                        with trio.move_on_after(0.2):
-                            await stop.wait()
-                    await self.bye(stream)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                if not opened:
-                    self.failures.append(f"{which} endless stream did not open: {exc}")
-                else:
-                    self.cuts.append((trio.current_time(), which, f"{type(exc).__name__}: {exc}"))
-            except AssertionError as exc:
-                self.clean_ends.append(f"{which}: {exc}")
-            except Exception as exc:
-                self.failures.append(f"{which} endless stream: {type(exc).__name__}: {exc}")
+    return make_ha_pki(tmp_path_factory.mktemp("ha-pki"))
 
 
 @dataclass
@@ -248,7 +149,7 @@ async def test_rolling_restart_under_traffic_fails_no_new_stream(
         for cluster in CLUSTERS
     ]
     shared = SharedStreams(port, ha_pki, echo.address)
-    long_lived = LongLived(port, ha_pki, echo.address)
+    long_lived = EchoStreams(port, ha_pki, echo.address, session_seconds=SESSION)
     stop = trio.Event()
     steps: list[dict[str, float]] = []
     async with trio.open_nursery() as traffic:

@@ -21,12 +21,14 @@ from __future__ import annotations
 import csv
 import io
 import json
+import random
 import shutil
 import signal
 import socket
 import ssl
 import tempfile
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,9 +38,12 @@ import trio
 from clusterproxy_cli.commands import agent_argv, server_argv
 from clusterproxy_protocol import tls
 from clusterproxy_protocol.certclient import CertFiles
-from tests.support.pki import PkiFiles
+from clusterproxy_protocol.pki import DevCA
+from clusterproxy_sdk import TLSFiles, open_tunnel
+from tests.support.pki import PkiFiles, make_pki
 from tests.support.procs import AGENT_FLAGS, ANY_PORT, POLL, Process, http_get
 from tests.support.proxies import binary, free_port
+from tests.support.traffic import BYE
 
 HAPROXY_MISSING = "haproxy (Debian package haproxy; scripts/bootstrap.sh installs it)"
 STARTUP_TIMEOUT = 20.0
@@ -53,6 +58,15 @@ class Place:
     agent: int
     client: int
     admin: int
+
+
+def make_ha_pki(directory: Path) -> PkiFiles:
+    """The tests' PKI plus a second agent of cluster2: two clusters with two agents each."""
+    pki = make_pki(directory)
+    pki.agents["cluster2/agent-b"] = DevCA.create_or_load(directory / "ca").issue_agent(
+        "cluster2", "agent-b", directory / "leaves"
+    )
+    return pki
 
 
 def allocate_places(count: int) -> list[Place]:
@@ -373,3 +387,97 @@ async def strict_h1_connect(port: int, pki: PkiFiles, cluster: str, target: str)
         await trio.aclose_forcefully(stream)
         raise
     return stream
+
+
+@dataclass
+class EchoStreams:
+    """Long-lived streams to an echo target (``tests.support.traffic.serve_bye_echo``) through a client
+    port, each on a connection of its own, with when and how each ended."""
+
+    port: int
+    pki: PkiFiles
+    echo_address: str
+    sessions_ok: int = 0
+    failures: list[str] = field(default_factory=list)  # sessions that did not complete
+    endless_exchanges: int = 0
+    cuts: list[tuple[float, str, str]] = field(default_factory=list)  # (when, which, how)
+    clean_ends: list[str] = field(default_factory=list)  # endless streams that ended cleanly: a bug
+    session_seconds: float = 1.0
+
+    @asynccontextmanager
+    async def stream(self, frontend: str, cluster: str) -> AsyncIterator[trio.abc.Stream]:
+        """A stream to the echo target on a connection of its own (so its replica is the connection's)."""
+        if frontend == "http1":
+            async with await strict_h1_connect(self.port, self.pki, cluster, self.echo_address) as stream:
+                yield stream
+            return
+        host, port = self.echo_address.rsplit(":", 1)
+        files = TLSFiles(self.pki.ca, self.pki.client.cert, self.pki.client.key)
+        async with open_tunnel(f"127.0.0.1:{self.port}", files, server_hostname="localhost") as tunnel:
+            stream = await tunnel.connect(cluster, host, int(port))
+            async with stream:
+                yield stream
+
+    @staticmethod
+    async def exchange(stream: trio.abc.Stream, rng: random.Random) -> None:
+        message = rng.randbytes(4096)
+        with trio.fail_after(20):
+            await stream.send_all(message)
+            echoed = b""
+            while len(echoed) < len(message):
+                chunk = await stream.receive_some(len(message) - len(echoed))
+                if not chunk:
+                    raise AssertionError(f"clean end after {len(echoed)} of {len(message)} echoed bytes")
+                echoed += chunk
+        if echoed != message:
+            raise AssertionError("echo mismatch")
+
+    @staticmethod
+    async def bye(stream: trio.abc.Stream) -> None:
+        with trio.fail_after(20):
+            await stream.send_all(BYE)
+            if await stream.receive_some(len(BYE)) != BYE or await stream.receive_some(1) != b"":
+                raise AssertionError("no BYE echoed and clean end")
+
+    async def sessions(self, frontend: str, cluster: str, stop: trio.Event) -> None:
+        """Sessions of ``session_seconds`` back to back (a message echoed every 100 ms): each must
+        complete (BYE echoed, then a clean end)."""
+        rng = random.Random(f"{frontend}-{cluster}")
+        while not stop.is_set():
+            try:
+                async with self.stream(frontend, cluster) as stream:
+                    ends = trio.current_time() + self.session_seconds
+                    while trio.current_time() < ends:
+                        await self.exchange(stream, rng)
+                        await trio.sleep(0.1)
+                    await self.bye(stream)
+                self.sessions_ok += 1
+            except Exception as exc:
+                self.failures.append(f"{frontend} {cluster} session: {type(exc).__name__}: {exc}")
+
+    async def endless(self, frontend: str, cluster: str, stop: trio.Event, name: str = "") -> None:
+        """A stream kept until ``stop`` (a message echoed every 200 ms); when it breaks, record when and
+        how (``cuts``) and open another; a clean end before ``stop`` is recorded in ``clean_ends``."""
+        rng = random.Random(f"endless-{frontend}-{cluster}-{name}")
+        which = f"{frontend} {cluster} {name}".strip()
+        while not stop.is_set():
+            opened = False
+            try:
+                async with self.stream(frontend, cluster) as stream:
+                    opened = True
+                    while not stop.is_set():
+                        await self.exchange(stream, rng)
+                        self.endless_exchanges += 1
+                        with trio.move_on_after(0.2):
+                            await stop.wait()
+                    await self.bye(stream)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                if not opened:
+                    self.failures.append(f"{which} endless stream did not open: {exc}")
+                else:
+                    how = f"{type(exc).__name__}: {str(exc) or repr(exc.__cause__)}"
+                    self.cuts.append((trio.current_time(), which, how))
+            except AssertionError as exc:
+                self.clean_ends.append(f"{which}: {exc}")
+            except Exception as exc:
+                self.failures.append(f"{which} endless stream: {type(exc).__name__}: {exc}")

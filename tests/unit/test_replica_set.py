@@ -15,10 +15,12 @@ import trio.testing
 
 from clusterproxy_agent.agent import Agent, AgentConfig, ServerIdentity, TunnelRecord
 from clusterproxy_agent.egress import EgressPolicy
+from clusterproxy_agent.main import parse_settings
 from clusterproxy_agent.replicas import MAX_REPLICAS, Plan, ReplicaSet, SlotState, plan, wanted_replicas
 from clusterproxy_agent.tunnel import TunnelOptions
 from clusterproxy_protocol.core import Role
 from clusterproxy_protocol.driver import Mux, open_mux
+from clusterproxy_protocol.pki import DevCA
 from clusterproxy_protocol.wire import SERVER_COUNT_HEADER, SERVER_ID_HEADER
 from tests.support.waiting import wait_until
 
@@ -280,3 +282,114 @@ async def test_a_server_that_tells_no_count_is_one_replica(
     await trio.sleep(60)
     assert balancer.dials == 1 and len(replicas.slots) == 1 and agent.expected_replicas == 1
     await stop(agent, replicas)
+
+
+class Silenceable(trio.abc.Stream):
+    """A replica's end of a tunnel that can go silent (a host that vanished, a NAT that dropped the
+    connection): from then on it reads and answers nothing, and the agent's side stays open."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+        self.silent = False
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self.silent:
+            await trio.sleep_forever()
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        data = await self.inner.receive_some(max_bytes)
+        if self.silent:
+            await trio.sleep_forever()
+        return data
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_silent_holder_is_replaced_by_a_new_tunnel_to_its_replica(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The tunnel holding r0 goes silent (no keepalive here to notice); a later dial reaches r0 again:
+    the old tunnel does not answer a PING within 5 s, so it is closed and the new one holds r0."""
+    balancer = FakeBalancer(nursery)
+    replica = balancer.add("r0", 2)  # told 2 while one exists: the agent keeps dialing (backing off)
+    ends: list[Silenceable] = []
+    serve = replica.serve
+
+    async def serve_silenceable(stream: trio.abc.Stream) -> None:
+        ends.append(Silenceable(stream))
+        await serve(ends[-1])
+
+    replica.serve = serve_silenceable  # type: ignore[method-assign]
+    agent = make_agent()
+    replicas = await run_replica_set(nursery, agent, [(options(), balancer.open)])
+    await wait_until(lambda: agent.held_replicas() == {"r0"} and replica.refused >= 1, timeout=60, what="r0")
+    holder = next(r for r in agent.replica_tunnels() if r.server_id == "r0")
+    ends[0].silent = True  # the first tunnel, the one that holds r0
+    await wait_until(lambda: holder.mux.dead, timeout=60, what="the silent holder replaced")
+    assert "no PING answer within 5s" in holder.mux.dead_reason
+    await wait_until(lambda: agent.held_replicas() == {"r0"}, timeout=60, what="r0 held again")
+    assert next(r for r in agent.replica_tunnels() if r.server_id == "r0") is not holder
+    await stop(agent, replicas)
+
+
+# --- --server as a list ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def agent_files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    directory = tmp_path_factory.mktemp("replica-set-pki")
+    ca = DevCA.create_or_load(directory / "ca")
+    pair = ca.issue_agent("cluster1", "agent-a", directory)
+    return [
+        "--cluster",
+        "cluster1",
+        "--ca",
+        str(ca.ca_path),
+        "--cert",
+        str(pair.cert),
+        "--key",
+        str(pair.key),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ"),
+    [
+        (["--server", "a.hub:8091,b.hub:8091", "--server", "[fd00::3]:8091"], {}),
+        ([], {"CLUSTER_PROXY_AGENT_SERVER": "a.hub:8091, b.hub:8091,[fd00::3]:8091"}),
+    ],
+    ids=["flags", "environment"],
+)
+def test_server_takes_a_list_of_replica_addresses(
+    agent_files: list[str], argv: list[str], environ: dict[str, str]
+) -> None:
+    settings = parse_settings([*argv, *agent_files], environ=environ)
+    assert settings.servers == [("a.hub", 8091), ("b.hub", 8091), ("fd00::3", 8091)]
+    assert settings.server == ("a.hub", 8091) and settings.server_name == "a.hub"
+    assert settings.summary()["server"] == "a.hub:8091,b.hub:8091,[fd00::3]:8091"
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("a.hub:8091,a.hub:8091", "--server lists a.hub:8091 more than once"),
+        ("a.hub:8091,,", None),  # empty items are ignored
+        (",", "expected HOST:PORT[,HOST:PORT...]"),
+        ("a.hub:8091,b.hub", "b.hub"),
+    ],
+)
+def test_bad_server_lists_stop_the_start(
+    agent_files: list[str], value: str, message: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if message is None:
+        assert parse_settings(["--server", value, *agent_files], environ={}).servers == [("a.hub", 8091)]
+        return
+    with pytest.raises(SystemExit) as exited:
+        parse_settings(["--server", value, *agent_files], environ={})
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err

@@ -296,9 +296,8 @@ class Agent:
                 try:
                     await other.mux.ping()
                 except TunnelError:
-                    pass
-                else:
-                    return other
+                    continue  # it died meanwhile: nothing holds the replica
+                return other
             other.mux.close(
                 f"replaced by a new tunnel to server {server_id}: no PING answer within "
                 f"{_seconds(self.config.holder_ping_timeout)}"
