@@ -12,9 +12,11 @@ import trio
 
 from clusterproxy_agent.egress import parse_rule
 from clusterproxy_agent.main import AgentSettings, Service
+from clusterproxy_protocol.config import parse_args_or_exit
 from clusterproxy_protocol.errors import ConnectRefused
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from clusterproxy_server.app import ProxyServer
+from clusterproxy_server.main import build_parser, config_from_args
 from tests.support.inprocess import start_server
 from tests.support.pki import PkiFiles
 from tests.support.procs import http_get
@@ -208,3 +210,38 @@ async def test_streams_open_at_the_end_of_the_drain_fail_loudly(
                 await trio.sleep(0.02)
     assert "GOAWAY 8: proxy-server shut down: streams still open" in str(broken.value)
     assert trio.current_time() - began < (2 if second_signal else 3)
+
+
+async def test_a_shutdown_delay_keeps_serving_while_readiness_fails(
+    pki: PkiFiles, nursery: trio.Nursery
+) -> None:
+    """--shutdown-delay: for a balancer that learns only from /readyz (a Service's endpoints), the
+    replica still accepts and serves new connections for the delay, then drains as usual."""
+    server, bound, _service = await start_hub(pki, nursery, shutdown_delay=1.0)
+    echo = await serve_echo(nursery)
+    nursery.start_soon(server.shutdown)
+    await wait_until(lambda: server.stopping, what="SIGTERM")
+    began = trio.current_time()
+    admin = f"http://127.0.0.1:{bound.admin[1]}/readyz"
+    assert await get(admin) == (503, b"not ready: draining\n")
+    assert not server.drain.started.is_set()
+    # A new connection and stream during the delay: served.
+    assert await echo_through(bound.client[1], pki, ("127.0.0.1", echo.port), "cluster1") == b"hello"
+    assert trio.current_time() - began < 1.0
+    await wait_until(lambda: refused(bound.client[1]), timeout=5, what="the ports closed after the delay")
+    assert trio.current_time() - began >= 0.9
+
+
+@pytest.mark.parametrize(
+    ("flags", "grace", "delay"),
+    [
+        ([], 0.0, 0.0),  # one replica: nothing to wait for
+        (["--server-count", "3"], 10.0, 0.0),  # replicas: a new one waits for its agents
+        (["--server-count", "3", "--startup-grace", "0", "--shutdown-delay", "5s"], 0.0, 5.0),
+    ],
+)
+def test_replica_flags(pki: PkiFiles, flags: list[str], grace: float, delay: float) -> None:
+    argv = ["--ca", str(pki.ca), "--cert", str(pki.server.cert), "--key", str(pki.server.key), *flags]
+    config = config_from_args(parse_args_or_exit(build_parser(), argv, environ={}))
+    assert (config.startup_grace, config.shutdown_delay) == (grace, delay)
+    assert config.server_id  # the host name plus a random suffix by default

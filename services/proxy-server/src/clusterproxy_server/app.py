@@ -6,18 +6,20 @@ dial-and-relay path (:mod:`.relaying`); the admin port's routes are :mod:`.admin
 
 Drain (:meth:`ProxyServer.shutdown`, on SIGTERM), for rolling upgrades behind a load balancer:
 
-1. ``/readyz`` fails at once, and the agent and client ports stop accepting: connections the kernel
-   already completed are still accepted and served, then the listening sockets close, so a load
-   balancer's next connection attempt is refused and goes to another replica (a refused connect is
-   safe to retry; a reset after the connection was established would not be).
+1. ``/readyz`` fails at once (with ``--shutdown-delay``, the ports keep serving that long first, for a
+   balancer that learns only from the readiness check); then the agent and client ports stop
+   accepting: connections the kernel already completed are still accepted and served, then the
+   listening sockets close, so a load balancer's next connection attempt is refused and goes to
+   another replica (a refused connect is safe to retry; a reset after the connection was established
+   would not be).
 2. Agents are told (``SETTINGS_MAX_CONCURRENT_STREAMS 0`` on their tunnels): each dials for this
    replica's successor and keeps its other tunnels; this replica still opens streams on their tunnels
    for the client connections it has. HTTP/2 clients are told the same way (:mod:`.frontends.http2`)
    and their connections closed with a GOAWAY once idle; an HTTP/1.1 connection carries one request and
    ends with it.
-3. Open client connections get ``--drain-timeout`` to finish; the streams still open then are aborted
-   (RST, never a clean end: the client can tell), logged as ``drain_timeout``. A second signal ends the
-   wait at once.
+3. Open client connections get ``--drain-timeout`` to finish; the streams still open then are cut
+   (HTTP/2: GOAWAY ``CANCEL`` naming the drain timeout; HTTP/1.1: RST; never a clean end: the client
+   can tell), logged as ``drain_timeout``. A second signal ends the delay or the wait at once.
 4. Agent tunnels are closed with a GOAWAY naming the reason, and the process exits.
 """
 
@@ -122,6 +124,7 @@ class ProxyServer:
             draining=self.drain.started,
         )
         self.ready = False
+        self.stopping = False  # SIGTERM received: /readyz fails from now on
         self._accepting: list[trio.CancelScope] = []
         self._client_connections = 0
         self._clients_gone = trio.Event()
@@ -166,7 +169,7 @@ class ProxyServer:
             nursery.cancel_scope.cancel()
 
     def _not_ready(self) -> str | None:
-        if self.drain.started.is_set():
+        if self.stopping:
             return "draining"
         return None if self.ready else "starting"
 
@@ -212,6 +215,11 @@ class ProxyServer:
         """Drain (see the module): stop accepting, tell agents and clients, give open streams up to the
         drain timeout, then close every tunnel and stop."""
         self.ready = False
+        self.stopping = True
+        if self.config.shutdown_delay:
+            self.log.info("shutdown_delayed", delay=self.config.shutdown_delay)
+            with trio.move_on_after(self.config.shutdown_delay):
+                await self._drain_cut.wait()  # a second signal skips the rest of the delay
         self.drain.started.set()
         started = trio.current_time()
         self.log.info(

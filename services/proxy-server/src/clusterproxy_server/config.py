@@ -39,6 +39,9 @@ class ServerConfig:
     keepalive_interval: float = 10.0
     keepalive_timeout: float = 20.0
     drain_timeout: float = 30.0
+    # On SIGTERM, /readyz fails at once but the ports keep serving this long before the drain begins:
+    # the time a Service's endpoints take to drop the pod (kube-apiserver's --shutdown-delay-duration).
+    shutdown_delay: float = 0.0
     # A replica younger than this holds a request for a cluster it has no agent of yet (its agents
     # are still dialing it) instead of answering 404/503 at once; main.py's default: 10 s with
     # --server-count above 1, else 0.

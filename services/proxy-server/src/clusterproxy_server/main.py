@@ -249,6 +249,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="30s",
         help="on SIGTERM, how long open streams may finish",
     )
+    flag(
+        "--shutdown-delay",
+        type=parse_duration,
+        default="0s",
+        help="on SIGTERM, /readyz fails at once but the ports keep accepting and serving this long "
+        "before the drain begins: the time a load balancer takes to stop sending new connections "
+        "(a Kubernetes Service dropping the pod: a few seconds). 0: drain at once (a balancer that "
+        "retries a refused connection elsewhere, like haproxy with option redispatch, needs none)",
+    )
     flag("--stream-window", type=parse_size, default="1MiB", help="HTTP/2 stream window")
     flag("--connection-window", type=parse_size, default="32MiB", help="HTTP/2 connection window")
     flag("--max-frame-size", type=parse_size, default="64KiB", help="HTTP/2 max frame size")
@@ -330,6 +339,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise ConfigError(str(exc)) from None
     if args.startup_grace is not None and not math.isfinite(args.startup_grace):
         raise ConfigError(f"--startup-grace {args.startup_grace!r} must be finite")
+    for name, value in (("--drain-timeout", args.drain_timeout), ("--shutdown-delay", args.shutdown_delay)):
+        if not math.isfinite(value):
+            raise ConfigError(f"{name} {value!r} must be finite")
     answer_timeout = args.agent_answer_timeout or min(AGENT_ANSWER_TIMEOUT, args.dial_timeout)
     if answer_timeout > args.dial_timeout:
         raise ConfigError(
@@ -354,6 +366,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         keepalive_interval=args.keepalive_interval,
         keepalive_timeout=args.keepalive_timeout,
         drain_timeout=args.drain_timeout,
+        shutdown_delay=args.shutdown_delay,
         startup_grace=(
             args.startup_grace
             if args.startup_grace is not None
