@@ -2,18 +2,20 @@
 dialing it: the test harness of the HA tests (``tests/e2e/test_replicas.py``,
 ``test_rolling_restart.py``).
 
-- :func:`start_haproxy`: haproxy in TCP mode, one frontend for the agents' port and one for the
-  clients' over *places* (clients: round robin; agents: least connections by default, so that an
-  agent looking for a missing replica reaches the one with the fewest agent tunnels, the new one, at
-  its first dial; ``roundrobin`` shows the agents cope with a balancer that ignores that), each
-  health-checked on its replica's ``/readyz`` (so a
-  draining replica leaves rotation as it would behind a Kubernetes Service), a refused connect retried
-  on another place (``retries 3``, ``option redispatch 1``). Its log (``option tcplog``) is in the test's
-  log folder; :meth:`Haproxy.states` reads what it thinks of each place from its stats socket.
+- :func:`start_haproxy`: haproxy in TCP mode with one frontend for the agents' port and one for the
+  clients', over *places*. Clients are balanced round robin; agents by least connections unless said,
+  so that an agent looking for a missing replica reaches the one with the fewest agent tunnels (the
+  new one) at its first dial (``roundrobin`` shows the agents cope with a balancer that ignores that).
+  Each place is health-checked on its replica's ``/readyz``, so a draining replica leaves rotation as
+  it would behind a Kubernetes Service, and a refused connect is retried on another place (``retries
+  3``, ``option redispatch 1``). Its log (``option tcplog``) is in the test's log folder;
+  :meth:`Haproxy.states` reads what it thinks of each place from its stats socket.
 - :class:`Fleet`: a pool of places, each a fixed triple of loopback ports (agent, client, admin) in
   haproxy's configuration. A replica runs in a place; its successor takes a free place, as a new pod
   gets a new address (the predecessor keeps its admin port until it has drained). Agents dial haproxy.
   Readiness everywhere is a condition polled with a deadline, never a sleep.
+- :func:`strict_h1_connect` and :class:`EchoStreams`: clients whose cut streams can never pass for
+  finished ones.
 """
 
 from __future__ import annotations
