@@ -47,7 +47,7 @@ fi
 stamp_inputs=(pyproject.toml libs/protocol/pyproject.toml libs/sdk/pyproject.toml
     services/proxy-server/pyproject.toml services/proxy-agent/pyproject.toml libs/cli/pyproject.toml
     services/cert-signer/pyproject.toml services/addon-manager/pyproject.toml
-    requirements-dev.txt scripts/bootstrap.sh)
+    services/health-collector/pyproject.toml requirements-dev.txt scripts/bootstrap.sh)
 for f in "${stamp_inputs[@]}"; do
     [[ -f "$f" ]] || die "missing $f"
 done
@@ -65,6 +65,7 @@ if [[ "$want_stamp" != "$have_stamp" || ! -x "$VENV/bin/task" ]]; then
         -e services/proxy-agent \
         -e services/cert-signer \
         -e services/addon-manager \
+        -e services/health-collector \
         -e libs/cli \
         -r requirements-dev.txt \
         go-task-bin
@@ -74,10 +75,11 @@ if [[ "$want_stamp" != "$have_stamp" || ! -x "$VENV/bin/task" ]]; then
 fi
 
 # 3. System tools the tests use for real: command -> Debian package. The daemons (forward proxies, a
-# load balancer, an ingress) are started by the tests on loopback ports with configs they write; the
+# load balancer, an ingress) are started by the tests on loopback ports with configs they write (chromium
+# renders the health-collector's page, headless, driven by Playwright); the
 # sbin folders are searched too, since a non-root PATH may lack them.
 declare -A system_tools=([curl]=curl [kubectl]=kubernetes-client
-    [tinyproxy]=tinyproxy [squid]=squid [haproxy]=haproxy [nginx]=nginx)
+    [tinyproxy]=tinyproxy [squid]=squid [haproxy]=haproxy [nginx]=nginx [chromium]=chromium)
 missing=()
 for tool in "${!system_tools[@]}"; do
     PATH="$PATH:/usr/sbin:/sbin" command -v "$tool" >/dev/null 2>&1 || missing+=("${system_tools[$tool]}")

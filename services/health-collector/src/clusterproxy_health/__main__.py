@@ -1,0 +1,3 @@
+from clusterproxy_health.main import main
+
+main()

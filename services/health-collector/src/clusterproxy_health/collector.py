@@ -1,0 +1,236 @@
+"""The collector's rounds: every ``interval``, read the proxy-servers (and the addons), then probe every
+cluster through its tunnel, concurrently.
+
+Probes run at most ``max_concurrent_probes`` at a time (below the proxy-server's per-connection
+pending-dial bound, 128 by default, so the collector never earns a 429), each bounded by its own
+``probe_timeout``: a hung target holds one slot for that long and no other probe waits for it. A
+round that outlasts the interval is logged; the next one starts when it ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from clusterproxy_protocol.logs import get_logger
+
+from .metrics import CollectorMetrics
+from .probe import ProbeSpec, StreamOpener, probe_cluster
+from .servers import resolve_admin_service, server_views
+from .state import AddonsView, State
+
+__all__ = ["Collector", "CollectorSettings"]
+
+
+@dataclass
+class CollectorSettings:
+    admin_urls: list[str] = field(default_factory=list)
+    admin_service: tuple[str, int] | None = None
+    proxy: tuple[str, int] | None = None
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    server_name: str | None = None
+    probe: ProbeSpec = field(default_factory=lambda: ProbeSpec("https", "{cluster}", 443, "/healthz"))
+    interval: float = 10.0
+    probe_timeout: float = 5.0
+    server_timeout: float = 5.0
+    max_concurrent_probes: int = 64
+    history: int = 60
+    forget_after: float = 3600.0
+    kubernetes: bool = False
+    kubeconfig: Path | None = None
+    addon_name: str = "cluster-proxy"
+    listen: tuple[str, int] = ("0.0.0.0", 8080)
+    log_level: str = "info"
+    log_format: str = "auto"
+
+    @property
+    def probing(self) -> bool:
+        return self.proxy is not None
+
+
+class Collector:
+    def __init__(
+        self,
+        settings: CollectorSettings,
+        *,
+        opener: StreamOpener | None = None,
+        read_addons: Callable[[float], AddonsView] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.opener = opener
+        self.read_addons = read_addons
+        self.clock = clock
+        self.metrics = CollectorMetrics()
+        self.state = State(
+            history=settings.history, forget_after=settings.forget_after, kubernetes=settings.kubernetes
+        )
+        if opener is None:
+            self.state.probing = (
+                "probes are off: the collector has no --proxy (the proxy-server's client port) and "
+                "hub client certificate (--ca, --cert, --key)"
+            )
+        self.log = get_logger("clusterproxy_health")
+        self.round_done = trio.Event()
+        self.address = ""  # HOST:PORT of the HTTP port, once serving
+        self._health: dict[str, str] = {}
+
+    # -- one round ------------------------------------------------------------------------------------
+
+    async def admin_urls(self) -> list[str]:
+        urls = list(self.settings.admin_urls)
+        if self.settings.admin_service is not None:
+            host, port = self.settings.admin_service
+            found = await resolve_admin_service(host, port)
+            if not found:
+                self.state.problems.append(
+                    f"--admin-service {host}:{port} resolves to no address (no proxy-server replica found)"
+                )
+            urls += [u for u in found if u not in urls]
+        return urls
+
+    async def round(self) -> None:
+        started = trio.current_time()
+        now = self.clock()
+        self.state.problems = []
+        urls = await self.admin_urls()
+        if not urls and self.settings.admin_service is None:
+            self.state.problems.append("no proxy-server to ask: give --admin-url or --admin-service")
+        addons: AddonsView | None = None
+        views = []
+        async with trio.open_nursery() as nursery:
+
+            async def read_servers() -> None:
+                views.extend(await server_views(urls, timeout=self.settings.server_timeout, now=now))
+
+            async def read_kube() -> None:
+                nonlocal addons
+                if self.read_addons is not None:
+                    addons = await trio.to_thread.run_sync(self.read_addons, now, abandon_on_cancel=True)
+
+            nursery.start_soon(read_servers)
+            nursery.start_soon(read_kube)
+        for view in views:
+            if not view.reachable:
+                self.log.warning("proxy_server_unreachable", url=view.url, error=view.error)
+        if addons is not None and addons.error is not None:
+            self.log.warning("addons_unreadable", error=addons.error)
+        for name in self.state.update_sources(views, addons, now):
+            self.metrics.forget(name)
+            self._health.pop(name, None)
+        self.metrics.servers({v.url: v.reachable for v in views})
+        await self.probe_all(self.state.names())
+        unreachable = {
+            r.last_probe.error
+            for r in self.state.clusters.values()
+            if r.last_probe is not None and r.last_probe.reason == "proxy_server"
+        }
+        if unreachable:
+            self.state.problems.append(
+                f"probes cannot reach the proxy-server's client port: {sorted(unreachable)[0]}"
+            )
+        for name in self.state.names():
+            record = self.state.clusters[name]
+            self.metrics.cluster(record)
+            self._log_transition(name)
+        self.metrics.clusters.set(len(self.state.clusters))
+        elapsed = trio.current_time() - started
+        self.state.rounds += 1
+        self.state.last_round_at = now
+        self.state.last_round_seconds = elapsed
+        self.metrics.round_seconds.set(elapsed)
+        self.metrics.rounds.inc()
+        log = self.log.warning if elapsed > self.settings.interval else self.log.debug
+        log("round_finished", clusters=len(self.state.clusters), seconds=round(elapsed, 3))
+        self.round_done.set()
+        self.round_done = trio.Event()
+
+    async def probe_all(self, names: Sequence[str]) -> None:
+        if self.opener is None:
+            return
+        slots = trio.CapacityLimiter(self.settings.max_concurrent_probes)
+
+        async def one(name: str) -> None:
+            async with slots:
+                assert self.opener is not None
+                result = await probe_cluster(
+                    self.opener,
+                    self.settings.probe,
+                    name,
+                    timeout=self.settings.probe_timeout,
+                    clock=self.clock,
+                )
+            record = self.state.clusters.get(name)
+            if record is not None:
+                record.record_probe(result)
+                self.metrics.probe(name, result.latency, result.reason)
+
+        async with trio.open_nursery() as nursery:
+            for name in names:
+                nursery.start_soon(one, name)
+
+    def _log_transition(self, name: str) -> None:
+        record = self.state.clusters[name]
+        before, now = self._health.get(name), record.state
+        self._health[name] = now
+        if before == now or (before is None and now == "healthy"):
+            return
+        probe = record.last_probe
+        self.log.info(
+            f"cluster_{now}",
+            cluster=name,
+            installed=record.installed,
+            available=record.available,
+            probed=record.probed,
+            error=probe.error if probe is not None else None,
+        )
+
+    # -- the loop -------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """A round every ``interval`` (from the start of one to the start of the next), forever."""
+        task_status.started()
+        while True:
+            started = trio.current_time()
+            await self.round()
+            await trio.sleep_until(max(started + self.settings.interval, trio.current_time()))
+
+    def document(self) -> dict[str, Any]:
+        return self.state.document(
+            interval=self.settings.interval, probe=self.probe_description(), now=self.clock()
+        )
+
+    def probe_description(self) -> dict[str, Any]:
+        return {
+            **self.settings.probe.describe(),
+            "timeout_seconds": self.settings.probe_timeout,
+            "enabled": self.opener is not None,
+        }
+
+
+async def run_with(
+    settings: CollectorSettings, body: Callable[[Collector], Awaitable[None]], **kwargs: Any
+) -> None:
+    """Build a Collector with the SDK's shared tunnel to ``settings.proxy`` (when set) and run ``body``."""
+    from clusterproxy_sdk import TLSFiles, open_shared_tunnel
+
+    if settings.proxy is None:
+        await body(Collector(settings, **kwargs))
+        return
+    assert settings.ca is not None
+    tls = TLSFiles(settings.ca, settings.cert, settings.key).reloading(log=get_logger("clusterproxy_health"))
+    async with open_shared_tunnel(
+        settings.proxy,
+        tls,
+        server_hostname=settings.server_name,
+        connect_timeout=settings.probe_timeout,
+        keepalive=(min(10.0, settings.interval), settings.probe_timeout),
+    ) as tunnel:
+        await body(Collector(settings, opener=tunnel, **kwargs))

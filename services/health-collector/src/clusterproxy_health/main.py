@@ -1,0 +1,280 @@
+"""``cluster-proxy-health-collector``: command line, the HTTP port, the rounds.
+
+::
+
+    cluster-proxy-health-collector --admin-url http://hub:8092 --proxy hub:8090 \\
+        --ca ca.crt --cert client.crt --key client.key [--kubernetes --kubeconfig hub.kubeconfig]
+
+``--once`` runs one round, prints the ``/api/v1/clusters`` document on stdout and exits (0): what
+``cluster-proxy health`` runs when no collector is running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from clusterproxy_protocol import workarounds
+from clusterproxy_protocol.admin import Response, metrics_response, serve_admin
+from clusterproxy_protocol.config import (
+    ConfigError,
+    InvalidValue,
+    add_flag,
+    existing_file,
+    parse_args_or_exit,
+    parse_hostport,
+    parse_positive_duration,
+    parse_positive_int,
+)
+from clusterproxy_protocol.logs import configure_logging, get_logger
+from clusterproxy_protocol.wire import CLUSTER_NAME, format_authority
+
+from .collector import Collector, CollectorSettings, run_with
+from .page import PAGE_HEADERS, page_html
+from .probe import parse_probe_url
+from .servers import parse_admin_url
+
+__all__ = ["build_parser", "main", "parse_settings", "serve"]
+
+PROG = "cluster-proxy-health-collector"
+ENV_PREFIX = "CLUSTER_PROXY_HEALTH_"
+
+
+def _dialable(text: str) -> tuple[str, int]:
+    raw = text
+    if text.startswith("https://"):
+        text = text[len("https://") :].rstrip("/").rpartition("@")[2]
+    host, port = parse_hostport(text)
+    if port == 0 or not host:
+        raise InvalidValue(f"invalid address {raw!r}: HOST:PORT with a port 1-65535")
+    return host, port
+
+
+def _addon_name(text: str) -> str:
+    if not CLUSTER_NAME.match(text.strip()):
+        raise InvalidValue(f"invalid addon name {text!r}: a Kubernetes object name")
+    return text.strip()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="cluster-proxy health-collector: reads which agents each proxy-server replica holds, "
+        "probes every cluster through its tunnel on an interval, and serves the answer on one port: "
+        "/api/v1/clusters (JSON), /metrics (Prometheus), /healthz, /readyz and / (a page).",
+    )
+
+    def flag(name: str, **kwargs: Any) -> None:
+        add_flag(parser, name, env=ENV_PREFIX + name.lstrip("-").upper().replace("-", "_"), **kwargs)
+
+    flag("--listen", type=parse_hostport, default="0.0.0.0:8080", metavar="HOST:PORT",
+         help="plain HTTP: / /api/v1/clusters /metrics /healthz /readyz (port 0: any free port)")  # fmt: skip
+    flag("--admin-url", type=parse_admin_url, multiple=True, metavar="URL",
+         help="admin port of a proxy-server replica, http://HOST:PORT (repeat for every replica)")  # fmt: skip
+    flag("--admin-service", type=_dialable, metavar="HOST:PORT",
+         help="a name whose every address is a replica's admin port, resolved each round (Kubernetes: "
+         "the headless Service, cluster-proxy-admin.NAMESPACE.svc:8092)")  # fmt: skip
+    flag("--proxy", type=_dialable, metavar="HOST:PORT",
+         help="the proxy-server's client port the probes go through (without it: no probes)")  # fmt: skip
+    flag(
+        "--ca",
+        type=existing_file,
+        metavar="FILE",
+        help="CA bundle that signed the proxy-server's certificate",
+    )
+    flag("--cert", type=existing_file, metavar="FILE", help="hub client certificate (followed when renewed)")
+    flag("--key", type=existing_file, metavar="FILE", help="its private key")
+    flag(
+        "--server-name",
+        metavar="NAME",
+        help="name checked on the proxy-server's certificate (default: its host)",
+    )
+    flag("--probe-url", type=parse_probe_url, default="https://{cluster}:443/healthz", metavar="URL",
+         help="what each probe requests inside each cluster; {cluster} is the cluster's name (the bare "
+         "name reaches its kube-apiserver); schemes https, http, tcp (connect only)")  # fmt: skip
+    flag("--probe-ca", type=existing_file, metavar="FILE",
+         help="verify the probe target's certificate with this bundle (default: not verified)")  # fmt: skip
+    flag("--probe-server-name", metavar="NAME",
+         help="name checked on the probe target's certificate (default: kubernetes.default.svc for the "
+         "bare cluster name, else the host)")  # fmt: skip
+    flag("--interval", type=parse_positive_duration, default="10s", metavar="DURATION",
+         help="a round (servers, addons, every probe) starts this often")  # fmt: skip
+    flag("--probe-timeout", type=parse_positive_duration, default="5s", metavar="DURATION",
+         help="bound of one probe, from the dial to the answer's end")  # fmt: skip
+    flag("--server-timeout", type=parse_positive_duration, default="5s", metavar="DURATION",
+         help="bound of the questions to one proxy-server's admin port")  # fmt: skip
+    flag("--max-concurrent-probes", type=parse_positive_int, default="64",
+         help="probes in flight at once (keep it below the server's --max-pending-dials-per-connection)")  # fmt: skip
+    flag("--history", type=parse_positive_int, default="60", help="probe results kept per cluster")
+    flag("--forget-after", type=parse_positive_duration, default="1h", metavar="DURATION",
+         help="a cluster no source mentions any more leaves the table after this long")  # fmt: skip
+    flag("--kubernetes", type=bool, default=False,
+         help="Kubernetes mode: installed and available come from each cluster's ManagedClusterAddOn")  # fmt: skip
+    flag("--kubeconfig", type=Path, metavar="FILE",
+         help="hub kubeconfig for --kubernetes (default: $KUBECONFIG, the pod's service account)")  # fmt: skip
+    flag("--addon-name", type=_addon_name, default="cluster-proxy", help="the ManagedClusterAddOn's name")
+    flag("--once", type=bool, default=False,
+         help="one round, print the /api/v1/clusters document on stdout, exit")  # fmt: skip
+    flag("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    flag("--log-format", default="auto", choices=["auto", "json", "console"],
+         help="auto: JSON unless stderr is a terminal")  # fmt: skip
+    return parser
+
+
+def parse_settings(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[CollectorSettings, bool]:
+    """The settings and ``--once``; a bad value exits with status 2 and a message naming it."""
+    parser = build_parser()
+    args = parse_args_or_exit(parser, argv, environ=environ)
+    if args.proxy is not None:
+        missing = [f for f, v in (("--ca", args.ca), ("--cert", args.cert), ("--key", args.key)) if v is None]
+        if missing:
+            parser.error(
+                f"--proxy needs {', '.join(missing)} (the hub client certificate the probes present)"
+            )
+    if not args.admin_url and args.admin_service is None:
+        parser.error(
+            "name the proxy-servers: --admin-url http://HOST:PORT (repeat) or --admin-service HOST:PORT"
+        )
+    probe = args.probe_url
+    if args.probe_ca is not None or args.probe_server_name:
+        from dataclasses import replace
+
+        probe = replace(probe, ca=args.probe_ca, server_name=args.probe_server_name)
+    settings = CollectorSettings(
+        admin_urls=list(dict.fromkeys(args.admin_url)),
+        admin_service=args.admin_service,
+        proxy=args.proxy,
+        ca=args.ca,
+        cert=args.cert,
+        key=args.key,
+        server_name=args.server_name,
+        probe=probe,
+        interval=args.interval,
+        probe_timeout=args.probe_timeout,
+        server_timeout=args.server_timeout,
+        max_concurrent_probes=args.max_concurrent_probes,
+        history=args.history,
+        forget_after=args.forget_after,
+        kubernetes=args.kubernetes or args.kubeconfig is not None,
+        kubeconfig=args.kubeconfig,
+        addon_name=args.addon_name,
+        listen=args.listen,
+        log_level=args.log_level,
+        log_format=args.log_format,
+    )
+    return settings, args.once
+
+
+def routes(collector: Collector) -> dict[str, Any]:
+    def ready() -> Response:
+        if collector.state.rounds == 0:
+            return Response.text("not ready: the first round has not finished", 503)
+        return Response.text(f"ready: {len(collector.state.clusters)} cluster(s)")
+
+    page = page_html()
+    return {
+        "/": lambda: Response(200, page, PAGE_HEADERS, content_type="text/html; charset=utf-8"),
+        "/api/v1/clusters": lambda: Response.json(collector.document()),
+        "/metrics": lambda: metrics_response(collector.metrics.registry),
+        "/healthz": lambda: Response.text("ok"),
+        "/readyz": ready,
+    }
+
+
+def _addon_reader(settings: CollectorSettings) -> Any:
+    if not settings.kubernetes:
+        return None
+    from .addons import AddonReader, load_configuration
+
+    reader = AddonReader(
+        load_configuration(settings.kubeconfig), settings.addon_name, timeout=settings.server_timeout
+    )
+    return reader.read
+
+
+async def serve(
+    settings: CollectorSettings, *, task_status: trio.TaskStatus[Collector] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Listen, then run rounds until cancelled (SIGTERM or SIGINT in ``main``)."""
+    host, port = settings.listen
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host or None)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot listen on --listen {format_authority(host, port)}: {exc.strerror or exc}"
+        ) from None
+    sockname = listeners[0].socket.getsockname()
+    address = format_authority(str(sockname[0]), int(sockname[1]))
+    read_addons = _addon_reader(settings)
+
+    async def body(collector: Collector) -> None:
+        collector.address = address
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_admin, listeners, routes(collector))
+            get_logger("clusterproxy_health").info(
+                "collector_started",
+                listen=address,
+                url=f"http://{address}/",
+                admin_urls=settings.admin_urls,
+                admin_service=format_authority(*settings.admin_service) if settings.admin_service else None,
+                proxy=format_authority(*settings.proxy) if settings.proxy else None,
+                probe=settings.probe.url,
+                interval=settings.interval,
+                kubernetes=settings.kubernetes,
+            )
+            await nursery.start(collector.run)
+            task_status.started(collector)
+
+    await run_with(settings, body, read_addons=read_addons)
+
+
+async def once(settings: CollectorSettings) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+
+    async def body(collector: Collector) -> None:
+        await collector.round()
+        document.update(collector.document())
+
+    await run_with(settings, body, read_addons=_addon_reader(settings))
+    return document
+
+
+async def _until_signal(settings: CollectorSettings) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve, settings)
+            async for signum in signals:
+                get_logger("clusterproxy_health").info("stopping", signal=signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                return
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    workarounds.apply()
+    settings, run_once = parse_settings(argv)
+    configure_logging(
+        settings.log_level, json={"auto": None, "json": True, "console": False}[settings.log_format]
+    )
+    try:
+        if run_once:
+            document = trio.run(once, settings)
+            sys.stdout.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
+            return
+        trio.run(_until_signal, settings)
+    except* ConfigError as group:
+        sys.exit(f"{PROG}: error: {group.exceptions[0]}")
+    except* KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

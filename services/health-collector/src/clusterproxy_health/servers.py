@@ -1,0 +1,113 @@
+"""The proxy-server replicas and what each holds, from their admin ports (plain HTTP).
+
+The replicas are a list of admin URLs (``--admin-url``), or every address of a name (``--admin-service
+HOST:PORT``, resolved each round: in Kubernetes the headless Service of the servers' admin port, one
+address per replica). Each round asks every replica ``/api/v1/clusters`` (the clusters it knows and
+the tunnels it holds) and ``/api/v1/agents`` (each tunnel: agent id, streams, bytes, RTT).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+import h11
+import trio
+
+from clusterproxy_protocol.config import InvalidValue
+from clusterproxy_protocol.errors import describe_exception
+from clusterproxy_protocol.wire import format_authority
+
+from .state import ServerView, parse_agents, parse_clusters
+
+__all__ = ["fetch_json", "parse_admin_url", "resolve_admin_service", "server_view"]
+
+MAX_ANSWER = 64 << 20  # /api/v1/agents of 10,000 tunnels is ~5 MiB
+
+
+def parse_admin_url(text: str) -> str:
+    """``http://HOST:PORT`` of a proxy-server's admin port (its ``--admin-listen``)."""
+    value = text.strip().rstrip("/")
+    url = urlsplit(value)
+    if url.scheme != "http" or not url.hostname or url.path or url.query:
+        raise InvalidValue(
+            f"invalid admin URL {text!r}: expected http://HOST:PORT of a proxy-server's admin port "
+            "(its --admin-listen, plain HTTP)"
+        )
+    try:
+        url.port  # noqa: B018 - validates
+    except ValueError:
+        raise InvalidValue(f"invalid admin URL {text!r}: bad port") from None
+    return value
+
+
+async def resolve_admin_service(host: str, port: int) -> list[str]:
+    """One admin URL per address of ``host``; empty when the name does not resolve."""
+    try:
+        infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return []
+    addresses = sorted({str(info[4][0]) for info in infos})
+    return [f"http://{format_authority(address, port)}" for address in addresses]
+
+
+async def fetch_json(url: str, *, timeout: float) -> object:
+    """``GET url`` (plain HTTP), its JSON answer. OSError, ValueError, h11 errors or TooSlowError."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "", parts.port or 80
+    with trio.fail_after(timeout):
+        stream = await trio.open_tcp_stream(host, port)
+        async with stream:
+            conn = h11.Connection(h11.CLIENT)
+            request = h11.Request(
+                method="GET",
+                target=parts.path or "/",
+                headers=[("host", format_authority(host, port)), ("connection", "close")],
+            )
+            await stream.send_all(conn.send(request) + (conn.send(h11.EndOfMessage()) or b""))
+            status = 0
+            body = bytearray()
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(await stream.receive_some(256 << 10))
+                elif isinstance(event, h11.Response):
+                    status = event.status_code
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                    if len(body) > MAX_ANSWER:
+                        raise ValueError(f"answer larger than {MAX_ANSWER} bytes")
+                elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                    break
+    if status != 200:
+        text = " ".join(body[:200].decode("utf-8", "replace").split())
+        raise ValueError(f"HTTP {status or 'no answer'}: {text}")
+    return json.loads(body)
+
+
+async def server_view(url: str, *, timeout: float, now: float) -> ServerView:
+    """What one replica holds; a failure is the view's ``error`` in words, never an exception."""
+    try:
+        with trio.fail_after(timeout):
+            known = parse_clusters(await fetch_json(f"{url}/api/v1/clusters", timeout=timeout))
+            tunnels = parse_agents(await fetch_json(f"{url}/api/v1/agents", timeout=timeout), url)
+    except trio.TooSlowError:
+        return ServerView(url, now, error=f"no answer within {timeout:g}s")
+    except (OSError, ValueError, h11.ProtocolError) as exc:
+        return ServerView(url, now, error=describe_exception(exc))
+    return ServerView(url, now, known=known, tunnels=tunnels)
+
+
+async def server_views(urls: Sequence[str], *, timeout: float, now: float) -> list[ServerView]:
+    """Every replica at once; the views in the order of ``urls``."""
+    views: dict[str, ServerView] = {}
+
+    async def one(url: str) -> None:
+        views[url] = await server_view(url, timeout=timeout, now=now)
+
+    async with trio.open_nursery() as nursery:
+        for url in urls:
+            nursery.start_soon(one, url)
+    return [views[url] for url in urls]

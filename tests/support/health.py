@@ -1,0 +1,123 @@
+"""The health-collector's tests: a hub (a real proxy-server and agents as processes) whose clusters'
+"kube-apiservers" are in-process targets of every kind a probe meets, and the collector as a process.
+
+- ``ok``: answers every request ``200 ok``;
+- ``hung``: accepts and never answers (a probe must be bounded by its own timeout);
+- ``hostile``: answers ``500`` with HTML and script in its body (the page must show it as text).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from clusterproxy_protocol.pki import DevCA, PemPair
+from tests.support.pki import PkiFiles
+from tests.support.procs import BIN, Hub, Process
+from tests.support.targets import Target, serve, serve_http
+from tests.support.waiting import wait_until
+
+HOSTILE_TEXT = "<img src=x onerror=\"document.title='pwned'\"><script>document.title='pwned'</script>"
+
+
+async def _hang(stream: trio.SocketStream, target: Target) -> None:
+    await trio.sleep_forever()
+
+
+async def _hostile(stream: trio.SocketStream, target: Target) -> None:
+    head = b""
+    while b"\r\n\r\n" not in head:
+        data = await stream.receive_some(4096)
+        if not data:
+            return
+        head += data
+    body = HOSTILE_TEXT.encode()
+    await stream.send_all(
+        b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/html\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n%s" % (len(body), body)
+    )
+
+
+async def start_targets(nursery: trio.Nursery) -> dict[str, Target]:
+    return {
+        "ok": await serve_http(nursery, b"ok"),
+        "hung": await serve(nursery, _hang),
+        "hostile": await serve(nursery, _hostile),
+    }
+
+
+def agent_certificate(pki: PkiFiles, cluster: str, agent_id: str) -> PemPair:
+    """An agent certificate of the tests' CA for any cluster (make_pki issues four)."""
+    known = pki.agents.get(f"{cluster}/{agent_id}")
+    if known is not None:
+        return known
+    ca = DevCA.create_or_load(pki.ca.parent)
+    return ca.issue_agent(cluster, agent_id, pki.ca.parent.parent / "health-leaves")
+
+
+def start_agent(hub: Hub, pki: PkiFiles, cluster: str, agent_id: str, kube_apiserver: Target) -> Process:
+    """An agent of ``cluster`` whose kube-apiserver (the bare cluster name's target) is ``kube_apiserver``."""
+    from clusterproxy_protocol.certclient import CertFiles
+
+    pair = agent_certificate(pki, cluster, agent_id)
+    argv = hub.agent_argv(
+        CertFiles(pair.cert, pair.key, pki.ca),
+        cluster,
+        agent_id,
+        allow=["127.0.0.0/8"],
+        kube_apiserver=kube_apiserver.address,
+        options=["--dial-timeout", "2s"],
+    )
+    return hub.launch_agent(f"agent-{cluster}-{agent_id}", argv)
+
+
+@dataclass
+class CollectorProcess:
+    """``cluster-proxy-health-collector`` as a process, its URL from its ``collector_started`` line."""
+
+    process: Process
+    url: str = ""
+    extra: list[str] = field(default_factory=list)
+
+    @classmethod
+    async def start(cls, hub: Hub, pki: PkiFiles, log_dir: Path, *extra: str) -> CollectorProcess:
+        argv = [
+            str(BIN / "cluster-proxy-health-collector"),
+            "--listen=127.0.0.1:0",
+            f"--admin-url=http://127.0.0.1:{hub.admin_port}",
+            f"--proxy=127.0.0.1:{hub.client_port}",
+            f"--ca={pki.ca}",
+            f"--cert={pki.client.cert}",
+            f"--key={pki.client.key}",
+            "--server-name=localhost",
+            "--log-format=json",
+            "--log-level=debug",
+            *extra,
+        ]
+        process = Process("health-collector", argv, log_dir)
+        started = await process.wait_event("collector_started")
+        collector = cls(process, str(started["url"]).rstrip("/"), list(extra))
+        await wait_until(collector.ready, timeout=20, what="the collector's first round")
+        return collector
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/readyz", timeout=2) as answer:
+                return answer.status == 200
+        except OSError:
+            return False
+
+    def document(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"{self.url}/api/v1/clusters", timeout=5) as answer:
+            return json.loads(answer.read())
+
+    def cluster(self, name: str) -> dict[str, Any] | None:
+        return next((c for c in self.document()["clusters"] if c["name"] == name), None)
+
+    def stop(self) -> None:
+        self.process.stop()
