@@ -6,8 +6,11 @@ Started as child processes, each with its log in ``STATE/logs/<name>.log``:
   standing in for its kube-apiserver);
 - ``cert-signer`` (``cluster-proxy-cert-signer serve``): the CA, its store in ``STATE/pki/store``,
   its signing API on a free loopback port;
-- ``proxy-server``: client port, agent port, admin port;
-- per cluster a ``proxy-agent`` dialing the server.
+- with ``--proxied-cluster NAME``: ``tinyproxy``, a forward proxy on loopback (:mod:`.local_proxies`);
+- ``proxy-server``: client port, agent port, admin port; with ``--servers N`` (N > 1) the replicas
+  ``proxy-server-1`` .. ``-N`` (``--server-id`` their name, ``--server-count N``), each on its own
+  ports, and ``haproxy`` in front of them on the hub's client and agent ports;
+- per cluster a ``proxy-agent`` dialing the hub's agent port (the proxied cluster's through tinyproxy).
 
 Before the signer starts, its own commands create the CA (once), write every party's trust bundle
 and create a single-use bootstrap token for each party without a usable certificate, so a restart
@@ -16,8 +19,10 @@ needs none. Every party bootstraps and renews at 80% of its lifetime; the hub cl
 process over the signer's API. ``--no-cert-signer`` uses static certificates from a development CA.
 
 Once every agent is connected, ``STATE/local.json`` is written and ready-to-paste commands are
-printed. Foreground: Ctrl-C or SIGTERM stops every child (SIGTERM, then SIGKILL after 10 s) and
-removes ``local.json``; a child dying on its own stops the rest too and exits 1.
+printed. Foreground: Ctrl-C or SIGTERM (``cluster-proxy local down``) stops every child (SIGTERM,
+then SIGKILL after 10 s) and removes ``local.json``. A replica dying on its own is restarted after 1 s
+(haproxy sends new connections to the others meanwhile; ``local.json`` gets its new pid); any other
+child dying, or a replica crashing in a loop, stops the rest too and exits 1.
 
 The jobs live in :mod:`.local_plan` (what runs where), :mod:`.local_pki` (certificates),
 :mod:`.local_supervise` (children and readiness) and :mod:`.local_print` (the report); this module
@@ -31,7 +36,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -45,11 +50,12 @@ from clusterproxy_protocol.reloader import CertRenewer, RenewalPolicy
 from .commands import AGENT, SERVER, SIGNER, executable
 from .local_pki import SignerCommandError, issue_certificates, prepare_signer_pki
 from .local_plan import (
+    BALANCER_NAME,
     CLIENT_NAME,
     CLIENT_PARTY,
     CLUSTERS,
+    FORWARD_PROXY_NAME,
     LOOPBACK,
-    SERVER_NAME,
     SIGNER_NAME,
     SIGNER_STORE,
     Certificates,
@@ -59,19 +65,51 @@ from .local_plan import (
     busy_ports,
     echo_argv,
     echo_target,
+    forward_proxy_url,
     local_agent_argv,
     local_server_argv,
     local_signer_argv,
+    loopback,
     plan_ports,
+    server_names,
     signer_certificates,
     signer_parties,
     signer_url,
 )
 from .local_print import print_ready
-from .local_supervise import Child, Supervisor, connected_clusters, port_open, wait_agents, wait_signer
+from .local_proxies import (
+    backend_states,
+    down_replicas,
+    find_program,
+    haproxy_argv,
+    haproxy_config,
+    stats_url,
+    tinyproxy_argv,
+    tinyproxy_config,
+)
+from .local_supervise import (
+    Child,
+    RestartPolicy,
+    Supervisor,
+    connected_clusters,
+    port_open,
+    wait_agents,
+    wait_signer,
+)
 from .state import LOCAL_JSON, ProxySettings, build_local_json, write_local_json
 
 SIGNER_POLL_TIMEOUT = 2.0  # one /healthz attempt while the signer starts
+REPLICA_RESTART = RestartPolicy(delay=1.0, limit=5, window=60.0)
+HAPROXY_CONFIG = "haproxy.cfg"  # in the state folder
+TINYPROXY_CONFIG = "tinyproxy.conf"
+
+
+@dataclass(frozen=True)
+class Programs:
+    """The Debian programs this run needs, as found (None: not needed)."""
+
+    haproxy: str | None = None
+    tinyproxy: str | None = None
 
 
 def _running_pids(state_dir: Path) -> dict[str, int]:
@@ -102,12 +140,18 @@ async def local_up(
     cert_signer: bool = True,
     cert_ttl: str = "24h",
     trust_refresh: str = "30s",
+    servers: int = 1,
+    proxied_cluster: str | None = None,
+    haproxy: str = "haproxy",
+    tinyproxy: str = "tinyproxy",
 ) -> int:
     """Run the local system until a signal (exit status 0) or a failure (exit status 1).
 
     With ``cert_signer`` (the default) certificates come from a cert-signer process (leaves live
     ``cert_ttl``, parties fetch the trust bundle every ``trust_refresh``); else from a static
-    development CA. A service that is not installed raises ConfigError naming its package."""
+    development CA. ``servers`` > 1 runs that many proxy-server replicas behind the program
+    ``haproxy``; ``proxied_cluster``'s agent reaches the hub through the program ``tinyproxy``. A
+    service or program that is not installed, or a bad setting, raises ConfigError naming what to do."""
     out = out or sys.stdout
     state_dir = state_dir.resolve()
     running = _running_pids(state_dir)
@@ -121,7 +165,8 @@ async def local_up(
         return 1
     for service in (SERVER, AGENT, *([SIGNER] if cert_signer else [])):
         executable(service)
-    ports = plan_ports(base_port, clusters)
+    programs = _find_programs(clusters, servers, proxied_cluster, haproxy, tinyproxy)
+    ports = plan_ports(base_port, clusters, servers, forward_proxy=proxied_cluster is not None)
     busy = busy_ports(ports.all()) if base_port else []
     if busy:
         print(
@@ -132,13 +177,14 @@ async def local_up(
         )
         return 1
     pki_dir = state_dir / "pki"
+    names = server_names(servers)
     if cert_signer:
-        certs = signer_certificates(pki_dir, clusters)
+        certs = signer_certificates(pki_dir, clusters, names)
         signer: SignerPlan | None = SignerPlan(
             pki_dir / SIGNER_STORE, signer_url(ports), cert_ttl=cert_ttl, trust_refresh=trust_refresh
         )
     else:
-        certs = issue_certificates(pki_dir, clusters)
+        certs = issue_certificates(pki_dir, clusters, names)
         signer = None
     proxy = ProxySettings(
         LOOPBACK,
@@ -146,10 +192,31 @@ async def local_up(
         certs.ca,
         certs.client.cert,
         certs.client.key,
-        f"http://{LOOPBACK}:{ports.admin}",
+        ports.servers[0].admin_url,
     )
+    proxied = {proxied_cluster: forward_proxy_url(ports) or ""} if proxied_cluster is not None else {}
     supervisor = Supervisor(state_dir / "logs", out)
+    published = False
     code = 0
+
+    def publish() -> None:
+        """Write ``local.json`` with every child's current pid."""
+        pids = {"cluster-proxy": os.getpid(), **{n: c.pid for n, c in supervisor.children.items()}}
+        doc = build_local_json(proxy, _cluster_info(clusters, ports), pids, state_dir)
+        doc.update(_hub_info(ports, state_dir, proxied))
+        for cluster, url in proxied.items():
+            doc["clusters"][cluster]["proxy_url"] = url
+        doc["proxy"]["admin_urls"] = [server.admin_url for server in ports.servers]
+        doc["proxy"]["agent_address"] = loopback(ports.agent)
+        if signer is not None:
+            doc["signer"] = {"url": signer.url, "store": str(signer.store)}
+        write_local_json(state_dir, doc)
+
+    def on_restart(child: Child) -> None:
+        if published:
+            publish()
+
+    supervisor.on_restart = on_restart
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
@@ -176,7 +243,8 @@ async def local_up(
                     signer = await _start_signer(
                         nursery, supervisor, signer, ports, certs, clusters, ready_timeout
                     )
-                await _start_hub(nursery, supervisor, ports, certs, clusters, ready_timeout, out, signer)
+                hub = Hub(nursery, supervisor, ports, certs, clusters, state_dir, programs, signer, proxied)
+                await hub.start(ready_timeout, out)
             except (
                 TimeoutError,
                 trio.TooSlowError,
@@ -193,18 +261,13 @@ async def local_up(
                 nursery.cancel_scope.cancel()
             else:
                 if not nursery.cancel_scope.cancel_called:
-                    pids = {
-                        "cluster-proxy": os.getpid(),
-                        **{n: c.pid for n, c in supervisor.children.items()},
-                    }
-                    doc = build_local_json(proxy, _cluster_info(clusters, ports), pids, state_dir)
-                    if signer is not None:
-                        doc["signer"] = {"url": signer.url, "store": str(signer.store)}
-                    write_local_json(state_dir, doc)
-                    await print_ready(proxy, clusters, ports, state_dir, out, signer)
+                    publish()
+                    published = True
+                    await print_ready(proxy, clusters, ports, state_dir, out, signer, proxied)
                     await trio.sleep_forever()
 
         with trio.CancelScope(shield=True):
+            published = False
             if supervisor.failed is not None:
                 supervisor.report_failure(supervisor.failed)
             (state_dir / LOCAL_JSON).unlink(missing_ok=True)
@@ -247,53 +310,126 @@ async def _start_signer(
     return plan
 
 
-async def _start_hub(
-    nursery: trio.Nursery,
-    supervisor: Supervisor,
-    ports: Ports,
-    certs: Certificates,
-    clusters: Sequence[str],
-    ready_timeout: float,
-    out: TextIO,
-    signer: SignerPlan | None,
-) -> None:
-    """Start the proxy-server and the agents; wait until every agent is connected."""
-    await supervisor.start(nursery, SERVER_NAME, local_server_argv(ports, certs, clusters, signer))
-    for cluster in clusters:
-        await supervisor.start(nursery, f"{cluster}-agent", local_agent_argv(cluster, ports, certs, signer))
-    try:
-        with trio.fail_after(ready_timeout):
-            await wait_agents(LOOPBACK, ports.echo, ports.admin, clusters, out)
-    except trio.TooSlowError:
-        problems = await _not_ready(supervisor, ports, clusters)
-        for child, problem in problems:
-            supervisor.report_failure(child, problem)
-        what = "; ".join(f"{child.name} {problem}" for child, problem in problems) or "unknown"
-        raise TimeoutError(f"not ready within {ready_timeout:g}s: {what}") from None
-
-
-async def _not_ready(
-    supervisor: Supervisor, ports: Ports, clusters: Sequence[str]
-) -> list[tuple[Child, str]]:
-    """Which children are not ready, and why."""
-    problems: list[tuple[Child, str]] = []
-    for cluster in clusters:
-        if not await port_open(LOOPBACK, ports.echo[cluster]):
-            problems.append(
-                (supervisor.children[f"{cluster}-echo"], f"does not listen on port {ports.echo[cluster]}")
-            )
-    connected = await connected_clusters(LOOPBACK, ports.admin)
-    if connected is None:
-        problems.append(
-            (supervisor.children[SERVER_NAME], f"does not answer on its admin port {ports.admin}")
+def _find_programs(
+    clusters: Sequence[str], servers: int, proxied_cluster: str | None, haproxy: str, tinyproxy: str
+) -> Programs:
+    """The Debian programs the settings need; ConfigError for a bad setting or a missing program."""
+    if proxied_cluster is not None and proxied_cluster not in clusters:
+        raise ConfigError(
+            f"--proxied-cluster {proxied_cluster}: not one of the clusters ({', '.join(clusters)})"
         )
-    else:
-        for cluster in clusters:
-            if cluster not in connected:
+    return Programs(
+        haproxy=find_program(
+            haproxy,
+            "haproxy",
+            f"--servers {servers} runs the proxy-server replicas behind haproxy (or use --servers 1)",
+            "--haproxy",
+        )
+        if servers > 1
+        else None,
+        tinyproxy=find_program(
+            tinyproxy,
+            "tinyproxy",
+            f"--proxied-cluster {proxied_cluster} sends that cluster's agent through tinyproxy",
+            "--tinyproxy",
+        )
+        if proxied_cluster is not None
+        else None,
+    )
+
+
+@dataclass
+class Hub:
+    """The hub side and the agents: tinyproxy, the proxy-server(s), haproxy, the agents."""
+
+    nursery: trio.Nursery
+    supervisor: Supervisor
+    ports: Ports
+    certs: Certificates
+    clusters: Sequence[str]
+    state_dir: Path
+    programs: Programs
+    signer: SignerPlan | None
+    proxied: dict[str, str]  # cluster -> the forward proxy's URL its agent dials through
+
+    async def start(self, ready_timeout: float, out: TextIO) -> None:
+        """Start everything; wait until tinyproxy listens, every agent holds a tunnel to every
+        proxy-server, and haproxy has every replica in rotation."""
+        ports, supervisor, nursery = self.ports, self.supervisor, self.nursery
+        try:
+            with trio.fail_after(ready_timeout):
+                if self.programs.tinyproxy is not None and ports.forward_proxy is not None:
+                    config = self.state_dir / TINYPROXY_CONFIG
+                    config.write_text(tinyproxy_config(ports.forward_proxy, [ports.agent, ports.signer]))
+                    await supervisor.start(
+                        nursery, FORWARD_PROXY_NAME, tinyproxy_argv(self.programs.tinyproxy, config)
+                    )
+                    while not await port_open(LOOPBACK, ports.forward_proxy):
+                        await trio.sleep(0.05)
+                for server in ports.servers:
+                    argv = local_server_argv(ports, self.certs, self.clusters, self.signer, server)
+                    await supervisor.start(
+                        nursery, server.name, argv, REPLICA_RESTART if ports.balanced else None
+                    )
+                if self.programs.haproxy is not None:
+                    config = self.state_dir / HAPROXY_CONFIG
+                    config.write_text(haproxy_config(ports.servers, ports.client, ports.agent, ports.admin))
+                    await supervisor.start(
+                        nursery, BALANCER_NAME, haproxy_argv(self.programs.haproxy, config)
+                    )
+                for cluster in self.clusters:
+                    argv = local_agent_argv(
+                        cluster, ports, self.certs, self.signer, proxy_url=self.proxied.get(cluster)
+                    )
+                    await supervisor.start(nursery, f"{cluster}-agent", argv)
+                admin_ports = [server.admin for server in ports.servers]
+                await wait_agents(LOOPBACK, ports.echo, admin_ports, self.clusters, out)
+                if ports.balanced:
+                    while down_replicas(await backend_states(ports.admin), ports.servers):
+                        await trio.sleep(0.05)
+        except trio.TooSlowError:
+            problems = await self._not_ready()
+            for child, problem in problems:
+                supervisor.report_failure(child, problem)
+            what = "; ".join(f"{child.name} {problem}" for child, problem in problems) or "unknown"
+            raise TimeoutError(f"not ready within {ready_timeout:g}s: {what}") from None
+
+    async def _not_ready(self) -> list[tuple[Child, str]]:
+        """Which children are not ready, and why."""
+        ports, children = self.ports, self.supervisor.children
+        problems: list[tuple[Child, str]] = []
+        for cluster in self.clusters:
+            if not await port_open(LOOPBACK, ports.echo[cluster]):
                 problems.append(
-                    (supervisor.children[f"{cluster}-agent"], "has not connected to the proxy-server")
+                    (children[f"{cluster}-echo"], f"does not listen on port {ports.echo[cluster]}")
                 )
-    return problems
+        if (
+            ports.forward_proxy is not None
+            and FORWARD_PROXY_NAME in children
+            and not await port_open(LOOPBACK, ports.forward_proxy)
+        ):
+            problems.append((children[FORWARD_PROXY_NAME], f"does not listen on port {ports.forward_proxy}"))
+        for server in ports.servers:
+            if server.name not in children:
+                continue
+            connected = await connected_clusters(LOOPBACK, server.admin)
+            if connected is None:
+                problems.append((children[server.name], f"does not answer on its admin port {server.admin}"))
+                continue
+            for cluster in self.clusters:
+                agent = f"{cluster}-agent"
+                if cluster not in connected and agent in children:
+                    via = f" through {FORWARD_PROXY_NAME}" if cluster in self.proxied else ""
+                    problems.append((children[agent], f"has not connected{via} to {server.name}"))
+        if ports.balanced and BALANCER_NAME in children:
+            states = await backend_states(ports.admin)
+            if states is None:
+                problems.append(
+                    (children[BALANCER_NAME], f"does not answer on its statistics port {ports.admin}")
+                )
+            elif down := down_replicas(states, ports.servers):
+                problems.append((children[BALANCER_NAME], f"has not taken {', '.join(down)} into rotation"))
+        return problems
 
 
 def _cluster_info(clusters: Sequence[str], ports: Ports) -> dict[str, dict[str, Any]]:
@@ -301,4 +437,37 @@ def _cluster_info(clusters: Sequence[str], ports: Ports) -> dict[str, dict[str, 
     for cluster in clusters:
         echo = echo_target(cluster, ports)
         info[cluster] = {"targets": [echo], "agent_id": agent_id(cluster), "kube_apiserver": echo}
+    return info
+
+
+def _hub_info(ports: Ports, state_dir: Path, proxied: dict[str, str]) -> dict[str, Any]:
+    """``local.json``'s description of the proxy-servers, haproxy and tinyproxy."""
+    info: dict[str, Any] = {
+        "servers": [
+            {
+                "name": server.name,
+                "client": loopback(server.client),
+                "agent": loopback(server.agent),
+                "admin_url": server.admin_url,
+                **({"server_id": server.name} if ports.balanced else {}),
+            }
+            for server in ports.servers
+        ]
+    }
+    if ports.balanced:
+        info["balancer"] = {
+            "kind": BALANCER_NAME,
+            "client": loopback(ports.client),
+            "agent": loopback(ports.agent),
+            "stats_url": stats_url(ports.admin),
+            "config": str(state_dir / HAPROXY_CONFIG),
+        }
+    if proxied and ports.forward_proxy is not None:
+        info["forward_proxy"] = {
+            "kind": FORWARD_PROXY_NAME,
+            "url": forward_proxy_url(ports),
+            "clusters": sorted(proxied),
+            "config": str(state_dir / TINYPROXY_CONFIG),
+            "log": str(state_dir / "logs" / f"{FORWARD_PROXY_NAME}.log"),
+        }
     return info

@@ -97,9 +97,12 @@ async def prepare_signer_pki(store: Path, parties: Sequence[Party]) -> dict[str,
     return tokens
 
 
-def issue_certificates(pki_dir: Path, clusters: Sequence[str]) -> Certificates:
+def issue_certificates(
+    pki_dir: Path, clusters: Sequence[str], servers: Sequence[str] = (SERVER_NAME,)
+) -> Certificates:
     """Static certificates from a development CA kept in ``pki_dir`` (``local up --no-cert-signer``):
-    the CA is created once and reused; leaves are issued fresh on each start and never renewed."""
+    the CA is created once and reused; leaves are issued fresh on each start and never renewed (one
+    per proxy-server process, in a file of its name)."""
     ca = DevCA.create_or_load(pki_dir)
 
     def files(pair: PemPair) -> CertFiles:
@@ -107,7 +110,10 @@ def issue_certificates(pki_dir: Path, clusters: Sequence[str]) -> Certificates:
 
     return Certificates(
         ca=ca.ca_path,
-        server=files(ca.issue_server(SERVER_NAME, list(SERVER_HOSTS), pki_dir)),
+        servers={
+            name: files(ca.issue_server(SERVER_NAME, list(SERVER_HOSTS), pki_dir, stem=name))
+            for name in servers
+        },
         client=files(ca.issue_client(CLIENT_NAME, pki_dir)),
         agents={cluster: files(ca.issue_agent(cluster, agent_id(cluster), pki_dir)) for cluster in clusters},
     )

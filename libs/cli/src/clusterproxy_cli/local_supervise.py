@@ -1,5 +1,6 @@
 """The children of ``cluster-proxy local up``: starting them (each with its log file), noticing one
-die, stopping them all in order, and waiting until they are ready."""
+die (restarting it if it has a restart policy: the proxy-server replicas, as their Deployment would),
+stopping them all in order, and waiting until they are ready."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -26,12 +28,36 @@ POLL = 0.1
 TAIL_LINES = 20
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Restart a child that died on its own after ``delay`` seconds, unless it has already been
+    restarted ``limit`` times within the last ``window`` seconds (a crash loop: then its death stops
+    everything, as for a child without a policy)."""
+
+    delay: float = 1.0
+    limit: int = 5
+    window: float = 60.0
+
+
 @dataclass
 class Child:
     name: str
     argv: list[str]
     log_path: Path
     process: trio.Process | None = None
+    restart: RestartPolicy | None = None
+    restarted_at: deque[float] = field(default_factory=deque)  # trio clock, within the policy's window
+
+    @property
+    def restarts(self) -> int:
+        return len(self.restarted_at)
+
+    def may_restart(self, now: float) -> bool:
+        if self.restart is None:
+            return False
+        while self.restarted_at and self.restarted_at[0] < now - self.restart.window:
+            self.restarted_at.popleft()
+        return len(self.restarted_at) < self.restart.limit
 
     @property
     def pid(self) -> int:
@@ -64,7 +90,9 @@ def describe_exit(code: int | None) -> str:
 @dataclass
 class Supervisor:
     """Children as processes of their own session (a Ctrl-C in the terminal reaches only local up,
-    which stops them in order); the first to die on its own sets ``failed`` and ``died``."""
+    which stops them in order). A child with a restart policy that dies on its own is started again
+    with the same command line (``on_restart`` is called with it then); the first other child to die,
+    or one in a crash loop, sets ``failed`` and ``died``."""
 
     log_dir: Path
     out: TextIO
@@ -72,31 +100,57 @@ class Supervisor:
     failed: Child | None = None
     stopping: bool = False
     died: trio.Event = field(default_factory=trio.Event)
+    on_restart: Callable[[Child], None] | None = None
 
-    async def start(self, nursery: trio.Nursery, name: str, argv: list[str]) -> Child:
+    async def start(
+        self, nursery: trio.Nursery, name: str, argv: list[str], restart: RestartPolicy | None = None
+    ) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        child = Child(name, argv, self.log_dir / f"{name}.log")
+        child = Child(name, argv, self.log_dir / f"{name}.log", restart=restart)
         self.children[name] = child
+        await self._spawn(child)
+        nursery.start_soon(self._watch, child)
+        return child
+
+    async def _spawn(self, child: Child) -> None:
         with child.log_path.open("ab") as log:
-            log.write(f"--- {' '.join(argv)}\n".encode())
+            log.write(f"--- {' '.join(child.argv)}\n".encode())
             log.flush()
             child.process = await trio.lowlevel.open_process(
-                argv,
+                child.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**without_proxy_variables(os.environ), "PYTHONUNBUFFERED": "1"},
                 start_new_session=True,
             )
-        nursery.start_soon(self._watch, child)
-        return child
 
     async def _watch(self, child: Child) -> None:
-        assert child.process is not None
-        await child.process.wait()
-        if not self.stopping and self.failed is None:
-            self.failed = child
-            self.died.set()
+        while True:
+            assert child.process is not None
+            await child.process.wait()
+            if self.stopping:
+                return
+            if not child.may_restart(trio.current_time()):
+                if self.failed is None:
+                    self.failed = child
+                    self.died.set()
+                return
+            assert child.restart is not None
+            print(
+                f"{child.name} {describe_exit(child.returncode)}: restarting it in {child.restart.delay:g}s "
+                f"(log {child.log_path})",
+                file=self.out,
+                flush=True,
+            )
+            await trio.sleep(child.restart.delay)
+            if self.stopping:
+                return
+            child.restarted_at.append(trio.current_time())
+            await self._spawn(child)
+            print(f"{child.name} restarted (pid {child.pid})", file=self.out, flush=True)
+            if self.on_restart is not None:
+                self.on_restart(child)
 
     async def stop_all(self, grace: float = STOP_GRACE) -> None:
         """SIGTERM every child still running, wait up to ``grace`` seconds, then SIGKILL."""
@@ -118,7 +172,10 @@ class Supervisor:
                 await child.process.wait()  # type: ignore[union-attr]
 
     def report_failure(self, child: Child, problem: str | None = None) -> None:
-        problem = problem or describe_exit(child.returncode)
+        if problem is None:
+            problem = describe_exit(child.returncode)
+            if child.restarts:
+                problem += f" after {child.restarts} restarts within {child.restart.window:g}s"  # type: ignore[union-attr]
         print(f"error: {child.name} {problem}; last lines of {child.log_path}:", file=self.out, flush=True)
         for line in child.tail().splitlines():
             print(f"  | {line}", file=self.out)
@@ -171,20 +228,22 @@ async def wait_signer(endpoint: SignerEndpoint) -> None:
 
 
 async def wait_agents(
-    host: str, echo_ports: dict[str, int], admin_port: int, clusters: Sequence[str], out: TextIO
+    host: str, echo_ports: dict[str, int], admin_ports: Sequence[int], clusters: Sequence[str], out: TextIO
 ) -> None:
-    """Wait until the echo services listen and every cluster has an agent on the server, showing the
-    count of connected agents as it changes (the caller sets the deadline)."""
+    """Wait until the echo services listen and every cluster has an agent on every proxy-server (each
+    one's admin API at ``admin_ports``), showing the count of clusters so connected as it changes (the
+    caller sets the deadline)."""
     for cluster in clusters:
         while not await port_open(host, echo_ports[cluster]):
             await trio.sleep(POLL)
     shown = -1
     while True:
-        connected = await connected_clusters(host, admin_port) or set()
-        ready = [c for c in clusters if c in connected]
+        views = [await connected_clusters(host, port) or set() for port in admin_ports]
+        ready = [c for c in clusters if all(c in view for view in views)]
         if len(ready) != shown:
             shown = len(ready)
-            print(f"waiting for agents: {shown}/{len(clusters)}", file=out, flush=True)
+            where = "" if len(admin_ports) == 1 else f" (on each of {len(admin_ports)} proxy-servers)"
+            print(f"waiting for agents: {shown}/{len(clusters)}{where}", file=out, flush=True)
         if shown == len(clusters):
             return
         await trio.sleep(POLL)
