@@ -3,11 +3,14 @@
 ::
 
     cluster-proxy local up [--state-dir DIR] [--base-port N] [--cert-ttl 24h] [--no-cert-signer]
+                  [--servers N] [--proxied-cluster NAME]
+    cluster-proxy local down [--state-dir DIR]
     cluster-proxy port-forward CLUSTER HOST:PORT [--listen ADDR] (--state-dir DIR | --proxy HOST:PORT
                   --ca FILE --cert FILE --key FILE) [--server-name NAME]
     cluster-proxy certs status [--json] [--store DIR]
     cluster-proxy certs rotate-ca [start|activate|retire] [--force] [--store DIR]
     cluster-proxy certs token create|list|delete [--store DIR] ...
+    cluster-proxy health [--collector URL | --admin-url URL ... | --state-dir DIR] [-o wide|json] [CLUSTER...]
 
 ``certs`` runs the cert-signer's own command (``cluster-proxy-cert-signer COMMAND ...``) on its store
 (default: the local mode's, ``STATE/pki/store``).
@@ -38,6 +41,7 @@ from clusterproxy_protocol.config import (
     parse_hostport,
     parse_port,
     parse_positive_duration,
+    parse_positive_int,
 )
 from clusterproxy_protocol.errors import TunnelError
 from clusterproxy_protocol.logs import configure_logging, get_logger
@@ -46,6 +50,8 @@ from clusterproxy_sdk import TLSFiles, check_cluster
 from . import certs as certs_command
 from .commands import SIGNER
 from .enroll import add_enroll_command, run_enroll
+from .health import add_health_command, run_health
+from .local_down import add_local_down_command, run_local_down
 from .state import DEFAULT_STATE_DIR, LOCAL_JSON, proxy_settings, read_local_json
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -129,6 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
              help="lifetime of the certificates the signer issues (renewed at 80%)")  # fmt: skip
     add_flag(up, "--trust-refresh", env="CLUSTER_PROXY_TRUST_REFRESH", type=positive_duration_arg, default="30s",
              help="how often every party fetches the trust bundle (a CA rotation waits for it)")  # fmt: skip
+    add_flag(up, "--servers", env="CLUSTER_PROXY_SERVERS", type=parse_positive_int, default="1",
+             help="proxy-server processes; above 1, replicas behind haproxy (Debian's haproxy package) on "
+             "the client and agent ports, each agent holding a tunnel to each (at most 9)")  # fmt: skip
+    add_flag(up, "--proxied-cluster", env="CLUSTER_PROXY_PROXIED_CLUSTER", type=parse_cluster,
+             help="this cluster's agent reaches the hub only through a forward proxy: tinyproxy (Debian's "
+             "tinyproxy package) on loopback")  # fmt: skip
+    add_flag(up, "--haproxy", env="CLUSTER_PROXY_HAPROXY", default="haproxy",
+             help="the haproxy program (a name searched on PATH and in /usr/sbin, /sbin, or a path)")  # fmt: skip
+    add_flag(up, "--tinyproxy", env="CLUSTER_PROXY_TINYPROXY", default="tinyproxy",
+             help="the tinyproxy program (as --haproxy)")  # fmt: skip
+    down = add_local_down_command(local_commands)
+    down.set_defaults(run=run_local_down, subparser=down)
 
     certs = commands.add_parser(
         "certs",
@@ -174,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     enrolment = add_enroll_command(commands)
     enrolment.set_defaults(run=run_enroll, subparser=enrolment)
+    health = add_health_command(commands)
+    health.set_defaults(run=run_health, subparser=health)
 
     up.set_defaults(run=_local_up, subparser=up)
     certs.set_defaults(run=_certs, subparser=certs)
@@ -268,6 +288,10 @@ def _local_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 cert_signer=args.cert_signer,
                 cert_ttl=args.cert_ttl,
                 trust_refresh=args.trust_refresh,
+                servers=args.servers,
+                proxied_cluster=args.proxied_cluster,
+                haproxy=args.haproxy,
+                tinyproxy=args.tinyproxy,
             )
         )
     except ConfigError as exc:
