@@ -11,11 +11,8 @@ cluster is still refused by the proxy-server.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import itertools
 import json
-import random
-import ssl
 import subprocess
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -27,9 +24,9 @@ import trio
 from clusterproxy_cli.commands import SignerFlags
 from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.pki import DevCA
-from clusterproxy_sdk import TLSFiles, open_tunnel
 from tests.support import require
 from tests.support.certs import ClientParty, SignedHub, SignerProcess
+from tests.support.clients import transfer
 from tests.support.pki import PkiFiles
 from tests.support.procs import BIN, Hub, Process
 from tests.support.proxies import (
@@ -40,7 +37,7 @@ from tests.support.proxies import (
     start_squid,
     start_tinyproxy,
 )
-from tests.support.targets import CHUNK, Target, pattern_digest, serve_digest
+from tests.support.targets import serve_digest
 
 pytestmark = pytest.mark.slow
 
@@ -88,37 +85,6 @@ def launch_agent(
     process = Process(name, argv, hub.log_dir, env={**NO_PROXY_ENV, **(env or {})})
     hub.agents[name] = process
     return process
-
-
-async def transfer(
-    hub: Hub, cluster: str, target: Target, size: int = SIZE, *, tls: ssl.SSLContext | None = None
-) -> float:
-    """``size`` bytes each way between the test and ``target`` inside ``cluster``, through the hub's
-    client port (SDK, the hub client certificate or ``tls``) and that cluster's agent; both
-    sha256-checked. Returns the seconds it took."""
-    token = f"{cluster}-{random.getrandbits(32):08x}"
-    upload = random.Random(token).randbytes(size)
-    received = hashlib.sha256()
-    started = trio.current_time()
-    client = tls or TLSFiles(hub.pki.ca, hub.pki.client.cert, hub.pki.client.key)
-    async with open_tunnel(f"127.0.0.1:{hub.client_port}", client, server_hostname="localhost") as tunnel:
-        stream = await tunnel.connect(cluster, target.host, target.port)
-
-        async def send() -> None:
-            await stream.send_all(f"{token} {size}\n".encode())
-            for i in range(0, size, CHUNK):
-                await stream.send_all(upload[i : i + CHUNK])
-            await stream.send_eof()
-
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(send)
-                while data := await stream.receive_some(CHUNK):
-                    received.update(data)
-    elapsed = trio.current_time() - started
-    assert received.hexdigest() == pattern_digest(token, size), "the download's sha256 does not match"
-    assert target.received[token] == hashlib.sha256(upload).hexdigest(), "the upload's sha256 does not match"
-    return elapsed
 
 
 def only_connects_to(proxy: ForwardProxyProcess, *ports: int) -> list[Request]:

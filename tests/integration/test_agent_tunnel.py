@@ -229,7 +229,7 @@ async def test_backoff_grows_and_resets_after_a_stable_tunnel(autojump_clock: tr
     peers: list[trio.abc.Stream] = []
     fail = True
 
-    async def opener() -> trio.abc.Stream:
+    async def opener(_transport_tasks: trio.Nursery) -> trio.abc.Stream:
         attempts.append(trio.current_time())
         if fail:
             raise ConnectionRefusedError(111, "Connection refused")

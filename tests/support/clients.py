@@ -1,9 +1,10 @@
-"""Hub clients for tests: an HTTP/1.1 CONNECT client over mTLS (the SDK covers HTTP/2), and an SDK
-echo round trip."""
+"""Hub clients for tests: an HTTP/1.1 CONNECT client over mTLS (the SDK covers HTTP/2), an SDK
+echo round trip, and a digest-checked transfer both ways to a cluster's target."""
 
 from __future__ import annotations
 
 import hashlib
+import random
 import ssl
 from dataclasses import dataclass
 
@@ -12,6 +13,8 @@ import trio
 from clusterproxy_protocol import tls
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from tests.support.pki import PkiFiles
+from tests.support.procs import Hub
+from tests.support.targets import CHUNK, Target, pattern_digest
 
 
 async def sdk_echo_intact(client_port: int, pki: PkiFiles, echo_port: int, size: int) -> bool:
@@ -76,3 +79,34 @@ async def h1_connect(
         pass
     await trio.aclose_forcefully(stream)
     return ConnectReply(status, head.decode(), body, None)
+
+
+async def transfer(
+    hub: Hub, cluster: str, target: Target, size: int = 16 << 20, *, tls: ssl.SSLContext | None = None
+) -> float:
+    """``size`` bytes each way between the test and ``target`` inside ``cluster``, through the hub's
+    client port (SDK, the hub client certificate or ``tls``) and that cluster's agent; both
+    sha256-checked. Returns the seconds it took."""
+    token = f"{cluster}-{random.getrandbits(32):08x}"
+    upload = random.Random(token).randbytes(size)
+    received = hashlib.sha256()
+    started = trio.current_time()
+    client = tls or TLSFiles(hub.pki.ca, hub.pki.client.cert, hub.pki.client.key)
+    async with open_tunnel(f"127.0.0.1:{hub.client_port}", client, server_hostname="localhost") as tunnel:
+        stream = await tunnel.connect(cluster, target.host, target.port)
+
+        async def send() -> None:
+            await stream.send_all(f"{token} {size}\n".encode())
+            for i in range(0, size, CHUNK):
+                await stream.send_all(upload[i : i + CHUNK])
+            await stream.send_eof()
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                while data := await stream.receive_some(CHUNK):
+                    received.update(data)
+    elapsed = trio.current_time() - started
+    assert received.hexdigest() == pattern_digest(token, size), "the download's sha256 does not match"
+    assert target.received[token] == hashlib.sha256(upload).hexdigest(), "the upload's sha256 does not match"
+    return elapsed

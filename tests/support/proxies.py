@@ -59,7 +59,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _accepts(port: int) -> bool:
+def accepts(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1.0):
             return True
@@ -142,7 +142,7 @@ class ForwardProxyProcess:
 
     async def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> None:
         with trio.move_on_after(timeout):
-            while not await trio.to_thread.run_sync(_accepts, self.port):
+            while not await trio.to_thread.run_sync(accepts, self.port):
                 if self.process.popen.poll() is not None:
                     raise AssertionError(
                         f"{self.kind} exited ({self.process.popen.returncode}) before listening on "

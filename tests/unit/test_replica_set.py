@@ -130,7 +130,7 @@ class FakeBalancer:
     def remove(self, server_id: str) -> None:
         self.replicas.pop(server_id).stop()
 
-    async def open(self) -> trio.abc.Stream:
+    async def open(self, _transport_tasks: trio.Nursery) -> trio.abc.Stream:
         self.dials += 1
         ready = [r for r in self.replicas.values() if not r.draining]
         if not ready:

@@ -48,9 +48,10 @@ def reset_if_process_dies(stream: trio.abc.Stream) -> None:
 
 async def close_cleanly(stream: trio.abc.Stream, grace: float = CLOSE_GRACE) -> None:
     """Close ``stream`` as a clean end: for TLS, send ``close_notify`` and give the peer up to
-    ``grace`` seconds to answer with its own (or close), then end TCP with a FIN. Never raises for a
-    peer that is gone already; it is closed in the end whatever happens."""
-    tcp = _socket_of(stream)
+    ``grace`` seconds to answer with its own (or close), then end the stream under it (TCP: a FIN; a
+    WebSocket: its close frame) within what is left of ``grace``. Never raises for a peer that is gone
+    already; it is closed in the end whatever happens."""
+    inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else None
     _set_linger(stream, _LINGER_OFF)
     try:
         with trio.move_on_after(grace), contextlib.suppress(*_TRANSPORT_ERRORS):
@@ -60,11 +61,12 @@ async def close_cleanly(stream: trio.abc.Stream, grace: float = CLOSE_GRACE) -> 
                 # closes (closing with its bytes unread would send RST, which can destroy our last).
                 _drop_buffered_input(stream)
                 await stream.unwrap()
+                await inner.aclose()  # after unwrap() the SSLStream no longer closes it
             else:
                 await stream.aclose()
     finally:
-        if tcp is not None:
-            await trio.aclose_forcefully(tcp)  # after unwrap() the SSLStream no longer holds it
+        if inner is not None:
+            await trio.aclose_forcefully(inner)
         await trio.aclose_forcefully(stream)
 
 

@@ -22,27 +22,11 @@ from clusterproxy_protocol import tls
 from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.errors import describe_exception
 from clusterproxy_protocol.forward_proxy import ConnectExchange, ForwardProxyError, ProxyURL
-from clusterproxy_protocol.wire import ALPN_HTTP1, format_authority
+from clusterproxy_protocol.wire import format_authority
 
-__all__ = ["ForwardProxy", "open_tcp_or_proxy", "proxy_ssl_context"]
+__all__ = ["ForwardProxy", "open_tcp_or_proxy"]
 
 READ_SIZE = 4096
-
-
-def proxy_ssl_context(ca_file: Path | None) -> ssl.SSLContext:
-    """The TLS context for an ``https://`` proxy, verified with ``ca_file`` or else the system's trust
-    store (TLS 1.2 or later: proxies are not ours to pin to 1.3). ConfigError when ``ca_file`` cannot
-    be read or holds no certificate."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    ctx.check_hostname = True
-    ctx.set_alpn_protocols([ALPN_HTTP1])
-    if ca_file is not None:
-        tls.load_trust(ctx, ca_file)
-    else:
-        ctx.load_default_certs()
-    return ctx
 
 
 @dataclass(frozen=True)
@@ -58,7 +42,7 @@ class ForwardProxy:
         return self.url.redacted
 
     def ssl_context(self) -> ssl.SSLContext:
-        return proxy_ssl_context(self.ca_file)
+        return tls.web_client_context(self.ca_file)
 
     async def open(self, host: str, port: int) -> trio.abc.Stream:
         """A stream to ``host:port`` through the proxy (the ``CONNECT`` answered 2xx)."""

@@ -125,3 +125,19 @@ def client_context(cert: Path | None, key: Path | None, ca: Path, *, alpn: Seque
         load_cert_chain(ctx, cert, key)
     load_trust(ctx, ca)
     return ctx
+
+
+def web_client_context(ca_file: Path | None) -> ssl.SSLContext:
+    """TLS to an HTTP/1.1 server that is not ours (a forward proxy, an ingress): verified with
+    ``ca_file`` or else the system's trust store, TLS 1.2 or later (not ours to pin to 1.3).
+    ConfigError when ``ca_file`` cannot be read or holds no certificate."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.check_hostname = True
+    ctx.set_alpn_protocols(["http/1.1"])
+    if ca_file is not None:
+        load_trust(ctx, ca_file)
+    else:
+        ctx.load_default_certs()
+    return ctx

@@ -24,6 +24,11 @@ PRESENTING_HEADER = "cluster-proxy-presenting"  # serials (hex) of the leaves th
 # Control paths the server asks an agent on the tunnel.
 INFO_PATH = "/v1/info"
 
+# The WebSocket transport (websocket.py): the agent's upgrade request path and the subprotocol both
+# ends require (a WebSocket endpoint that is not a proxy-server's does not choose it).
+WEBSOCKET_PATH = "/v1/tunnel"
+WEBSOCKET_SUBPROTOCOL = "cluster-proxy-tunnel.v1"
+
 # TLS ALPN protocol ids.
 ALPN_H2 = "h2"
 ALPN_HTTP1 = "http/1.1"

@@ -13,13 +13,14 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import trio
 
 from clusterproxy_agent.agent import Agent, AgentConfig, agent_version
 from clusterproxy_agent.egress import EgressPolicy, Rule, parse_rule
 from clusterproxy_agent.replicas import ReplicaSet
-from clusterproxy_agent.tunnel import Opener, TunnelOptions, tls_opener
+from clusterproxy_agent.tunnel import Opener, TunnelOptions, tls_opener, websocket_carrier
 from clusterproxy_protocol import certclient, workarounds
 from clusterproxy_protocol.admin import Response, metrics_response, serve_admin
 from clusterproxy_protocol.bootstrap import bootstrap_with_retry
@@ -39,12 +40,13 @@ from clusterproxy_protocol.config import (
 )
 from clusterproxy_protocol.core import TunnelSettings
 from clusterproxy_protocol.forward_proxy import NoProxy, ProxySettings, ProxyURL, Route
-from clusterproxy_protocol.forward_proxy_trio import ForwardProxy, proxy_ssl_context
+from clusterproxy_protocol.forward_proxy_trio import ForwardProxy
 from clusterproxy_protocol.logs import configure_logging, get_logger
 from clusterproxy_protocol.pki import agent_uri
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
-from clusterproxy_protocol.tls import client_context
-from clusterproxy_protocol.wire import CLUSTER_NAME, format_authority
+from clusterproxy_protocol.tls import client_context, web_client_context
+from clusterproxy_protocol.websocket import host_header
+from clusterproxy_protocol.wire import CLUSTER_NAME, WEBSOCKET_PATH, format_authority
 
 __all__ = ["AgentSettings", "build_parser", "main", "parse_settings", "serve"]
 
@@ -78,12 +80,55 @@ def agent_id(text: str) -> str:
     return value
 
 
-def server_addresses(text: str) -> list[tuple[str, int]]:
-    """``HOST:PORT``, or several separated by commas: the proxy-server replicas' agent port(s)."""
+@dataclass(frozen=True)
+class WebSocketEndpoint:
+    """The tunnel carried in a WebSocket (``--server ws[s]://HOST[:PORT][/PATH]``): ``secure`` for
+    ``wss://`` (TLS with the ingress in front of the hub), ``path`` of the upgrade request."""
+
+    secure: bool
+    path: str = WEBSOCKET_PATH
+
+    def url(self, host: str, port: int) -> str:
+        return f"{'wss' if self.secure else 'ws'}://{host_header(host, port, self.secure)}{self.path}"
+
+
+ServerAddress = tuple[tuple[str, int], WebSocketEndpoint | None]
+
+
+def server_address(text: str) -> ServerAddress:
+    """``HOST:PORT`` (the agent port: TLS over TCP) or ``wss://HOST[:PORT][/PATH]`` / ``ws://...``
+    (a WebSocket endpoint: an ingress in front of the proxy-server's WebSocket port)."""
+    if "://" not in text:
+        return parse_dialable_hostport(text), None
+    parts = urlsplit(text)
+    scheme = parts.scheme.lower()
+    if scheme not in ("ws", "wss"):
+        raise InvalidValue(
+            f"invalid server address {text!r}: {scheme}:// is not a transport; give HOST:PORT for the "
+            "agent port, or wss://HOST[:PORT][/PATH] for the WebSocket transport"
+        )
+    if parts.username is not None or parts.query or parts.fragment:
+        raise InvalidValue(
+            f"invalid server address {text!r}: a WebSocket URL takes no user info, query or fragment"
+        )
+    try:
+        port = parts.port or (443 if scheme == "wss" else 80)
+    except ValueError:
+        raise InvalidValue(f"invalid server address {text!r}: the port must be 1-65535") from None
+    if not parts.hostname:
+        raise InvalidValue(f"invalid server address {text!r}: no host")
+    path = parts.path if parts.path not in ("", "/") else WEBSOCKET_PATH
+    return (parts.hostname, port), WebSocketEndpoint(secure=scheme == "wss", path=path)
+
+
+def server_addresses(text: str) -> list[ServerAddress]:
+    """``HOST:PORT`` or a ``wss://`` URL, or several separated by commas: the proxy-server replicas."""
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
-        raise InvalidValue(f"invalid server address {text!r}: expected HOST:PORT[,HOST:PORT...]")
-    return [parse_dialable_hostport(item) for item in items]
+        raise InvalidValue(
+            f"invalid server address {text!r}: expected HOST:PORT[,HOST:PORT...] or wss://HOST[:PORT][/PATH]"
+        )
+    return [server_address(item) for item in items]
 
 
 def signer_url(text: str) -> str:
@@ -145,6 +190,9 @@ class AgentSettings:
     # every address of --server: one (load-balanced: dialed until each replica is held) or one per
     # replica; empty means [server]
     servers: list[tuple[str, int]] = field(default_factory=list)
+    # the tunnel inside a WebSocket to each server address (--server wss://...), None: TLS over TCP
+    websocket: WebSocketEndpoint | None = None
+    websocket_ca_file: Path | None = None  # verifies a wss:// endpoint (else the system's trust store)
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -154,7 +202,13 @@ class AgentSettings:
 
     @property
     def server_list(self) -> str:
-        return ",".join(format_authority(*address) for address in self.servers)
+        return ",".join(self.server_label(address) for address in self.servers)
+
+    def server_label(self, address: tuple[str, int]) -> str:
+        """``HOST:PORT``, or the WebSocket URL it is reached at."""
+        if self.websocket is not None:
+            return self.websocket.url(*address)
+        return format_authority(*address)
 
     def policy(self) -> EgressPolicy:
         return EgressPolicy.build(
@@ -222,6 +276,8 @@ class AgentSettings:
             "proxy_to_server": "; ".join(self.proxy.route(*address).why for address in self.servers),
             "proxy_to_signer": self.proxy.route(*self.signer_address()).why if self.signer else None,
             "proxy_ca_file": str(self.proxy_ca_file) if self.proxy_ca_file else None,
+            "transport": "websocket" if self.websocket is not None else "tls",
+            "websocket_ca_file": str(self.websocket_ca_file) if self.websocket_ca_file else None,
             "version": agent_version(),
         }
 
@@ -244,7 +300,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT[,HOST:PORT...]",
         help="the proxy-server's agent port. One address (a load balancer or Service in front of every "
         "replica): the agent keeps dialing it until it holds a tunnel to each replica the servers "
-        "count. Several addresses (comma-separated or repeated), one per replica: a tunnel to each",
+        "count. Several addresses (comma-separated or repeated), one per replica: a tunnel to each. "
+        "wss://HOST[:PORT][/PATH] (path default /v1/tunnel) carries the tunnel in a WebSocket, for a hub "
+        "reachable only through an L7 ingress; the mutual TLS with the proxy-server runs inside it",
+    )
+    flag(
+        "--websocket-ca-file",
+        type=existing_file,
+        metavar="FILE",
+        help="CA bundle to verify the TLS of a wss:// --server (the ingress's certificate; default: the "
+        "system's trust store). The proxy-server itself is verified with --ca as always",
     )
     flag(
         "--server-name",
@@ -446,13 +511,30 @@ def parse_settings(
         )
     if not math.isfinite(args.drain_timeout):
         parser.error(f"--drain-timeout {args.drain_timeout!r} must be finite")
-    servers = [address for addresses in args.server for address in addresses]
+    given = [address for addresses in args.server for address in addresses]
+    servers = [address for address, _websocket in given]
     repeated = sorted({format_authority(*a) for a in servers if servers.count(a) > 1})
     if repeated:
         parser.error(f"--server lists {', '.join(repeated)} more than once: give each replica once")
+    transports = {websocket for _address, websocket in given}
+    if len(transports) > 1:
+        parser.error(
+            "--server mixes transports or WebSocket paths: give every replica the same way (all HOST:PORT, "
+            "or all wss:// URLs with one path)"
+        )
+    websocket = transports.pop()
+    if args.websocket_ca_file is not None:
+        if websocket is None or not websocket.secure:
+            parser.error("--websocket-ca-file verifies a wss:// --server, and none is given")
+        try:
+            web_client_context(args.websocket_ca_file)
+        except ConfigError as exc:
+            parser.error(f"--websocket-ca-file: {exc}")
     settings = AgentSettings(
         server=servers[0],
         servers=servers,
+        websocket=websocket,
+        websocket_ca_file=args.websocket_ca_file,
         server_name=(args.server_name or "").strip(),
         cluster=args.cluster,
         agent_id=args.agent_id or _default_agent_id(),
@@ -487,7 +569,7 @@ def parse_settings(
     settings.proxy_ca_file = args.proxy_ca_file
     if settings.proxy_ca_file is not None:
         try:
-            proxy_ssl_context(settings.proxy_ca_file)
+            web_client_context(settings.proxy_ca_file)
         except ConfigError as exc:
             parser.error(f"--proxy-ca-file: {exc}")
     try:
@@ -568,11 +650,12 @@ class Service:
 
     def _target(self, address: tuple[str, int]) -> tuple[TunnelOptions, Opener]:
         """How to reach one --server address: its tunnel options and its TLS opener (through the
-        forward proxy that applies to it, if any)."""
+        forward proxy that applies to it, if any; in a WebSocket with a wss:// --server)."""
         settings = self.settings
         proxy, _route = settings.forward_proxy(*address)
         options = TunnelOptions(
             server=address,
+            url=settings.websocket.url(*address) if settings.websocket is not None else None,
             connect_timeout=settings.connect_timeout,
             keepalive=(settings.keepalive_interval, settings.keepalive_timeout),
             backoff_initial=settings.backoff_initial,
@@ -580,8 +663,17 @@ class Service:
             settings=settings.tunnel,
             proxy=str(proxy) if proxy is not None else None,
         )
+        carrier = None
+        if settings.websocket is not None:
+            ca_file = settings.websocket_ca_file
+            outer = (lambda: web_client_context(ca_file)) if settings.websocket.secure else None
+            carrier = websocket_carrier(*address, settings.websocket.path, outer)
         opener = tls_opener(
-            address, self.tls, settings.server_name, dial=proxy.open if proxy else trio.open_tcp_stream
+            address,
+            self.tls,
+            settings.server_name,
+            dial=proxy.open if proxy else trio.open_tcp_stream,
+            carrier=carrier,
         )
         return options, opener
 

@@ -1,8 +1,8 @@
 """Dial out to the proxy-server and keep a tunnel up, reconnecting forever with jittered backoff.
 
 The transport is a parameter (:data:`Opener`): TLS over TCP by default (:func:`tls_opener`), whose
-byte stream under the TLS may come from a forward proxy (its ``dial``); a WebSocket transport only has
-to return another ``trio.abc.Stream``.
+byte stream under the TLS may come from a forward proxy (its ``dial``) and may be carried in a
+WebSocket (its ``carrier``, :func:`websocket_carrier`); the HTTP/2 tunnel on top is the same.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from clusterproxy_protocol.core import Role, TunnelSettings
 from clusterproxy_protocol.driver import limit_reporter, open_mux
 from clusterproxy_protocol.errors import describe_exception
 from clusterproxy_protocol.pki import CertRole, certificate_role
+from clusterproxy_protocol.websocket import WebSocketFailed, host_header, open_websocket
 from clusterproxy_protocol.wire import format_authority
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "TunnelRunner",
     "check_server_role",
     "tls_opener",
+    "websocket_carrier",
 ]
 
 ALPN = "h2"
@@ -37,8 +39,12 @@ ALPN = "h2"
 # 409; should it not (an older server), the agent closes it itself after this long.
 DUPLICATE_CLOSE_GRACE = 5.0
 
-Opener = Callable[[], Awaitable[trio.abc.Stream]]
+# Opens the tunnel's transport; the nursery runs the transport's own tasks (a WebSocket's reader) and
+# lives as long as the tunnel.
+Opener = Callable[[trio.Nursery], Awaitable[trio.abc.Stream]]
 Dial = Callable[[str, int], Awaitable[trio.abc.Stream]]  # a byte stream to HOST:PORT
+# What the tunnel's TLS runs on, made from the dialed byte stream (e.g. a WebSocket inside it).
+Carrier = Callable[[trio.Nursery, trio.abc.Stream], Awaitable[trio.abc.Stream]]
 
 
 class HandshakeError(Exception):
@@ -55,10 +61,11 @@ class TunnelOptions:
     stable_after: float = 10.0  # a tunnel that lived longer resets the backoff
     settings: TunnelSettings | None = None
     proxy: str | None = None  # the forward proxy dialed through (redacted URL), for the log lines
+    url: str | None = None  # the WebSocket URL the tunnel is carried to, when it is
 
     @property
     def address(self) -> str:
-        return format_authority(*self.server)
+        return self.url or format_authority(*self.server)
 
 
 class Backoff:
@@ -104,6 +111,7 @@ def tls_opener(
     server_name: str,
     *,
     dial: Dial = trio.open_tcp_stream,
+    carrier: Carrier | None = None,
 ) -> Opener:
     """TCP to ``server``, TLS handshake (the agent certificate in ``ctx``), ALPN ``h2`` and a
     server-role certificate required.
@@ -112,14 +120,16 @@ def tls_opener(
     called at each dial: a renewed certificate or a changed trust bundle applies to the next tunnel.
     ``dial`` opens the byte stream the TLS runs on: TCP, or a forward proxy's ``CONNECT`` tunnel
     (:meth:`~clusterproxy_protocol.forward_proxy_trio.ForwardProxy.open`), which then sees only TLS.
+    ``carrier`` turns that byte stream into the one the TLS runs on (:func:`websocket_carrier`).
     """
     host, port = server
 
-    async def open_tls() -> trio.abc.Stream:
+    async def open_tls(nursery: trio.Nursery) -> trio.abc.Stream:
         tcp = await dial(host, port)
         try:
+            carried = await carrier(nursery, tcp) if carrier is not None else tcp
             context = ctx() if callable(ctx) else ctx
-            tls = trio.SSLStream(tcp, context, server_hostname=server_name)
+            tls = trio.SSLStream(carried, context, server_hostname=server_name)
             await tls.do_handshake()
             selected = tls.selected_alpn_protocol()
             if selected != ALPN:
@@ -131,6 +141,28 @@ def tls_opener(
         return tls
 
     return open_tls
+
+
+def websocket_carrier(
+    host: str, port: int, path: str, outer: ssl.SSLContext | Callable[[], ssl.SSLContext] | None
+) -> Carrier:
+    """A WebSocket to ``host:port`` + ``path`` (``wss://`` with the ``outer`` TLS context, verifying
+    the ingress in front of the hub; ``ws://`` without), on the dialed byte stream."""
+    authority = host_header(host, port, secure=outer is not None)
+
+    async def carry(nursery: trio.Nursery, stream: trio.abc.Stream) -> trio.abc.Stream:
+        if outer is not None:
+            context = outer() if callable(outer) else outer
+            stream = trio.SSLStream(stream, context, server_hostname=host)
+            try:
+                await stream.do_handshake()
+            except (ssl.SSLError, trio.BrokenResourceError) as exc:
+                raise WebSocketFailed(
+                    f"TLS with the WebSocket endpoint {authority} failed: {describe_exception(exc)}"
+                ) from exc
+        return await open_websocket(nursery, stream, authority, path)
+
+    return carry
 
 
 class TunnelRunner:
@@ -196,14 +228,14 @@ class TunnelRunner:
         self._wait_scope = scope
         return scope
 
-    async def _connect(self) -> trio.abc.Stream | None:
+    async def _connect(self, transport_tasks: trio.Nursery) -> trio.abc.Stream | None:
         timeout = self.options.connect_timeout
         error: str | None = None
         transport: trio.abc.Stream | None = None
         with self._interruptible():
             try:
                 with trio.fail_after(timeout):
-                    transport = await self._open()
+                    transport = await self._open(transport_tasks)
             except trio.TooSlowError:
                 error = f"connect to {self.options.address} timed out after {timeout:g}s"
             except (OSError, trio.BrokenResourceError, ssl.SSLError, HandshakeError) as exc:
@@ -220,7 +252,13 @@ class TunnelRunner:
             self.agent.metrics.tunnel_reconnects.inc()
         self.attempts += 1
         self.log.debug("tunnel_connecting", attempt=self.attempts)
-        transport = await self._connect()
+        async with trio.open_nursery() as transport_tasks:
+            lived = await self._connect_and_serve(transport_tasks)
+            transport_tasks.cancel_scope.cancel()  # the transport is closed: its tasks have nothing left
+        return lived
+
+    async def _connect_and_serve(self, transport_tasks: trio.Nursery) -> float:
+        transport = await self._connect(transport_tasks)
         if transport is None:
             return 0.0
         started = trio.current_time()

@@ -61,15 +61,20 @@ class AgentPort:
         self.draining = draining if draining is not None else trio.Event()  # set on SIGTERM
 
     async def serve(self, tcp: trio.SocketStream) -> None:
-        peer = format_address(tcp.socket.getpeername())
+        await self.serve_transport(tcp, format_address(tcp.socket.getpeername()), "agent")
+
+    async def serve_transport(self, transport: trio.abc.Stream, peer: str, port: str) -> None:
+        """An agent's tunnel on ``transport`` (TCP, or a WebSocket's byte stream from
+        :mod:`.agent_websocket`, whose ``port`` label its refusals are counted under)."""
         stream = await accept_tls(
-            tcp,
+            transport,
             self._context(),
-            "agent",
+            port,
             self.handshake_timeout,
             self.metrics,
             self.log,
             accepted=CertRole.AGENT,
+            peer=peer,
         )
         if stream is None:
             return

@@ -1,6 +1,7 @@
-"""The proxy-server: its three listeners (agent, client, admin), its lifecycle and drain.
+"""The proxy-server: its listeners (agent, client, admin, and optionally agent-over-WebSocket), its
+lifecycle and drain.
 
-The agent port is :mod:`.agent_port`; the client port hands each connection, once authenticated and
+The agent port is :mod:`.agent_port` (its WebSocket twin :mod:`.agent_websocket`); the client port hands each connection, once authenticated and
 its protocol told by the first bytes, to a frontend (:mod:`.frontends`), which adapts it to the one
 dial-and-relay path (:mod:`.relaying`); the admin port's routes are :mod:`.admin`.
 
@@ -44,6 +45,7 @@ from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, Renewa
 from clusterproxy_protocol.wire import ALPN_H2, ALPN_HTTP1, format_address
 from clusterproxy_server.admin import admin_routes
 from clusterproxy_server.agent_port import AgentPort
+from clusterproxy_server.agent_websocket import AgentWebSocketPort
 from clusterproxy_server.authz import ClientIdentity, PolicyFile
 from clusterproxy_server.config import ServerConfig
 from clusterproxy_server.ejection import OutlierEjection
@@ -70,6 +72,7 @@ class BoundAddresses:
     agent: tuple[str, int]
     client: tuple[str, int]
     admin: tuple[str, int]
+    agent_websocket: tuple[str, int] | None = None
 
 
 class ProxyServer:
@@ -123,6 +126,9 @@ class ProxyServer:
             tunnel_settings=config.tunnel,
             draining=self.drain.started,
         )
+        self.agent_websocket_port = AgentWebSocketPort(
+            self.agent_port, metrics=self.metrics, log=self.log, handshake_timeout=config.handshake_timeout
+        )
         self.ready = False
         self.stopping = False  # SIGTERM received: /readyz fails from now on
         self._accepting: list[trio.CancelScope] = []
@@ -136,8 +142,13 @@ class ProxyServer:
         agent_listeners = await trio.open_tcp_listeners(cfg.agent_listen[1], host=cfg.agent_listen[0])
         client_listeners = await trio.open_tcp_listeners(cfg.client_listen[1], host=cfg.client_listen[0])
         admin_listeners = await trio.open_tcp_listeners(cfg.admin_listen[1], host=cfg.admin_listen[0])
+        websocket_listeners = []
+        if cfg.agent_websocket_listen is not None:
+            host, port = cfg.agent_websocket_listen
+            websocket_listeners = await trio.open_tcp_listeners(port, host=host)
         bound = BoundAddresses(
-            *(ls[0].socket.getsockname()[:2] for ls in (agent_listeners, client_listeners, admin_listeners))
+            *(ls[0].socket.getsockname()[:2] for ls in (agent_listeners, client_listeners, admin_listeners)),
+            agent_websocket=websocket_listeners[0].socket.getsockname()[:2] if websocket_listeners else None,
         )
         async with trio.open_nursery() as nursery:
             routes = admin_routes(self.registry, self.metrics, self._not_ready, cfg.server_id)
@@ -148,6 +159,8 @@ class ProxyServer:
                 self._agents, self._clients = agents, clients
                 for listener in agent_listeners:
                     agents.start_soon(self._accept, listener, self.handle_agent, agents)
+                for listener in websocket_listeners:
+                    agents.start_soon(self._accept, listener, self.handle_agent_websocket, agents)
                 for listener in client_listeners:
                     clients.start_soon(self._accept, listener, self.handle_client, clients)
                 self.relayer.start_grace()
@@ -155,6 +168,9 @@ class ProxyServer:
                 self.log.info(
                     "server_started",
                     agent_port=format_address(bound.agent),
+                    agent_websocket_port=format_address(bound.agent_websocket)
+                    if bound.agent_websocket
+                    else None,
                     client_port=format_address(bound.client),
                     admin_port=format_address(bound.admin),
                     known_clusters=sorted(cfg.known_clusters),
@@ -270,6 +286,9 @@ class ProxyServer:
     async def handle_agent(self, tcp: trio.SocketStream) -> None:
         await self._guarded("agent", tcp, self.agent_port.serve)
 
+    async def handle_agent_websocket(self, tcp: trio.SocketStream) -> None:
+        await self._guarded("agent-websocket", tcp, self.agent_websocket_port.serve)
+
     async def handle_client(self, tcp: trio.SocketStream) -> None:
         if self._client_connections == 0:
             self._clients_gone = trio.Event()
@@ -302,6 +321,7 @@ class ProxyServer:
             self.metrics,
             self.log,
             accepted=CertRole.CLIENT,
+            peer=peer,
         )
         if stream is None:
             return

@@ -25,6 +25,7 @@ class ServerConfig:
     cert: Path
     key: Path
     agent_listen: tuple[str, int] = ("0.0.0.0", 8091)
+    agent_websocket_listen: tuple[str, int] | None = None  # agent tunnels in WebSockets (behind an ingress)
     client_listen: tuple[str, int] = ("0.0.0.0", 8090)
     admin_listen: tuple[str, int] = ("0.0.0.0", 8092)
     server_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")

@@ -11,7 +11,6 @@ import trio
 from cryptography import x509
 
 from clusterproxy_protocol.pki import CertRole, RoleCheck, certificate_role
-from clusterproxy_protocol.wire import format_address
 from clusterproxy_server.metrics import ServerMetrics
 
 
@@ -24,18 +23,19 @@ def role_refusal(check: RoleCheck, port: str, accepted: CertRole) -> str | None:
 
 
 async def accept_tls(
-    tcp: trio.SocketStream,
+    transport: trio.abc.Stream,
     context: ssl.SSLContext,
     port: str,
     timeout: float,
     metrics: ServerMetrics,
     log: structlog.stdlib.BoundLogger,
     accepted: CertRole,
+    peer: str,
 ) -> trio.SSLStream | None:
     """The mutually authenticated stream of a peer whose certificate has the ``accepted`` role, or
-    None (counted, logged, connection closed) on failure."""
-    peer = format_address(tcp.socket.getpeername())
-    stream = trio.SSLStream(tcp, context, server_side=True, https_compatible=True)
+    None (counted, logged, connection closed) on failure. ``transport``: TCP, or a WebSocket's byte
+    stream; ``peer`` names it in the logs."""
+    stream = trio.SSLStream(transport, context, server_side=True, https_compatible=True)
     try:
         with trio.fail_after(timeout):
             await stream.do_handshake()
@@ -44,7 +44,7 @@ async def accept_tls(
         reason = "handshake timeout" if isinstance(exc, trio.TooSlowError) else type(cause).__name__
         metrics.rejected.labels(port, reason).inc()
         log.info("tls_handshake_failed", port=port, peer=peer, error=str(cause) or reason)
-        await trio.aclose_forcefully(tcp)
+        await trio.aclose_forcefully(transport)
         return None
     cert = x509.load_der_x509_certificate(stream.getpeercert(binary_form=True))
     check = certificate_role(cert)

@@ -94,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="address agents dial (mTLS, HTTP/2)",
     )
     flag(
+        "--agent-websocket-listen",
+        type=parse_hostport,
+        metavar="HOST:PORT",
+        help="also take agent tunnels carried in WebSockets (plain HTTP upgrade at /v1/tunnel, for an L7 "
+        "ingress that terminates TLS in front of it; agents dial wss://INGRESS/v1/tunnel). The agent's "
+        "mutual TLS runs inside the WebSocket, end to end (default: off)",
+    )
+    flag(
         "--client-listen",
         type=parse_hostport,
         default="0.0.0.0:8090",
@@ -353,6 +361,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         cert=args.cert,
         key=args.key,
         agent_listen=args.agent_listen,
+        agent_websocket_listen=args.agent_websocket_listen,
         client_listen=args.client_listen,
         admin_listen=args.admin_listen,
         server_count=args.server_count,
