@@ -229,6 +229,11 @@ def test_server_command_line_is_accepted_by_the_server(ca_pem: str, tmp_path: Pa
     config = config_from_args(args)
     assert config.server_count == 3
     assert config.dial_timeout == 20.0
+    # a rolling upgrade: readiness fails and the Service drops the pod during the delay, then the drain;
+    # Kubernetes must not SIGKILL before both are over
+    assert config.shutdown_delay == 5.0
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > config.shutdown_delay + config.drain_timeout
     assert config.bootstrap_token == TOKEN
     assert config.signer == "https://cluster-proxy-cert-signer.open-cluster-management-addon.svc:8443"
     assert {

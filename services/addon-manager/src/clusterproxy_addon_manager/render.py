@@ -361,6 +361,12 @@ def _deployment(
     }
 
 
+# On SIGTERM the server fails /readyz at once and keeps serving this long, while the Service's endpoints
+# drop the pod (readiness period 5 s); then it drains for its --drain-timeout (default 30 s).
+SERVER_SHUTDOWN_DELAY = 5
+SERVER_DRAIN = 30
+
+
 def _server_deployment(inputs: HubInputs, meta: Any) -> dict[str, Any]:
     cfg = inputs.cfg
     args = [
@@ -373,13 +379,14 @@ def _server_deployment(inputs: HubInputs, meta: Any) -> dict[str, Any]:
         f"--signer={signer_url_in_hub(cfg)}",
         *(f"--tls-host={host}" for host in server_tls_hosts(cfg, inputs.endpoints)),
         f"--server-count={max(cfg.server_replicas, 1)}",
+        f"--shutdown-delay={SERVER_SHUTDOWN_DELAY}s",
         "--log-format=json",
         *cfg.server_args,
     ]
     pod_spec: dict[str, Any] = {
         "serviceAccountName": SERVER_SERVICE_ACCOUNT,
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": 40,  # --drain-timeout 30s, then 10 s to exit
+        "terminationGracePeriodSeconds": SERVER_SHUTDOWN_DELAY + SERVER_DRAIN + 10,  # then 10 s to exit
         "securityContext": _pod_security(),
         "initContainers": [_seed_ca_container(cfg.server_image)],
         "containers": [
