@@ -10,6 +10,7 @@
     cluster-proxy certs status [--json] [--store DIR]
     cluster-proxy certs rotate-ca [start|activate|retire] [--force] [--store DIR]
     cluster-proxy certs token create|list|delete [--store DIR] ...
+    cluster-proxy health [--collector URL | --admin-url URL ... | --state-dir DIR] [-o wide|json] [CLUSTER...]
 
 ``certs`` runs the cert-signer's own command (``cluster-proxy-cert-signer COMMAND ...``) on its store
 (default: the local mode's, ``STATE/pki/store``).
@@ -49,6 +50,7 @@ from clusterproxy_sdk import TLSFiles, check_cluster
 from . import certs as certs_command
 from .commands import SIGNER
 from .enroll import add_enroll_command, run_enroll
+from .health import add_health_command, run_health
 from .local_down import add_local_down_command, run_local_down
 from .state import DEFAULT_STATE_DIR, LOCAL_JSON, proxy_settings, read_local_json
 
@@ -190,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     enrolment = add_enroll_command(commands)
     enrolment.set_defaults(run=run_enroll, subparser=enrolment)
+    health = add_health_command(commands)
+    health.set_defaults(run=run_health, subparser=health)
 
     up.set_defaults(run=_local_up, subparser=up)
     certs.set_defaults(run=_certs, subparser=certs)
