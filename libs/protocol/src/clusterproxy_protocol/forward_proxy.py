@@ -21,9 +21,9 @@ from __future__ import annotations
 import base64
 import ipaddress
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import h11
@@ -316,29 +316,16 @@ class ProxySettings:
         notes: list[str] = []
         source: str | None = proxy_url_source if proxy_url is not None else None
         if proxy_url is None:
-            found = _first_set(environ, HTTPS_PROXY_VARIABLES)
-            if found is not None:
-                source, text = found
-                try:
-                    proxy_url = ProxyURL.parse(text)
-                except InvalidValue as exc:
-                    raise InvalidValue(f"environment variable {source}: {exc}") from None
-            else:
-                plain = _first_set(environ, HTTP_PROXY_VARIABLES)
-                if plain is not None:
-                    notes.append(
-                        f"{plain[0]} is set but not used: it is for plain-HTTP destinations, and the "
-                        "hub's agent port and the cert-signer are TLS; set HTTPS_PROXY or --proxy-url"
-                    )
+            source, proxy_url = _parse_first_set(environ, HTTPS_PROXY_VARIABLES, ProxyURL.parse)
+            plain = _first_set(environ, HTTP_PROXY_VARIABLES)
+            if proxy_url is None and plain is not None:
+                notes.append(
+                    f"{plain[0]} is set but not used: it is for plain-HTTP destinations, and the "
+                    "hub's agent port and the cert-signer are TLS; set HTTPS_PROXY or --proxy-url"
+                )
         exemptions_source: str | None = no_proxy_source if no_proxy is not None else None
         if no_proxy is None:
-            found = _first_set(environ, NO_PROXY_VARIABLES)
-            if found is not None:
-                exemptions_source, text = found
-                try:
-                    no_proxy = NoProxy.parse(text)
-                except InvalidValue as exc:
-                    raise InvalidValue(f"environment variable {exemptions_source}: {exc}") from None
+            exemptions_source, no_proxy = _parse_first_set(environ, NO_PROXY_VARIABLES, NoProxy.parse)
         return cls(proxy_url, source, no_proxy or NoProxy(), exemptions_source, tuple(notes))
 
     def route(self, host: str, port: int) -> Route:
@@ -357,6 +344,23 @@ def _first_set(environ: Mapping[str, str], names: Sequence[str]) -> tuple[str, s
         if value:
             return name, value
     return None
+
+
+_Parsed = TypeVar("_Parsed")
+
+
+def _parse_first_set(
+    environ: Mapping[str, str], names: Sequence[str], parse: Callable[[str], _Parsed]
+) -> tuple[str | None, _Parsed | None]:
+    """(the first of ``names`` set, its value parsed), or (None, None); InvalidValue names the variable."""
+    found = _first_set(environ, names)
+    if found is None:
+        return None, None
+    name, text = found
+    try:
+        return name, parse(text)
+    except InvalidValue as exc:
+        raise InvalidValue(f"environment variable {name}: {exc}") from None
 
 
 # --- the CONNECT exchange --------------------------------------------------------------------------------
