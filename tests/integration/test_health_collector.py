@@ -184,7 +184,8 @@ async def test_metrics_parse_and_carry_per_cluster_series(
     assert "script-src 'sha256-" in headers["content-security-policy"]
     # self-contained: no external script, style, image or font
     assert b"<script>" in body and b"<style>" in body
-    assert not any(marker in body for marker in (b" src=", b" href=", b"@import", b"url("))
+    assert not any(marker in body for marker in (b" src=", b"@import", b"url("))
+    assert body.count(b" href=") == 1 and b'href="data:,"' in body  # no favicon request either
 
 
 async def test_a_proxy_server_it_cannot_reach_is_a_problem_not_an_omission(

@@ -43,7 +43,7 @@ td.cluster { font-weight: 600; }
 td.latency { font-variant-numeric: tabular-nums; white-space: nowrap; }
 td.error { color: #82071e; max-width: 40em; overflow-wrap: anywhere; }
 td.error small { color: var(--muted); display: block; }
-td.agents { color: var(--muted); }
+td.agents { color: var(--muted); white-space: nowrap; }
 svg.spark { display: block; }
 svg.spark polyline { fill: none; stroke: #0969da; stroke-width: 1.5; }
 svg.spark line.fail { stroke: var(--bad); stroke-width: 2; }
@@ -187,6 +187,7 @@ BODY = """<!doctype html>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>cluster-proxy health</title>
+<link rel="icon" href="data:,">
 <style>{style}</style>
 </head>
 <body>
