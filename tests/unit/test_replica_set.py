@@ -16,8 +16,16 @@ import trio.testing
 from clusterproxy_agent.agent import Agent, AgentConfig, ServerIdentity, TunnelRecord
 from clusterproxy_agent.egress import EgressPolicy
 from clusterproxy_agent.main import parse_settings
-from clusterproxy_agent.replicas import MAX_REPLICAS, Plan, ReplicaSet, SlotState, plan, wanted_replicas
-from clusterproxy_agent.tunnel import TunnelOptions
+from clusterproxy_agent.replicas import (
+    MAX_REPLICAS,
+    Plan,
+    ReplicaSet,
+    SlotState,
+    plan,
+    slot_state,
+    wanted_replicas,
+)
+from clusterproxy_agent.tunnel import TunnelOptions, TunnelRunner
 from clusterproxy_protocol.core import Role
 from clusterproxy_protocol.driver import Mux, open_mux
 from clusterproxy_protocol.pki import DevCA
@@ -393,3 +401,38 @@ def test_bad_server_lists_stop_the_start(
         parse_settings(["--server", value, *agent_files], environ={})
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+# --- a slot stopped while its tunnel opens --------------------------------------------------------------
+
+
+def test_a_slot_whose_transport_is_up_counts_as_holding() -> None:
+    # between the connect and the tunnel's record the plan must not take the slot for a dialing one: a
+    # stop meant for a dialing slot would leave its tunnel held by a slot the plan no longer counts, and
+    # another slot would dial for that replica forever (each dial a 409)
+    assert slot_state(None, opening=True) is H
+    assert slot_state(None) is D
+
+
+async def test_a_slot_stopped_as_its_connect_completes_opens_no_tunnel(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    agent = Agent(AgentConfig("cluster1", "agent-a", policy=EgressPolicy.build()))
+    runner: TunnelRunner
+    peer_ends: list[trio.testing.MemoryReceiveStream] = []
+
+    async def open_while_stopped(_transport_tasks: trio.Nursery) -> trio.abc.Stream:
+        ours, theirs = trio.testing.memory_stream_pair()
+        peer_ends.append(theirs)  # type: ignore[arg-type]
+        runner.stop()  # the stop arrives; the connect completes without another checkpoint
+        return ours
+
+    options = TunnelOptions(server=("hub", 8091), keepalive=None)
+    runner = TunnelRunner(agent, options, open_while_stopped)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(runner.run)
+        with trio.fail_after(5):
+            await runner.stopped.wait()
+    assert runner.attempts == 1 and not agent.tunnels and runner.record is None and not runner.opening
+    with trio.fail_after(1), pytest.raises(trio.BrokenResourceError):  # our end was closed
+        await peer_ends[0].send_all(b"x")

@@ -56,7 +56,11 @@ class Plan:
     stop: tuple[int, ...]  # indexes (into the states given) of dialing slots to stop
 
 
-def slot_state(record: TunnelRecord | None) -> SlotState:
+def slot_state(record: TunnelRecord | None, opening: bool = False) -> SlotState:
+    """``opening``: the slot's transport is up and its tunnel being set up (no record yet); it counts
+    as holding, or a stop meant for a dialing slot would land on a tunnel about to hold a replica."""
+    if opening:
+        return SlotState.HOLDING
     if record is None or record.mux.dead or record.duplicate:
         return SlotState.DIALING
     if record.mux.peer_draining:
@@ -161,7 +165,7 @@ class ReplicaSet:
         self.agent.expected_replicas = wanted * len(self.targets)
         for group, (options, opener) in enumerate(self.targets):
             slots = [s for s in self.slots if s.group == group and not s.runner.stopping]
-            decision = plan([slot_state(s.runner.record) for s in slots], wanted)
+            decision = plan([slot_state(s.runner.record, s.runner.opening) for s in slots], wanted)
             for index in decision.stop:
                 slots[index].runner.stop()
             if decision.start or decision.stop:

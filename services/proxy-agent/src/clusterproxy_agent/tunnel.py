@@ -191,6 +191,7 @@ class TunnelRunner:
         self._wait_scope: trio.CancelScope | None = None
         self.attempts = 0
         self.record: TunnelRecord | None = None
+        self.opening = False  # the transport is up, the tunnel not yet recorded (see replicas.slot_state)
 
     @property
     def stopping(self) -> bool:
@@ -261,6 +262,10 @@ class TunnelRunner:
         transport = await self._connect(transport_tasks)
         if transport is None:
             return 0.0
+        if self._stopping:  # stopped while the connect finished: it is not wanted any more
+            await trio.aclose_forcefully(transport)
+            return 0.0
+        self.opening = True
         started = trio.current_time()
         reason = "closed"
         duplicate = False
@@ -275,6 +280,7 @@ class TunnelRunner:
             ) as mux:
                 with self.agent.tunnel(mux, self.options.address) as record:
                     self.record = record
+                    self.opening = False
                     self.log.info("tunnel_connected")
                     try:
                         async with trio.open_nursery() as watchers:
@@ -289,6 +295,8 @@ class TunnelRunner:
         except Exception as exc:
             reason = f"tunnel failed: {describe_exception(exc)}"
             self.log.exception("tunnel_error", error=reason)
+        finally:
+            self.opening = False
         lived = trio.current_time() - started
         if duplicate:  # counted and logged as replica_already_held; the backoff grows as for a failure
             self.log.debug("tunnel_disconnected", error=reason, lived=round(lived, 3), duplicate=True)
