@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.repeats = args.repeats
         settings.hol_repeats = args.repeats
         settings.rr_repeats = args.repeats
+        settings.failover_repeats = args.repeats
     if args.fanin_ours_max:
         settings.fanin_ours_max = args.fanin_ours_max
     workloads = [w.strip() for w in args.only.split(",") if w.strip()] or list(WORKLOADS)
@@ -174,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_before": " ".join(load_before),
             "loadavg_after": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
             "commands": runner.commands,
+            "configs": runner.configs,
         },
-        "settings": settings.__dict__,
+        "settings": dataclasses.asdict(settings),
         "skipped": runner.skipped,
         "summary": report.summarize(runner.records),
         "records": runner.records,

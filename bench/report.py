@@ -33,6 +33,11 @@ METRICS: dict[tuple[str, str], tuple[str, str, bool]] = {
     ("hol", "ratio"): ("4 streams' throughput with a stalled stream / without", "ratio", True),
     ("hol", "alone_mbit_s"): ("4 streams alone", "Mbit/s", True),
     ("hol", "new_stream_ok"): ("new stream opens during the stall", "1=yes", True),
+    ("failover", "failover_s"): ("signal to the first new stream through haproxy that worked", "s", False),
+    ("failover", "failed_between"): ("new streams failed before that one", "streams", False),
+    ("failover", "failed_after"): ("streams failed after the signal (in flight or new)", "streams", False),
+    ("failover", "exit_s"): ("signal to the replica's exit", "s", False),
+    ("failover", "rejoin_s"): ("successor listening to every agent holding it", "s", False),
 }
 
 WORKLOAD_TITLES = {
@@ -42,6 +47,7 @@ WORKLOAD_TITLES = {
     "idle": "Idle concurrent streams (variant: streams held)",
     "fanin": "Fan-in: many agents on one server (variant: agents)",
     "hol": "Head-of-line blocking (variant: direction of the stalled stream)",
+    "failover": "Failover: 3 replicas behind haproxy, one stopped (variant: the signal)",
 }
 
 
@@ -108,13 +114,17 @@ def markdown(results: dict) -> str:
             first = r["error"].strip().splitlines()[0][:300] if r["error"].strip() else ""
             lines.append(f"- {r['workload']}/{r['variant']}/{r['system']} rep {r['rep']}: {first}")
         lines.append("")
-    for w in ("bulk", "connect", "rr", "idle", "fanin", "hol"):
+    # Systems beyond the three (ours over another agent transport, say) get columns of their own.
+    others = sorted({r["system"] for r in results["records"]} - set(SYSTEM_ORDER))
+    for w in WORKLOAD_TITLES:
         if w not in summary:
             continue
         lines += [f"## {WORKLOAD_TITLES[w]}", ""]
         lines += [
-            "| variant | metric | direct | ours | upstream | ours/upstream | better |",
-            "|---|---|---:|---:|---:|---:|---|",
+            "| variant | metric | direct | ours | upstream | "
+            + "".join(f"{o} | " for o in others)
+            + "ours/upstream | better |",
+            "|---|---|---:|---:|---:|" + "---:|" * len(others) + "---:|---|",
         ]
         for var in sorted(summary[w], key=_variant_key):
             for (wk, m), (label, unit, higher) in METRICS.items():
@@ -132,15 +142,20 @@ def markdown(results: dict) -> str:
                         better = "ours" if (r > 1) == higher else "upstream"
                 elif o is not None and u == 0 and o > 0:
                     better = "ours" if higher else "upstream"
+                extra = "".join(f"{_fmt(vals.get(o))} | " for o in others)
                 lines.append(
-                    f"| {var} | {label} ({unit}) | {_fmt(d)} | {_fmt(o)} | {_fmt(u)} | {ratio} | {better} |"
+                    f"| {var} | {label} ({unit}) | {_fmt(d)} | {_fmt(o)} | {_fmt(u)} | {extra}{ratio} | {better} |"
                 )
         lines.append("")
+        if w == "failover":
+            lines += failover_details(results["records"])
     if meta.get("commands"):
         lines += ["## How the systems were started", ""]
         for name, roles in meta["commands"].items():
             for role, argv in roles.items():
                 lines += [f"{name} {role}:", "", "```", " ".join(_short(a) for a in argv), "```", ""]
+    for name, text in meta.get("configs", {}).items():
+        lines += [f"{name}:", "", "```", text.rstrip(), "```", ""]
     cpu_rows = _cpu_rows(results["records"])
     if cpu_rows:
         lines += [
@@ -154,6 +169,66 @@ def markdown(results: dict) -> str:
         lines += cpu_rows
         lines.append("")
     return "\n".join(lines)
+
+
+def _spread(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
+    """median / min / max of the values (times ``scale``), or "-"."""
+    if not values:
+        return "-"
+    med, lo, hi = (v * scale for v in (statistics.median(values), min(values), max(values)))
+    return f"{med:.{digits}f} / {lo:.{digits}f} / {hi:.{digits}f}"
+
+
+def failover_details(records: list[dict]) -> list[str]:
+    """The failover rows with median / min / max over the repeats, the load and the errors seen."""
+    runs: dict = defaultdict(list)
+    for r in records:
+        if r["workload"] == "failover" and r.get("metrics"):
+            runs[(r["variant"], r["system"])].append(r)
+    if not runs:
+        return []
+    order = {s: i for i, s in enumerate(SYSTEM_ORDER)}
+    drained: dict[str, str] = {}
+    lines = [
+        "Each repeat signals one replica while `loadgen churn` opens new streams through haproxy",
+        "(4 workers, one stream after another, each a CONNECT and a 16-byte echo). median / min / max:",
+        "",
+        "| signal | system | runs | to the first new stream that worked (ms) | failed before it "
+        "| failed after the signal (of them in flight) | ok in the window | streams/s "
+        "| replica exited after (s) | successor held by every agent after (s) | load average 1 min |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for (variant, system), rs in sorted(runs.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 9))):
+
+        def col(metric: str, rs=rs) -> list[float]:
+            return [r["metrics"][metric] for r in rs if r["metrics"].get(metric) is not None]
+
+        missing = sum(1 for r in rs if r["metrics"].get("failover_s") is None)
+        first = _spread(col("failover_s"), 1000, 1) + (f" ({missing} runs: none)" if missing else "")
+        loads = [float(r["loadavg"].split()[0]) for r in rs if r.get("loadavg")]
+        lines.append(
+            f"| {variant} | {system} | {len(rs)} | {first} | {_spread(col('failed_between'))} "
+            f"| {_spread(col('failed_after'))} (in flight: {_spread(col('failed_in_flight'))}) "
+            f"| {_spread(col('ok_after'))} | {_spread(col('streams_per_s'))} "
+            f"| {_spread(col('exit_s'), digits=2)} | {_spread(col('rejoin_s'), digits=2)} "
+            f"| {min(loads, default=0):.2f}-{max(loads, default=0):.2f} |"
+        )
+        if variant == "sigterm":
+            failed = sum(col("failed_after"))
+            drained[system] = "0 failed" if failed == 0 else f"**{failed:.0f} failed** (expected 0)"
+    errors = sorted(
+        {
+            (r["system"], r["variant"], e)
+            for rs in runs.values()
+            for r in rs
+            for e in r.get("errors_after", [])
+        }
+    )
+    if errors:
+        lines += ["", "Errors the client saw after the signal:", ""]
+        lines += [f"- {system} {variant}: `{e}`" for system, variant, e in errors]
+    lines.append("")
+    return lines
 
 
 def _short(arg: str) -> str:
@@ -233,4 +308,5 @@ def plots(results: dict, out_dir: Path) -> list[Path]:
     bars("fanin", "server_kib_per_tunnel", "Server RSS per agent tunnel", "KiB", "fanin_server_rss.png")
     bars("fanin", "reconnect_all_s", "All agents back after server restart", "s", "fanin_reconnect.png")
     bars("hol", "ratio", "Head-of-line: throughput with a stalled stream / alone", "ratio", "hol.png")
+    bars("failover", "failover_s", "Signal to the first new stream through haproxy", "s", "failover.png")
     return made

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.haproxy import Place
 from bench.pki import BenchPKI, CertFiles
 from bench.procs import Proc, free_port, wait_port
 
@@ -142,7 +143,9 @@ class System:
     def start(self) -> None:
         raise NotImplementedError
 
-    def dial_args(self) -> list[str]:
+    def dial_args(self, proxy_port: int | None = None) -> list[str]:
+        """loadgen flags that reach the target through this system (through ``proxy_port`` instead of
+        the system's own client port when given: a load balancer in front of it)."""
         raise NotImplementedError
 
     def procs(self) -> dict[str, Proc]:
@@ -156,6 +159,23 @@ class System:
 
     def start_fanin(self, n: int, tag: str) -> FaninHandle:
         raise Unavailable(f"{self.name}: no fan-in")
+
+    # Replicas behind a load balancer (the failover workload, bench/failover.py). Each replica runs
+    # in a Place; the agents dial the balancer's agent frontend, whose health check asks this path.
+    agent_backend_check = "/readyz"
+
+    def replica_argv(self, place: Place, server_id: str, count: int, drain_timeout: float) -> list[str]:
+        """A proxy-server replica in ``place`` that tells ``count`` replicas and drains for
+        ``drain_timeout`` seconds on SIGTERM."""
+        raise Unavailable(f"{self.name}: no proxy-server replicas")
+
+    def replica_agent_argv(self, index: int, server_port: int, metrics_port: int) -> list[str]:
+        """Agent ``index`` of cluster1 dialing ``server_port`` (the balancer), /metrics on ``metrics_port``."""
+        raise Unavailable(f"{self.name}: no proxy-server replicas")
+
+    def replicas_held(self, metrics: str) -> int | None:
+        """How many replicas an agent holds a tunnel to, from its /metrics text (None: not said)."""
+        return None
 
     def wait_routable(self, timeout: float = 30.0) -> None:
         res = self.env.probe(self.probe_args(), [self.probe_line()], timeout)
@@ -181,7 +201,7 @@ class Direct(System):
     def start(self) -> None:
         pass
 
-    def dial_args(self) -> list[str]:
+    def dial_args(self, proxy_port: int | None = None) -> list[str]:
         return ["--target", self.target_authority()]
 
 
@@ -194,6 +214,9 @@ class Upstream(System):
     """
 
     name = "upstream"
+    # Upstream's /readyz is "at least one agent connected" (DefaultBackendStorage.Ready): checked
+    # for the agents' backend too, a replica would never get its first agent. /healthz is liveness.
+    agent_backend_check = "/healthz"
 
     def check(self) -> None:
         if self.env.anp_bin is None:
@@ -204,9 +227,12 @@ class Upstream(System):
             if not (self.env.anp_bin / b).exists():
                 raise Unavailable(f"upstream: {self.env.anp_bin / b} missing (bash bench/upstream/build.sh)")
 
-    def _server_argv(self) -> list[str]:
+    def _server_argv(
+        self, place: Place | None = None, server_id: str = "bench-server", count: int = 1
+    ) -> list[str]:
         e = self.env
         s = e.server_cert
+        place = place or Place("main", self.agent_port, self.client_port, self.health_port, self.admin_port)
         return [
             str(e.anp_bin / "proxy-server"),
             "--mode=http-connect",
@@ -217,16 +243,16 @@ class Upstream(System):
             f"--cluster-ca-cert={e.pki.ca}",
             f"--cluster-cert={s.cert}",
             f"--cluster-key={s.key}",
-            f"--server-port={self.client_port}",
-            f"--agent-port={self.agent_port}",
-            f"--admin-port={self.admin_port}",
-            f"--health-port={self.health_port}",
+            f"--server-port={place.client}",
+            f"--agent-port={place.agent}",
+            f"--admin-port={place.admin}",
+            f"--health-port={place.health}",
             "--server-bind-address=127.0.0.1",
             "--agent-bind-address=127.0.0.1",
             "--health-bind-address=127.0.0.1",
             "--admin-bind-address=127.0.0.1",
-            "--server-id=bench-server",
-            "--server-count=1",
+            f"--server-id={server_id}",
+            f"--server-count={count}",
             "-v=0",
         ]
 
@@ -241,32 +267,52 @@ class Upstream(System):
         wait_port("127.0.0.1", self.agent_port, 20, p)
         return p
 
-    def start(self) -> None:
+    def _agent_argv(self, agent_id: str, server_port: int, health_port: int) -> list[str]:
         e = self.env
-        self.server = self._start_server("main")
-        agent_cert = e.pki.agent(CLUSTER, "upstream-agent")
-        health = free_port()
-        argv = [
+        agent_cert = e.pki.agent(CLUSTER, agent_id)
+        return [
             str(e.anp_bin / "proxy-agent"),
-            "--agent-id=bench-agent",
+            f"--agent-id={agent_id}",
             "--agent-identifiers=host=127.0.0.1",
             f"--ca-cert={e.pki.ca}",
             f"--agent-cert={agent_cert.cert}",
             f"--agent-key={agent_cert.key}",
             "--proxy-server-host=127.0.0.1",
-            f"--proxy-server-port={self.agent_port}",
+            f"--proxy-server-port={server_port}",
             f"--admin-server-port={free_port()}",
             "--admin-bind-address=127.0.0.1",
-            f"--health-server-port={health}",
+            f"--health-server-port={health_port}",
             "--health-server-host=127.0.0.1",
             "-v=0",
         ]
+
+    def start(self) -> None:
+        e = self.env
+        self.server = self._start_server("main")
+        health = free_port()
+        argv = self._agent_argv("bench-agent", self.agent_port, health)
         self.agent = Proc("upstream-agent", argv, e.log_dir / "upstream-agent-main.log")
         wait_port("127.0.0.1", health, 20, self.agent)
         self.wait_routable()
 
-    def dial_args(self) -> list[str]:
-        return ["--target", self.target_authority(), *self.env.proxy_args(self.client_port)]
+    def dial_args(self, proxy_port: int | None = None) -> list[str]:
+        return ["--target", self.target_authority(), *self.env.proxy_args(proxy_port or self.client_port)]
+
+    def replica_argv(self, place: Place, server_id: str, count: int, drain_timeout: float) -> list[str]:
+        # --graceful-shutdown-timeout (v0.36.0, default 0 = stop at once): on SIGTERM the frontend
+        # and health listeners close, agents get a gRPC GracefulStop, and the process exits when
+        # they are done or the timeout has passed.
+        return [
+            *self._server_argv(place, server_id, count),
+            f"--graceful-shutdown-timeout={drain_timeout:g}s",
+        ]
+
+    def replica_agent_argv(self, index: int, server_port: int, metrics_port: int) -> list[str]:
+        return self._agent_argv(f"bench-agent-{index}", server_port, metrics_port)
+
+    def replicas_held(self, metrics: str) -> int | None:
+        # The agent's ClientSet sets this gauge to its number of server connections (clientset.go).
+        return _gauge(metrics, "konnectivity_network_proxy_agent_open_server_connections")
 
     def start_fanin(self, n: int, tag: str) -> FaninHandle:
         e = self.env
@@ -301,11 +347,24 @@ class Ours(System):
     """This project's Python proxy-server and proxy-agent, HTTP/1.1 CONNECT frontend with mTLS."""
 
     name = "ours"
+    # How agents reach the server's agent port. "tls": the plain tunnel (TCP, mTLS, HTTP/2). Another
+    # transport (a WebSocket: ``--server wss://...``) only changes agent_server_address, so every
+    # workload can be run for it by registering Ours(env, transport=...) under its own name.
+    transports = ("tls",)
 
-    def __init__(self, env: Env) -> None:
+    def __init__(self, env: Env, transport: str = "tls") -> None:
         super().__init__(env)
+        if transport not in self.transports:
+            raise ValueError(f"ours: unknown agent transport {transport!r}; known: {self.transports}")
+        self.transport = transport
+        if transport != "tls":
+            self.name = f"ours-{transport}"
         self.server_bin = env.venv_bin / "cluster-proxy-server"
         self.agent_bin = env.venv_bin / "cluster-proxy-agent"
+
+    def agent_server_address(self, host: str, port: int) -> str:
+        """The agent's ``--server`` for the server's agent port at host:port, in this transport."""
+        return f"{host}:{port}"
 
     def check(self) -> None:
         for b in (self.server_bin, self.agent_bin):
@@ -323,16 +382,17 @@ class Ours(System):
             if missing:
                 raise Unavailable(f"ours: {b.name} lacks the flags {missing} this harness uses")
 
-    def _server_argv(self) -> list[str]:
+    def _server_argv(self, place: Place | None = None) -> list[str]:
         e = self.env
+        place = place or Place("main", self.agent_port, self.client_port, self.admin_port, 0)
         return [
             str(self.server_bin),
             "--agent-listen",
-            f"127.0.0.1:{self.agent_port}",
+            f"127.0.0.1:{place.agent}",
             "--client-listen",
-            f"127.0.0.1:{self.client_port}",
+            f"127.0.0.1:{place.client}",
             "--admin-listen",
-            f"127.0.0.1:{self.admin_port}",
+            f"127.0.0.1:{place.health}",
             "--ca",
             str(e.pki.ca),
             "--cert",
@@ -345,12 +405,14 @@ class Ours(System):
             "json",
         ]
 
-    def _agent_argv(self, cluster: str, agent_id: str, cert: CertFiles) -> list[str]:
+    def _agent_argv(
+        self, cluster: str, agent_id: str, cert: CertFiles, server_port: int = 0, admin: str = "127.0.0.1:0"
+    ) -> list[str]:
         e = self.env
         return [
             str(self.agent_bin),
             "--server",
-            f"127.0.0.1:{self.agent_port}",
+            self.agent_server_address("127.0.0.1", server_port or self.agent_port),
             "--cluster",
             cluster,
             "--agent-id",
@@ -362,7 +424,7 @@ class Ours(System):
             "--key",
             str(cert.key),
             "--admin-listen",
-            "127.0.0.1:0",
+            admin,
             "--allow",
             "127.0.0.0/8",
             "--log-level",
@@ -395,14 +457,33 @@ class Ours(System):
                 f"{exc}\n--- server log ---\n{self.server.tail()}\n--- agent log ---\n{self.agent.tail()}"
             ) from exc
 
-    def dial_args(self) -> list[str]:
+    def dial_args(self, proxy_port: int | None = None) -> list[str]:
         return [
             "--target",
             self.target_authority(),
-            *self.env.proxy_args(self.client_port),
+            *self.env.proxy_args(proxy_port or self.client_port),
             "--header",
             f"{CLUSTER_HEADER}: {CLUSTER}",
         ]
+
+    def replica_argv(self, place: Place, server_id: str, count: int, drain_timeout: float) -> list[str]:
+        return [
+            *self._server_argv(place),
+            "--server-id",
+            server_id,
+            "--server-count",
+            str(count),
+            "--drain-timeout",
+            f"{drain_timeout:g}s",
+        ]
+
+    def replica_agent_argv(self, index: int, server_port: int, metrics_port: int) -> list[str]:
+        agent_id = f"agent{index}"
+        cert = self.env.pki.agent(CLUSTER, agent_id)
+        return self._agent_argv(CLUSTER, agent_id, cert, server_port, f"127.0.0.1:{metrics_port}")
+
+    def replicas_held(self, metrics: str) -> int | None:
+        return _gauge(metrics, "cluster_proxy_agent_replicas_held")
 
     def probe_line(self) -> str:
         return f"{self.target_authority()}\t{CLUSTER_HEADER}: {CLUSTER}"
@@ -437,6 +518,14 @@ class Ours(System):
 
     def probe_args(self) -> list[str]:
         return self.env.proxy_args(self.client_port)
+
+
+def _gauge(metrics: str, name: str) -> int | None:
+    """The value of an unlabelled gauge (or the only series of one with labels) in Prometheus text."""
+    for line in metrics.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in (" ", "{"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return None
 
 
 def anp_bin_dir(version: str) -> Path:

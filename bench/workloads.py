@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from bench.failover import FailoverSettings, ReplicaFleet
 from bench.procs import Proc
 from bench.systems import Env, System, Unavailable
 
-WORKLOADS = ("bulk", "connect", "rr", "idle", "fanin", "hol")
+WORKLOADS = ("bulk", "connect", "rr", "idle", "fanin", "hol", "failover")
+FAILOVER_SIGNALS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM}
+FAILOVER_DETAILS = ("errors_after", "loadavg", "victim", "exit_code")  # kept beside the metrics
 
 
 @dataclass
@@ -36,6 +40,8 @@ class Settings:
     hol_rounds: int
     hol_repeats: int
     idle_max_time: float
+    failover_repeats: int
+    failover: FailoverSettings
 
     @classmethod
     def make(cls, quick: bool) -> Settings:
@@ -59,6 +65,18 @@ class Settings:
                 hol_rounds=2,
                 hol_repeats=1,
                 idle_max_time=60.0,
+                failover_repeats=2,
+                failover=FailoverSettings(
+                    replicas=3,
+                    agents=2,
+                    warmup=1.0,
+                    window=3.0,
+                    workers=4,
+                    gap_ms=20,
+                    check_interval="100ms",
+                    drain_timeout=3.0,
+                    converge_timeout=30.0,
+                ),
             )
         return cls(
             quick=False,
@@ -79,6 +97,18 @@ class Settings:
             hol_rounds=3,
             hol_repeats=1,
             idle_max_time=90.0,
+            failover_repeats=5,
+            failover=FailoverSettings(
+                replicas=3,
+                agents=2,
+                warmup=1.5,
+                window=5.0,
+                workers=4,
+                gap_ms=20,
+                check_interval="100ms",
+                drain_timeout=3.0,
+                converge_timeout=30.0,
+            ),
         )
 
 
@@ -95,6 +125,7 @@ class Runner:
     records: list[dict] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     commands: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    configs: dict[str, str] = field(default_factory=dict)  # configuration files shown in the report
 
     # ------------------------------------------------------------------ plumbing
 
@@ -429,3 +460,43 @@ class Runner:
                         self.record("hol", direction, s, rep, m, cpu=cpu, raw=r)
 
                     self.each("hol", direction, rep, systems, one)
+
+    def failover(self) -> None:
+        """Per proxied system: 3 replicas behind haproxy, agents holding each; per repeat, one replica
+        SIGKILLed (a crash) and one SIGTERMed (a drain) while loadgen churns new streams through
+        haproxy; the victim's successor is back in every agent before the next."""
+        st = self.settings
+        fleets: list[ReplicaFleet] = []
+        try:
+            for s in self.systems:
+                if not s.proxied:
+                    continue
+                fleet = ReplicaFleet(s, self.env, st.failover)
+                try:
+                    s.check()
+                    fleet.start()
+                except Exception as exc:
+                    fleet.stop()
+                    self.skipped[f"failover/{s.name}"] = f"failed to start: {type(exc).__name__}: {exc}"
+                    log(f"failover: {s.name} failed to start: {exc}")
+                    continue
+                fleets.append(fleet)
+                self.commands[f"{s.name} failover"] = fleet.commands()
+                if fleet.haproxy is not None:
+                    self.configs[f"haproxy ({s.name} failover)"] = fleet.haproxy.config.read_text()
+            for rep in range(st.failover_repeats):
+                for variant, sig in FAILOVER_SIGNALS.items():
+                    victim = (rep + (variant == "sigterm")) % st.failover.replicas
+                    for fleet in fleets:
+                        try:
+                            figures = fleet.failover_once(victim, sig)
+                        except Exception as exc:
+                            self.failed(
+                                "failover", variant, fleet.system, rep, f"{type(exc).__name__}: {exc}"
+                            )
+                            continue
+                        extra = {k: figures.pop(k) for k in FAILOVER_DETAILS if k in figures}
+                        self.record("failover", variant, fleet.system, rep, figures, **extra)
+        finally:
+            for fleet in fleets:
+                fleet.stop()

@@ -24,7 +24,7 @@ func runClient(mode string, args []string) error {
 	totalBytes := fs.Int64("bytes", 0, "bulk: total bytes over all streams instead of --duration")
 	chunk := fs.Int("chunk", 64<<10, "bulk/hol: write size (one sink record) in bytes")
 	count := fs.Int("count", 100, "connect: streams to open one after another; idle: streams to hold")
-	maxTime := fs.Duration("max-time", 60*time.Second, "connect/idle: give up after this long")
+	maxTime := fs.Duration("max-time", 60*time.Second, "connect/idle: give up after this long; churn: stop then")
 	rate := fs.Float64("rate", 1000, "rr: requests per second (open loop)")
 	conns := fs.Int("conns", 16, "rr: connections the requests are spread over")
 	size := fs.Int("size", 1024, "rr: request and response size in bytes")
@@ -34,6 +34,8 @@ func runClient(mode string, args []string) error {
 	settle := fs.Duration("settle", time.Second, "hol: time for the stalled stream to fill buffers before measuring")
 	targets := fs.String("targets", "", "probe: file with one CONNECT authority per line, optionally TAB and a header 'K: V'")
 	timeout := fs.Duration("timeout", 60*time.Second, "probe: give up after this long")
+	workers := fs.Int("workers", 4, "churn: goroutines opening streams one after another")
+	gap := fs.Duration("gap", 20*time.Millisecond, "churn: pause between a worker's streams")
 	_ = fs.Parse(args)
 
 	d, err := mkDialer()
@@ -63,6 +65,9 @@ func runClient(mode string, args []string) error {
 	case "hol":
 		params["streams"], params["direction"], params["duration_s"], params["rounds"] = *streams, *direction, duration.Seconds(), *rounds
 		res = runHOL(d, *streams, *direction, *duration, *settle, *chunk, *rounds)
+	case "churn":
+		params["workers"], params["gap_ms"], params["max_time_s"] = *workers, ms(*gap), maxTime.Seconds()
+		res = runChurn(d, *workers, *gap, *maxTime)
 	case "probe":
 		params["targets"], params["parallel"] = *targets, *parallel
 		res, err = runProbe(d, *targets, *parallel, *timeout)

@@ -9,6 +9,7 @@
 //	loadgen idle    --target T [proxy flags] --count K --hold D
 //	loadgen hol     --target T [proxy flags] --streams 4 --direction down|up --duration D
 //	loadgen probe   --targets FILE [proxy flags] --timeout D     until every CONNECT target answers
+//	loadgen churn   --target T [proxy flags] --workers N --gap D  new streams until stdin closes
 //
 // Proxy flags: --proxy host:port --ca CA --cert CRT --key KEY [--server-name N] [--header 'K: V']...
 // Every client mode prints one JSON object on stdout (and progress events as JSON lines on stderr).
@@ -25,7 +26,7 @@ import (
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: loadgen target|bulk|connect|rr|idle|hol|probe [flags]")
+		fmt.Fprintln(os.Stderr, "usage: loadgen target|bulk|connect|rr|idle|hol|probe|churn [flags]")
 		os.Exit(2)
 	}
 	raiseNofile()
@@ -34,7 +35,7 @@ func main() {
 	switch mode {
 	case "target":
 		err = runTarget(args)
-	case "bulk", "connect", "rr", "idle", "hol", "probe":
+	case "bulk", "connect", "rr", "idle", "hol", "probe", "churn":
 		err = runClient(mode, args)
 	default:
 		err = fmt.Errorf("unknown mode %q", mode)
