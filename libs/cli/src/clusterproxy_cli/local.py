@@ -204,6 +204,8 @@ async def local_up(
         pids = {"cluster-proxy": os.getpid(), **{n: c.pid for n, c in supervisor.children.items()}}
         doc = build_local_json(proxy, _cluster_info(clusters, ports), pids, state_dir)
         doc.update(_hub_info(ports, state_dir, proxied))
+        for cluster in clusters:
+            doc["clusters"][cluster]["agent_admin_url"] = f"http://{loopback(ports.agent_admin[cluster])}"
         for cluster, url in proxied.items():
             doc["clusters"][cluster]["proxy_url"] = url
         doc["proxy"]["admin_urls"] = [server.admin_url for server in ports.servers]
