@@ -66,6 +66,7 @@ from .local_plan import (
     echo_argv,
     echo_target,
     forward_proxy_url,
+    free_ports,
     local_agent_argv,
     local_server_argv,
     local_signer_argv,
@@ -197,6 +198,7 @@ async def local_up(
     proxied = {proxied_cluster: forward_proxy_url(ports) or ""} if proxied_cluster is not None else {}
     supervisor = Supervisor(state_dir / "logs", out)
     published = False
+    health_url = ""
     code = 0
 
     def publish() -> None:
@@ -212,6 +214,8 @@ async def local_up(
         doc["proxy"]["agent_address"] = loopback(ports.agent)
         if signer is not None:
             doc["signer"] = {"url": signer.url, "store": str(signer.store)}
+        if health_url:
+            doc["health"] = {"url": health_url}  # `cluster-proxy health` with no flags reads it
         write_local_json(state_dir, doc)
 
     def on_restart(child: Child) -> None:
@@ -247,6 +251,7 @@ async def local_up(
                     )
                 hub = Hub(nursery, supervisor, ports, certs, clusters, state_dir, programs, signer, proxied)
                 await hub.start(ready_timeout, out)
+                health_url = await _start_health_collector(nursery, supervisor, ports, proxy, ready_timeout)
             except (
                 TimeoutError,
                 trio.TooSlowError,
@@ -266,6 +271,12 @@ async def local_up(
                     publish()
                     published = True
                     await print_ready(proxy, clusters, ports, state_dir, out, signer, proxied)
+                    if health_url:
+                        print(
+                            f"Health of every cluster: {health_url}/ (a page), `cluster-proxy health` (a table)",
+                            file=out,
+                            flush=True,
+                        )
                     await trio.sleep_forever()
 
         with trio.CancelScope(shield=True):
@@ -276,6 +287,42 @@ async def local_up(
             await supervisor.stop_all()
     print("stopped" if code == 0 else "stopped after a failure", file=out, flush=True)
     return code
+
+
+HEALTH_COLLECTOR = "cluster-proxy-health-collector"
+HEALTH_INTERVAL = "2s"
+
+
+async def _start_health_collector(
+    nursery: trio.Nursery, supervisor: Supervisor, ports: Ports, proxy: ProxySettings, ready_timeout: float
+) -> str:
+    """The health-collector over every proxy-server, probing each cluster's kube-apiserver stand-in (its
+    echo service, plain HTTP) by the bare cluster name; its URL once it answers, "" when the package is
+    not installed (local mode runs without it)."""
+    try:
+        program = executable(HEALTH_COLLECTOR)
+    except ConfigError:
+        return ""
+    port = free_ports(1)[0]
+    argv = [
+        program,
+        f"--listen={loopback(port)}",
+        *(f"--admin-url={server.admin_url}" for server in ports.servers),
+        f"--proxy={loopback(ports.client)}",
+        f"--ca={proxy.ca}",
+        f"--cert={proxy.cert}",
+        f"--key={proxy.key}",
+        "--server-name=localhost",
+        "--probe-url=http://{cluster}:443/healthz",
+        f"--interval={HEALTH_INTERVAL}",
+        "--log-format=json",
+    ]
+    await supervisor.start(nursery, "health-collector", argv)
+    url = f"http://{loopback(port)}"
+    with trio.fail_after(ready_timeout):
+        while not await port_open(LOOPBACK, port):
+            await trio.sleep(0.05)
+    return url
 
 
 async def _start_signer(
