@@ -96,13 +96,21 @@ class CollectorProcess:
             f"--key={pki.client.key}",
             "--server-name=localhost",
             "--log-format=json",
-            "--log-level=debug",
+            "--log-level=info",
             *extra,
         ]
         process = Process("health-collector", argv, log_dir)
-        started = await process.wait_event("collector_started")
-        collector = cls(process, str(started["url"]).rstrip("/"), list(extra))
-        await wait_until(collector.ready, timeout=20, what="the collector's first round")
+        try:
+            started = await process.wait_event("collector_started")
+            collector = cls(process, str(started["url"]).rstrip("/"), list(extra))
+
+            async def ready() -> bool:  # in a thread: the test's own targets must keep serving
+                return await trio.to_thread.run_sync(collector.ready)
+
+            await wait_until(ready, timeout=60, what="the collector's first round", interval=0.1)
+        except BaseException:
+            process.stop()
+            raise
         return collector
 
     def ready(self) -> bool:

@@ -9,6 +9,7 @@ round that outlasts the interval is logged; the next one starts when it ends.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ class Collector:
         self.log = get_logger("clusterproxy_health")
         self.round_done = trio.Event()
         self.address = ""  # HOST:PORT of the HTTP port, once serving
+        self.published = self.render_document()
         self._health: dict[str, str] = {}
 
     # -- one round ------------------------------------------------------------------------------------
@@ -147,6 +149,7 @@ class Collector:
         self.state.last_round_seconds = elapsed
         self.metrics.round_seconds.set(elapsed)
         self.metrics.rounds.inc()
+        self.published = self.render_document()
         log = self.log.warning if elapsed > self.settings.interval else self.log.debug
         log("round_finished", clusters=len(self.state.clusters), seconds=round(elapsed, 3))
         self.round_done.set()
@@ -201,6 +204,11 @@ class Collector:
             started = trio.current_time()
             await self.round()
             await trio.sleep_until(max(started + self.settings.interval, trio.current_time()))
+
+    def render_document(self) -> bytes:
+        """The document as served, built once a round: with a thousand clusters and their histories
+        it is megabytes, and every reader (the page refreshes every few seconds) gets the same bytes."""
+        return json.dumps(self.document(), separators=(",", ":"), sort_keys=True).encode() + b"\n"
 
     def document(self) -> dict[str, Any]:
         return self.state.document(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 from collections.abc import Mapping, Sequence
@@ -183,7 +184,7 @@ def routes(collector: Collector) -> dict[str, Any]:
     page = page_html()
     return {
         "/": lambda: Response(200, page, PAGE_HEADERS, content_type="text/html; charset=utf-8"),
-        "/api/v1/clusters": lambda: Response.json(collector.document()),
+        "/api/v1/clusters": lambda: Response(200, collector.published),
         "/metrics": lambda: metrics_response(collector.metrics.registry),
         "/healthz": lambda: Response.text("ok"),
         "/readyz": ready,
@@ -264,6 +265,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging(
         settings.log_level, json={"auto": None, "json": True, "console": False}[settings.log_format]
     )
+    # h2's and hpack's debug lines are one per frame and header: a thousand probes a round drown the log
+    for noisy in ("h2", "hpack"):
+        logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger(noisy).level))
     try:
         if run_once:
             document = trio.run(once, settings)

@@ -82,7 +82,7 @@ function sparkline(history) {
   svg.setAttribute("height", height);
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
   const points = Array.isArray(history) ? history : [];
-  const values = points.map(p => (typeof p.latency_ms === "number" ? p.latency_ms : null));
+  const values = points.map(p => (Array.isArray(p) && typeof p[1] === "number" ? p[1] : null));
   const top = Math.max(1, ...values.filter(v => v !== null));
   const step = points.length > 1 ? (width - 2 * pad) / (points.length - 1) : 0;
   let line = [];

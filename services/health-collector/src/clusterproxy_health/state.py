@@ -254,7 +254,7 @@ class ClusterRecord:
             "open_streams": sum(t.open_streams for t in self.tunnels),
             "bytes_in": sum(t.bytes_in for t in self.tunnels),
             "bytes_out": sum(t.bytes_out for t in self.tunnels),
-            "history": [{"at": iso_time(at), "latency_ms": _ms(latency)} for at, latency in self.history],
+            "history": [[round(at, 3), _ms(latency)] for at, latency in self.history],
         }
 
 
