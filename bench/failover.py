@@ -26,6 +26,8 @@ from bench.haproxy import Haproxy, Place, allocate_places
 from bench.procs import Proc, free_port, wait_port
 from bench.systems import Env, System
 
+STREAM_LIMIT = 15.0  # seconds a new stream of the client may take (TLS, CONNECT, echo) before it fails
+
 
 @dataclass(frozen=True)
 class FailoverSettings:
@@ -35,6 +37,7 @@ class FailoverSettings:
     window: float  # seconds watched after it
     workers: int  # loadgen churn goroutines
     gap_ms: int  # pause between one worker's streams
+    late_absence: float  # the late variant: seconds from the signal to the successor's start
     check_interval: str  # haproxy's health-check interval
     drain_timeout: float  # the replicas' drain (ours) / graceful shutdown (upstream) timeout, s
     converge_timeout: float  # for every agent to hold every replica
@@ -46,17 +49,21 @@ def analyse(result: dict, event_unix_ns: int, window: float) -> dict:
     - failover_s: from the event to the end of the first new stream begun after it that succeeded
       (CONNECT answered and the echo back): the first new stream through the balancer that worked.
     - failed_between: streams that failed between the event and that first success.
-    - failed_after: every stream that failed at or after the event (in flight at the event or begun
-      after it) within the window; failed_in_flight: those begun before the event.
-    - ok_after: streams begun after the event that succeeded within the window.
+    - failed_after: every stream that failed at or after the event, in flight at the event or begun
+      in the window; failed_in_flight: those begun before the event.
+    - ok_after: streams begun in the window that succeeded.
+    - slowest_s: the longest stream begun in the window (ended by success or failure).
     """
     t0 = result["t0_unix_ns"]
     event = (event_unix_ns - t0) / 1e9
     limit = event + window
     rows = [(start / 1e6, end / 1e6, err) for start, end, err in result["attempts"]]
-    ok_after = sorted(end for start, end, err in rows if err < 0 and start >= event and end <= limit)
+    begun = [(start, end, err) for start, end, err in rows if event <= start <= limit]
+    ok_after = sorted(end for _, end, err in begun if err < 0)
     first_ok = ok_after[0] if ok_after else None
-    failed = [(start, end, err) for start, end, err in rows if err >= 0 and event <= end <= limit]
+    # A failure counts when the stream was open at the event or begun in the window, however late
+    # it failed (a stream may take up to STREAM_LIMIT).
+    failed = [(start, end, err) for start, end, err in rows if err >= 0 and end >= event and start <= limit]
     messages = result["errors"]
     return {
         "failover_s": round(first_ok - event, 4) if first_ok is not None else None,
@@ -65,6 +72,7 @@ def analyse(result: dict, event_unix_ns: int, window: float) -> dict:
         "failed_in_flight": sum(1 for start, _, _ in failed if start < event),
         "ok_after": len(ok_after),
         "failed_before": sum(1 for _, end, err in rows if err >= 0 and end < event),
+        "slowest_s": round(max((end - start for start, end, _ in begun), default=0.0), 3),
         "streams_per_s": round(len(rows) / max(result["elapsed_s"], 1e-9), 1),
         "errors_after": sorted({messages[err] for _, _, err in failed})[:10],
     }
@@ -180,12 +188,16 @@ class ReplicaFleet:
 
     # -- one measurement -----------------------------------------------------------------------------
 
-    def failover_once(self, victim: int, sig: signal.Signals) -> dict:
-        """Signal replica ``victim`` while loadgen churns through haproxy; restore it; the figures."""
+    def failover_once(self, victim: int, sig: signal.Signals, late: bool = False) -> dict:
+        """Signal replica ``victim`` while loadgen churns through haproxy, then bring a successor; the
+        figures. ``late``: the client keeps going while the successor starts ``late_absence`` seconds
+        after the signal, until every agent holds it (and a second more): how new streams that
+        haproxy sends to a replica the agents have not found yet fare."""
         assert self.haproxy is not None
         st = self.settings
         if self.broken:
             raise RuntimeError(self.broken)
+        window = st.late_absence if late else st.window
         argv = [
             str(self.env.loadgen),
             "churn",
@@ -195,9 +207,9 @@ class ReplicaFleet:
             "--gap",
             f"{st.gap_ms}ms",
             "--dial-timeout",
-            "5s",
+            f"{STREAM_LIMIT:g}s",
             "--max-time",
-            f"{st.warmup + st.window + 60:g}s",
+            f"{st.warmup + window + st.converge_timeout + 60:g}s",
         ]
         churn = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -205,7 +217,7 @@ class ReplicaFleet:
         assert churn.stderr is not None
         proc = self.replicas[victim]
         assert proc is not None
-        signalled = False
+        signalled = restored = False
         try:
             ready = churn.stderr.readline()
             if '"ready"' not in ready:
@@ -220,22 +232,37 @@ class ReplicaFleet:
                 target=lambda: (proc.popen.wait(), exited_ns.append(time.time_ns())), daemon=True
             )
             waiter.start()
-            time.sleep(st.window)
+            time.sleep(window)
+            if late:
+                successor_ns = time.time_ns()
+                rejoined = self._restore(victim, proc)
+                restored = True
+                time.sleep(1.0)
             out, err = churn.communicate(timeout=60)  # closing its stdin tells it to stop
             if churn.returncode != 0:
                 raise RuntimeError(f"loadgen churn exited {churn.returncode}: {err[-2000:]}")
-            figures = analyse(json.loads(out)["result"], event_ns, st.window)
+            result = json.loads(out)["result"]
+            figures = analyse(result, event_ns, window)
+            if late:
+                after = analyse(result, successor_ns, rejoined + 60)
+                figures = {
+                    "successor_failed": after["failed_after"],
+                    "successor_slowest_s": after["slowest_s"],
+                    "successor_ok": after["ok_after"],
+                    "streams_per_s": after["streams_per_s"],
+                    "errors_after": after["errors_after"],
+                }
             figures["loadavg"] = load
             figures["victim"] = self.places[victim].name
             waiter.join(timeout=st.drain_timeout + 30)
-            if exited_ns:
+            if exited_ns and not late:
                 figures["exit_s"] = round((exited_ns[0] - event_ns) / 1e9, 3)
             figures["exit_code"] = proc.popen.poll()
         finally:
             if churn.poll() is None:
                 churn.kill()
                 churn.communicate()
-            if signalled:
+            if signalled and not restored:
                 rejoined = self._restore(victim, proc)
         figures["rejoin_s"] = round(rejoined, 3)
         return figures

@@ -38,6 +38,9 @@ METRICS: dict[tuple[str, str], tuple[str, str, bool]] = {
     ("failover", "failed_after"): ("streams failed after the signal (in flight or new)", "streams", False),
     ("failover", "exit_s"): ("signal to the replica's exit", "s", False),
     ("failover", "rejoin_s"): ("successor listening to every agent holding it", "s", False),
+    ("failover", "slowest_s"): ("slowest new stream begun after the signal", "s", False),
+    ("failover", "successor_slowest_s"): ("slowest new stream begun after the successor started", "s", False),
+    ("failover", "successor_failed"): ("new streams failed after the successor started", "streams", False),
 }
 
 WORKLOAD_TITLES = {
@@ -189,33 +192,59 @@ def failover_details(records: list[dict]) -> list[str]:
         return []
     order = {s: i for i, s in enumerate(SYSTEM_ORDER)}
     drained: dict[str, str] = {}
+    late: list[str] = []
     lines = [
         "Each repeat signals one replica while `loadgen churn` opens new streams through haproxy",
         "(4 workers, one stream after another, each a CONNECT and a 16-byte echo). median / min / max:",
         "",
         "| signal | system | runs | to the first new stream that worked (ms) | failed before it "
-        "| failed after the signal (of them in flight) | ok in the window | streams/s "
-        "| replica exited after (s) | successor held by every agent after (s) | load average 1 min |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| failed after the signal (of them in flight) | slowest new stream (s) | ok in the window "
+        "| streams/s | replica exited after (s) | successor held by every agent after (s) "
+        "| load average 1 min |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for (variant, system), rs in sorted(runs.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 9))):
 
         def col(metric: str, rs=rs) -> list[float]:
             return [r["metrics"][metric] for r in rs if r["metrics"].get(metric) is not None]
 
+        loads = [float(r["loadavg"].split()[0]) for r in rs if r.get("loadavg")]
+        load = f"{min(loads, default=0):.2f}-{max(loads, default=0):.2f}"
+        if variant.endswith("-late-successor"):
+            late.append(
+                f"| {system} | {len(rs)} | {_spread(col('rejoin_s'), digits=2)} "
+                f"| {_spread(col('successor_slowest_s'), digits=2)} | {_spread(col('successor_failed'))} "
+                f"| {_spread(col('successor_ok'))} | {load} |"
+            )
+            continue
         missing = sum(1 for r in rs if r["metrics"].get("failover_s") is None)
         first = _spread(col("failover_s"), 1000, 1) + (f" ({missing} runs: none)" if missing else "")
-        loads = [float(r["loadavg"].split()[0]) for r in rs if r.get("loadavg")]
         lines.append(
             f"| {variant} | {system} | {len(rs)} | {first} | {_spread(col('failed_between'))} "
             f"| {_spread(col('failed_after'))} (in flight: {_spread(col('failed_in_flight'))}) "
+            f"| {_spread(col('slowest_s'), digits=2)} "
             f"| {_spread(col('ok_after'))} | {_spread(col('streams_per_s'))} "
-            f"| {_spread(col('exit_s'), digits=2)} | {_spread(col('rejoin_s'), digits=2)} "
-            f"| {min(loads, default=0):.2f}-{max(loads, default=0):.2f} |"
+            f"| {_spread(col('exit_s'), digits=2)} | {_spread(col('rejoin_s'), digits=2)} | {load} |"
         )
         if variant == "sigterm":
             failed = sum(col("failed_after"))
             drained[system] = "0 failed" if failed == 0 else f"**{failed:.0f} failed** (expected 0)"
+    if drained:
+        lines += [
+            "",
+            "A drain (SIGTERM) must fail no stream: " + ", ".join(f"{k}: {v}" for k, v in drained.items()),
+        ]
+    if late:
+        lines += [
+            "",
+            "SIGKILL, the successor starting late, the client going on until every agent holds it",
+            "(median / min / max):",
+            "",
+            "| system | runs | successor held by every agent after (s) | slowest new stream begun after "
+            "it started (s) | failed | ok | load average 1 min |",
+            "|---|---|---:|---:|---:|---:|---|",
+            *late,
+        ]
     errors = sorted(
         {
             (r["system"], r["variant"], e)

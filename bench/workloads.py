@@ -16,7 +16,12 @@ from bench.procs import Proc
 from bench.systems import Env, System, Unavailable
 
 WORKLOADS = ("bulk", "connect", "rr", "idle", "fanin", "hol", "failover")
-FAILOVER_SIGNALS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM}
+# variant -> (signal, the successor starts late: while the client goes on)
+FAILOVER_VARIANTS = {
+    "sigkill": (signal.SIGKILL, False),
+    "sigterm": (signal.SIGTERM, False),
+    "sigkill-late-successor": (signal.SIGKILL, True),
+}
 FAILOVER_DETAILS = ("errors_after", "loadavg", "victim", "exit_code")  # kept beside the metrics
 
 
@@ -71,6 +76,7 @@ class Settings:
                     agents=2,
                     warmup=1.0,
                     window=3.0,
+                    late_absence=6.0,
                     workers=4,
                     gap_ms=20,
                     check_interval="100ms",
@@ -103,6 +109,7 @@ class Settings:
                 agents=2,
                 warmup=1.5,
                 window=5.0,
+                late_absence=12.0,
                 workers=4,
                 gap_ms=20,
                 check_interval="100ms",
@@ -463,8 +470,9 @@ class Runner:
 
     def failover(self) -> None:
         """Per proxied system: 3 replicas behind haproxy, agents holding each; per repeat, one replica
-        SIGKILLed (a crash) and one SIGTERMed (a drain) while loadgen churns new streams through
-        haproxy; the victim's successor is back in every agent before the next."""
+        SIGKILLed (a crash), one SIGTERMed (a drain) and one SIGKILLed with its successor starting
+        late, while loadgen churns new streams through haproxy; the victim's successor is back in
+        every agent before the next."""
         st = self.settings
         fleets: list[ReplicaFleet] = []
         try:
@@ -485,11 +493,11 @@ class Runner:
                 if fleet.haproxy is not None:
                     self.configs[f"haproxy ({s.name} failover)"] = fleet.haproxy.config.read_text()
             for rep in range(st.failover_repeats):
-                for variant, sig in FAILOVER_SIGNALS.items():
-                    victim = (rep + (variant == "sigterm")) % st.failover.replicas
+                for n, (variant, (sig, late)) in enumerate(FAILOVER_VARIANTS.items()):
+                    victim = (rep + n) % st.failover.replicas
                     for fleet in fleets:
                         try:
-                            figures = fleet.failover_once(victim, sig)
+                            figures = fleet.failover_once(victim, sig, late)
                         except Exception as exc:
                             self.failed(
                                 "failover", variant, fleet.system, rep, f"{type(exc).__name__}: {exc}"
