@@ -46,16 +46,22 @@ def _build(
     partial.replace(binary)
 
 
-def go_peer(name: str) -> Path:
-    """The binary of ``tests/go/<name>``, built when its sources or the Go version changed."""
-    go, version = _go("tests/go peers")
+def go_peer(name: str, module: Path = SOURCES) -> Path:
+    """The binary of ``<module>/<name>`` (``tests/go`` by default; ``tests/go-konnectivity`` builds
+    against upstream's konnectivity-client, its go.sum checked in), built when its sources, its
+    module's requirements or the Go version changed."""
+    go, version = _go(f"the Go peer {name}")
     digest = hashlib.sha256(version.encode())
-    for path in sorted([SOURCES / "go.mod", *(SOURCES / name).rglob("*.go")]):
-        digest.update(path.relative_to(SOURCES).as_posix().encode() + b"\0" + path.read_bytes())
+    module_files = [module / "go.mod", *([module / "go.sum"] if (module / "go.sum").exists() else [])]
+    for path in sorted([*module_files, *(module / name).rglob("*.go")]):
+        digest.update(path.relative_to(module).as_posix().encode() + b"\0" + path.read_bytes())
     binary = tool_cache() / "go-peers" / f"{name}-{digest.hexdigest()[:16]}"
     if not binary.exists():
-        _build(go, binary, f"./{name}", SOURCES)
+        _build(go, binary, f"./{name}", module)
     return binary
+
+
+KONNECTIVITY_SOURCES = SOURCES.parent / "go-konnectivity"
 
 
 # h2spec v2.2.1 (its last release) has no go.mod of its own, so the registry would resolve its

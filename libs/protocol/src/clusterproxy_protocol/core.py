@@ -303,12 +303,16 @@ class TunnelCore:
         self._pending_out += count
         return count
 
-    def end_stream(self, stream_id: int) -> None:
+    def end_stream(self, stream_id: int, trailers: list[tuple[str, str]] | None = None) -> None:
+        """END_STREAM: on an empty DATA frame, or on a HEADERS frame of ``trailers`` (gRPC's status)."""
         state = self._streams[stream_id]
         if state.local_ended or state.reset_code is not None:
             return
         state.local_ended = True
-        self._conn.end_stream(stream_id)
+        if trailers:
+            self._conn.send_headers(stream_id, trailers, end_stream=True)
+        else:
+            self._conn.end_stream(stream_id)
         self._forget_if_finished(state)
 
     def reset(self, stream_id: int, error_code: int = CANCEL) -> None:

@@ -157,7 +157,8 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         self.abort()
         raise trio.BrokenResourceError(f"stream stalled: {detail}")
 
-    async def send_eof(self) -> None:
+    async def send_eof(self, trailers: list[tuple[str, str]] | None = None) -> None:
+        """End our side; with ``trailers``, on a HEADERS frame carrying them (after all data sent)."""
         with self._send_busy:
             await trio.lowlevel.checkpoint()
             if self._closed:
@@ -166,7 +167,7 @@ class TunnelStream(trio.abc.HalfCloseableStream):
                 return
             if self._state.reset_code is not None or self._mux.dead:
                 raise trio.BrokenResourceError(self._broken_reason())
-            self._mux.core.end_stream(self.stream_id)
+            self._mux.core.end_stream(self.stream_id, trailers)
             self._mux.kick()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:

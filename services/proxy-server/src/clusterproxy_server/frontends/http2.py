@@ -21,6 +21,7 @@ from clusterproxy_protocol.core import Role
 from clusterproxy_protocol.driver import IncomingRequest, Mux, open_mux
 from clusterproxy_protocol.errors import TunnelError
 from clusterproxy_server.authz import ClientIdentity
+from clusterproxy_server.frontends import konnectivity
 from clusterproxy_server.frontends.connection import ClientConnection
 
 
@@ -60,7 +61,10 @@ class StreamKind:
     serve: Callable[[IncomingRequest, ClientConnection], Awaitable[None]]
 
 
-STREAM_KINDS: list[StreamKind] = [StreamKind(_is_connect, _serve_connect)]
+STREAM_KINDS: list[StreamKind] = [
+    StreamKind(_is_connect, _serve_connect),
+    StreamKind(konnectivity.matches, konnectivity.serve),
+]
 
 
 DRAINED = "proxy-server draining: open a new connection for new streams"
@@ -75,7 +79,11 @@ async def serve(connection: ClientConnection) -> None:
             if kind.matches(request):
                 await kind.serve(request, connection)
                 return
-        await request.refuse(405, f"method {request.method} not served: open CONNECT streams here")
+        await request.refuse(
+            405,
+            f"{request.method} {request.path} not served: open CONNECT streams, or konnectivity's gRPC "
+            f"POST {konnectivity.PATH}",
+        )
 
     async with (
         open_mux(

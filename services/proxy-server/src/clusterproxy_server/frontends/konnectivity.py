@@ -1,0 +1,300 @@
+"""Konnectivity's gRPC frontend: ``POST /ProxyService/Proxy`` streams on the client port's HTTP/2
+connections, so that Go programs written for upstream cluster-proxy (``konnectivity-client``'s
+``CreateSingleUseGrpcTunnel`` + ``tunnel.DialContext``) work unchanged.
+
+One gRPC stream carries packets (``konnectivity_pb2.Packet``, each a gRPC length-prefixed message):
+the client's ``DIAL_REQ`` (an address and its own ``random`` id) becomes one :class:`KonnectivityDial`
+on the shared dial-and-relay path; its answer is a ``DIAL_RSP`` with our connection id, or with the
+same reason text a curl user reads; then ``DATA`` both ways and ``CLOSE_REQ``/``CLOSE_RSP``. Several
+dials may share a stream (the multi-dial form); each has its own inbound queue. Flow control is the
+HTTP/2 stream's: a slow reader slows its own stream (one dial, in the single-use form), never the
+connection's other streams. The stream ends with ``grpc-status`` trailers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import trio
+
+from clusterproxy_protocol.driver import IncomingRequest, TunnelStream
+from clusterproxy_server.authz import ClientIdentity
+from clusterproxy_server.frontends import konnectivity_pb2 as pb
+from clusterproxy_server.frontends.connection import ClientConnection
+
+PATH = "/ProxyService/Proxy"
+CONTENT_TYPE = "application/grpc"
+MAX_MESSAGE = 4 << 20  # gRPC's default receive limit
+DATA_CHUNK = 64 << 10  # bytes of target data per DATA packet
+INBOUND_PACKETS = 16  # DATA packets queued per dial before the stream's reader waits
+GRPC_OK, GRPC_INVALID_ARGUMENT, GRPC_UNIMPLEMENTED, GRPC_RESOURCE_EXHAUSTED = 0, 3, 12, 8
+_PREFIX = struct.Struct(">BI")  # compressed flag, message length
+
+
+class GrpcError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class MessageReader:
+    """gRPC's length-prefixed messages out of a byte stream (sans-IO: :meth:`feed`, then :meth:`next`)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
+
+    def next(self) -> bytes | None:
+        if len(self._buffer) < _PREFIX.size:
+            return None
+        compressed, length = _PREFIX.unpack_from(self._buffer)
+        if compressed:
+            raise GrpcError(GRPC_UNIMPLEMENTED, "compressed messages are not supported")
+        if length > MAX_MESSAGE:
+            raise GrpcError(GRPC_RESOURCE_EXHAUSTED, f"message of {length} bytes exceeds {MAX_MESSAGE}")
+        end = _PREFIX.size + length
+        if len(self._buffer) < end:
+            return None
+        message = bytes(self._buffer[_PREFIX.size : end])
+        del self._buffer[:end]
+        return message
+
+    @property
+    def partial(self) -> bool:
+        return bool(self._buffer)
+
+
+def frame(packet: pb.Packet) -> bytes:
+    body = packet.SerializeToString()
+    return _PREFIX.pack(0, len(body)) + body
+
+
+def matches(request: IncomingRequest) -> bool:
+    return request.method == "POST" and request.path == PATH
+
+
+async def serve(request: IncomingRequest, connection: ClientConnection) -> None:
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith(CONTENT_TYPE):
+        await request.refuse(415, f"{PATH} takes content-type {CONTENT_TYPE}, not {content_type or 'none'}")
+        return
+    stream = await request.accept([("content-type", CONTENT_TYPE)])
+    session = Session(stream, connection, dict(request.headers))
+    await session.run()
+
+
+@dataclass(eq=False)
+class KonnectivityDial:
+    """One ``DIAL_REQ`` as a :class:`~clusterproxy_server.relaying.ClientRequest`."""
+
+    session: Session
+    random: int
+    authority: str
+    client: ClientIdentity
+    headers: Mapping[str, str]
+    frontend: str = "konnectivity"
+    early_data: bytes = b""
+    connect_id: int = 0
+    client_closed: bool = False  # CLOSE_REQ came: the client reads nothing more of this connection
+    inbound: tuple[trio.MemorySendChannel[bytes], trio.MemoryReceiveChannel[bytes]] = field(
+        default_factory=lambda: trio.open_memory_channel[bytes](INBOUND_PACKETS)
+    )
+
+    async def accept(self) -> trio.abc.Stream:
+        self.connect_id = self.session.register(self)
+        await self.session.send(
+            pb.Packet(
+                type=pb.DIAL_RSP, dialResponse=pb.DialResponse(connectID=self.connect_id, random=self.random)
+            )
+        )
+        return DialStream(self)
+
+    async def refuse(self, status: int, reason: str) -> None:
+        del status  # Go's konnectivity client shows the error text only
+        await self.session.send(
+            pb.Packet(type=pb.DIAL_RSP, dialResponse=pb.DialResponse(error=reason, random=self.random))
+        )
+
+
+class DialStream(trio.abc.Stream):
+    """The client's side of one dial: ``DATA`` packets in and out; the end is ``CLOSE_RSP``."""
+
+    def __init__(self, dial: KonnectivityDial) -> None:
+        self._dial = dial
+        self._pending = b""
+        self._closed = False
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("the dial is closed")
+        if self._dial.client_closed:  # Go's client stops reading at CLOSE_REQ: more DATA would block it
+            await trio.lowlevel.checkpoint()
+            return
+        view = memoryview(data)
+        for start in range(0, len(view), DATA_CHUNK):
+            chunk = bytes(view[start : start + DATA_CHUNK])
+            await self._dial.session.send(
+                pb.Packet(type=pb.DATA, data=pb.Data(connectID=self._dial.connect_id, data=chunk))
+            )
+        if not view:
+            await trio.lowlevel.checkpoint()
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if not self._pending:
+            try:
+                self._pending = await self._dial.inbound[1].receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                return b""  # CLOSE_REQ: the client is done with this connection
+        size = len(self._pending) if max_bytes is None else max_bytes
+        data, self._pending = self._pending[:size], self._pending[size:]
+        return data
+
+    async def aclose(self) -> None:
+        self._end("")
+        await trio.lowlevel.checkpoint()
+
+    def abort(self) -> None:
+        self._end("connection aborted by the proxy-server (the target or its tunnel failed)")
+
+    def _end(self, error: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._dial.session.finish(self._dial, error)
+
+
+class Session:
+    """One gRPC ``Proxy`` stream: reads packets, runs dials, writes packets in order."""
+
+    def __init__(
+        self, stream: TunnelStream, connection: ClientConnection, headers: Mapping[str, str]
+    ) -> None:
+        self.stream = stream
+        self.connection = connection
+        self.headers = {k: v for k, v in headers.items() if not k.startswith(":")}
+        self._send_lock = trio.Lock()
+        self._ids = itertools.count(1)
+        self.dials: dict[int, KonnectivityDial] = {}  # by connect id, once answered
+        self._pending: dict[int, trio.CancelScope] = {}  # by the client's random, until answered
+        self._tasks: trio.Nursery | None = None
+        self._client_done = False  # the client ended its side of the gRPC stream
+
+    def register(self, dial: KonnectivityDial) -> int:
+        self._pending.pop(dial.random, None)
+        connect_id = next(self._ids)
+        self.dials[connect_id] = dial
+        if self._client_done:
+            dial.inbound[0].close()
+        return connect_id
+
+    async def send(self, packet: pb.Packet) -> None:
+        async with self._send_lock:
+            await self.stream.send_all(frame(packet))
+
+    def finish(self, dial: KonnectivityDial, error: str) -> None:
+        """The relay ended this dial: tell the client with ``CLOSE_RSP`` (sent in order, from a task)."""
+        if self.dials.pop(dial.connect_id, None) is None:
+            return
+        dial.inbound[0].close()
+        packet = pb.Packet(
+            type=pb.CLOSE_RSP, closeResponse=pb.CloseResponse(connectID=dial.connect_id, error=error)
+        )
+        if self._tasks is not None:
+            self._tasks.start_soon(self._send_quietly, packet)
+
+    async def _send_quietly(self, packet: pb.Packet) -> None:
+        try:
+            await self.send(packet)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client is gone: nobody to tell
+
+    async def run(self) -> None:
+        status, message = GRPC_OK, ""
+        async with trio.open_nursery() as tasks:
+            self._tasks = tasks
+            try:
+                await self._read_packets(tasks)
+            except GrpcError as exc:
+                status, message = exc.status, str(exc)
+                tasks.cancel_scope.cancel()  # a broken stream: its dials end with it
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                tasks.cancel_scope.cancel()  # the stream is gone: its dials with it
+                return
+            else:
+                # The client ended its side (gRPC's half-close): it sends nothing more to any of its
+                # connections, while dials still get their answers and targets their say.
+                for dial in list(self.dials.values()):
+                    dial.inbound[0].close()
+                self._client_done = True
+        trailers = [("grpc-status", str(status))]
+        if message:
+            trailers.append(("grpc-message", message))
+        try:
+            async with self._send_lock:
+                await self.stream.send_eof(trailers)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def _read_packets(self, tasks: trio.Nursery) -> None:
+        reader = MessageReader()
+        while data := await self.stream.receive_some():
+            reader.feed(data)
+            while (message := reader.next()) is not None:
+                packet = pb.Packet()
+                try:
+                    packet.ParseFromString(message)
+                except Exception as exc:  # protobuf's DecodeError, or worse: either way not a packet
+                    raise GrpcError(GRPC_INVALID_ARGUMENT, f"not a konnectivity packet: {exc}") from None
+                await self._handle(packet, tasks)
+        if reader.partial:
+            raise GrpcError(GRPC_INVALID_ARGUMENT, "the stream ended inside a message")
+
+    async def _handle(self, packet: pb.Packet, tasks: trio.Nursery) -> None:
+        kind = packet.type
+        if kind == pb.DIAL_REQ:
+            request = packet.dialRequest
+            if request.protocol != "tcp":
+                reason = f"protocol {request.protocol!r} is not supported: tcp only"
+                await self.send(
+                    pb.Packet(
+                        type=pb.DIAL_RSP, dialResponse=pb.DialResponse(error=reason, random=request.random)
+                    )
+                )
+                return
+            dial = KonnectivityDial(
+                self, request.random, request.address, self.connection.client, self.headers
+            )
+            scope = trio.CancelScope()
+            self._pending[request.random] = scope
+            tasks.start_soon(self._dial, dial, scope)
+        elif kind == pb.DATA:
+            dial = self.dials.get(packet.data.connectID)
+            if dial is not None and packet.data.data:
+                try:
+                    await dial.inbound[0].send(packet.data.data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # the dial ended meanwhile: its data has nowhere to go
+        elif kind == pb.CLOSE_REQ:
+            dial = self.dials.get(packet.closeRequest.connectID)
+            if dial is not None:
+                dial.client_closed = True
+                dial.inbound[0].close()
+        elif kind == pb.DIAL_CLS:
+            scope = self._pending.pop(packet.closeDial.random, None)
+            if scope is not None:
+                scope.cancel()
+
+    async def _dial(self, dial: KonnectivityDial, scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                await self.connection.proxy(dial)
+            finally:
+                self._pending.pop(dial.random, None)
