@@ -6,21 +6,30 @@ is the real Go one: tests/e2e/test_konnectivity_grpc.py."""
 from __future__ import annotations
 
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import hpack
 import pytest
 import trio
 from hyperframe.frame import DataFrame, HeadersFrame
 
+from clusterproxy_agent.egress import parse_rule
+from clusterproxy_agent.main import AgentSettings, Service
 from clusterproxy_server.frontends import konnectivity_pb2 as pb
 from clusterproxy_server.frontends.konnectivity import MessageReader, frame
 from tests.support.h2_attacker import Attacker
 from tests.support.inprocess import start_server
 from tests.support.pki import PkiFiles
+from tests.support.targets import serve_echo
+from tests.support.waiting import wait_until
 
 
-def grpc_headers(attacker: Attacker, stream_id: int, content_type: str = "application/grpc") -> bytes:
+def grpc_headers(
+    attacker: Attacker,
+    stream_id: int,
+    content_type: str = "application/grpc",
+    metadata: list[tuple[str, str]] = (),  # type: ignore[assignment]
+) -> bytes:
     headers = [
         (":method", "POST"),
         (":scheme", "https"),
@@ -28,6 +37,7 @@ def grpc_headers(attacker: Attacker, stream_id: int, content_type: str = "applic
         (":path", "/ProxyService/Proxy"),
         ("content-type", content_type),
         ("te", "trailers"),
+        *metadata,
     ]
     headers_frame = HeadersFrame(stream_id, data=attacker.encoder.encode(headers))
     headers_frame.flags.add("END_HEADERS")
@@ -72,6 +82,28 @@ async def answer(
             if "END_STREAM" in received.flags:
                 return head, packets, trailers
     raise AssertionError("the connection ended before the stream did")
+
+
+async def read_packets(
+    attacker: Attacker, stream_id: int, enough: Callable[[list[pb.Packet]], bool]
+) -> list[pb.Packet]:
+    """Packets of ``stream_id`` (an open stream: its response headers skipped) until ``enough``."""
+    decoder = vars(attacker).setdefault("decoder", hpack.Decoder())
+    reader = vars(attacker).setdefault("reader", MessageReader())
+    got: list[pb.Packet] = []
+    with trio.fail_after(10):
+        while not enough(got):
+            received = await attacker.next_frame()
+            assert received is not None, "the connection ended"
+            if isinstance(received, HeadersFrame):
+                decoder.decode(received.data)
+            elif isinstance(received, DataFrame) and received.stream_id == stream_id:
+                reader.feed(received.data)
+                while (message := reader.next()) is not None:
+                    packet = pb.Packet()
+                    packet.ParseFromString(message)
+                    got.append(packet)
+    return got
 
 
 @pytest.fixture
@@ -153,3 +185,68 @@ def test_messages_split_across_reads_are_reassembled() -> None:
             packet.ParseFromString(message)
             out.append(packet)
     assert out == packets and not reader.partial
+
+
+async def test_several_dials_on_one_stream_each_carry_their_own_bytes(
+    pki: PkiFiles, nursery: trio.Nursery
+) -> None:
+    """The multi-dial form (CreateGrpcTunnel-style clients): two connections on one gRPC stream, each
+    echoing its own bytes, each ended by its CLOSE_REQ with a CLOSE_RSP."""
+    server, bound = await start_server(nursery, pki)
+    echo = await serve_echo(nursery)
+    pair = pki.agent("cluster1", "agent-a")
+    agent = Service(
+        AgentSettings(
+            server=("127.0.0.1", bound.agent[1]),
+            server_name="localhost",
+            cluster="cluster1",
+            agent_id="agent-a",
+            ca=pki.ca,
+            cert=pair.cert,
+            key=pair.key,
+            admin_listen=("127.0.0.1", 0),
+            allow=[parse_rule("127.0.0.0/8")],
+        )
+    )
+    await nursery.start(agent.run)
+    await wait_until(lambda: server.registry.find("cluster1", "agent-a"), what="the agent registered")
+    attacker = await connect(bound.client[1], pki)
+    head = grpc_headers(attacker, 1, metadata=[("cluster-proxy-cluster", "cluster1")])
+    dials = b"".join(
+        frame(
+            pb.Packet(
+                type=pb.DIAL_REQ, dialRequest=pb.DialRequest(protocol="tcp", address=echo.address, random=r)
+            )
+        )
+        for r in (7, 8)
+    )
+    await attacker.send(head + data(1, dials))
+    packets = await read_packets(attacker, 1, lambda got: sum(p.type == pb.DIAL_RSP for p in got) == 2)
+    ids = {p.dialResponse.random: p.dialResponse.connectID for p in packets if p.type == pb.DIAL_RSP}
+    assert set(ids) == {7, 8} and ids[7] != ids[8] and all(p.dialResponse.error == "" for p in packets)
+
+    payloads = {ids[7]: b"first connection " * 50, ids[8]: b"second, another one " * 50}
+    await attacker.send(
+        data(
+            1,
+            b"".join(
+                frame(pb.Packet(type=pb.DATA, data=pb.Data(connectID=c, data=d))) for c, d in payloads.items()
+            ),
+        )
+    )
+    echoed: dict[int, bytes] = {c: b"" for c in payloads}
+
+    def all_echoed(got: list[pb.Packet]) -> bool:
+        for p in got:
+            if p.type == pb.DATA:
+                echoed[p.data.connectID] += p.data.data
+        got.clear()
+        return all(echoed[c] == payloads[c] for c in payloads)
+
+    await read_packets(attacker, 1, all_echoed)
+    closes = b"".join(
+        frame(pb.Packet(type=pb.CLOSE_REQ, closeRequest=pb.CloseRequest(connectID=c))) for c in payloads
+    )
+    await attacker.send(data(1, closes))
+    closed = await read_packets(attacker, 1, lambda got: sum(p.type == pb.CLOSE_RSP for p in got) == 2)
+    assert {p.closeResponse.connectID for p in closed if p.type == pb.CLOSE_RSP} == set(payloads)
