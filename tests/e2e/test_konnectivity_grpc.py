@@ -181,6 +181,16 @@ async def test_refusals_arrive_in_go_with_our_reason(
     assert reason in result["dial_error"], result
 
 
+async def test_a_cluster_whose_agent_is_gone_is_refused_in_go_with_our_reason(
+    hub: Hub, konnget: Path, cluster_target: Target
+) -> None:
+    hub.agents.pop(f"agent-{CLUSTER}").stop()
+    await hub.wait_agent(CLUSTER, "agent-a", present=False)
+    result = await run_konnget(konnget, hub, "-mode", "dial", "-address", f"{CLUSTER}:443")
+    assert result["failed"] == 1, result
+    assert f"no agent of cluster '{CLUSTER}' is connected" in result["dial_error"], result
+
+
 async def test_a_go_reader_that_stops_reading_slows_only_its_own_tunnel(
     hub: Hub, konnget: Path, cluster_target: Target
 ) -> None:
