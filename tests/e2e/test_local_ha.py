@@ -275,6 +275,8 @@ def _every_address(doc: dict[str, Any]) -> list[str]:
     addresses.append(doc["signer"]["url"].removeprefix("https://"))
     for info in doc["clusters"].values():
         addresses += [info["targets"][0]["address"], info["agent_admin_url"].removeprefix("http://")]
+    if "health" in doc:  # the health-collector, when its package is installed
+        addresses.append(doc["health"]["url"].removeprefix("http://"))
     return addresses
 
 

@@ -27,14 +27,8 @@ POLL = 0.1
 CHILD_GRACE = 10.0
 # What a child of local up runs (argv[0]'s name, or the echo module): a pid that is now another
 # program is never signalled.
-CHILD_PROGRAMS = (
-    "cluster-proxy-server",
-    "cluster-proxy-agent",
-    "cluster-proxy-cert-signer",
-    "haproxy",
-    "tinyproxy",
-    "clusterproxy_cli.echo",
-)
+CHILD_PROGRAMS = ("haproxy", "tinyproxy", "clusterproxy_cli.echo")
+SERVICE_PREFIX = "cluster-proxy-"  # the services' console scripts (server, agent, cert-signer, ...)
 
 
 def add_local_down_command(local_commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -78,7 +72,7 @@ def runs_local_program(pid: int) -> bool:
     except OSError:
         return False
     words = [os.path.basename(a.decode(errors="replace")) for a in argv[:3]]
-    return any(word in CHILD_PROGRAMS for word in words)
+    return any(word in CHILD_PROGRAMS or word.startswith(SERVICE_PREFIX) for word in words)
 
 
 def _wait_gone(pids: list[int], deadline: float) -> list[int]:
