@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Measure the same workloads directly, through ours and through upstream ANP.",
     )
     p.add_argument(
-        "--quick", action="store_true", help="short durations and small levels (smoke run, ~2-3 min)"
+        "--quick", action="store_true", help="short durations and small levels (smoke run, ~5 min)"
     )
     p.add_argument(
         "--only",

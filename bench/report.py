@@ -151,7 +151,7 @@ def markdown(results: dict) -> str:
                 )
         lines.append("")
         if w == "failover":
-            lines += failover_details(results["records"])
+            lines += failover_details(results["records"], results.get("settings", {}).get("failover", {}))
     if meta.get("commands"):
         lines += ["## How the systems were started", ""]
         for name, roles in meta["commands"].items():
@@ -182,7 +182,7 @@ def _spread(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
     return f"{med:.{digits}f} / {lo:.{digits}f} / {hi:.{digits}f}"
 
 
-def failover_details(records: list[dict]) -> list[str]:
+def failover_details(records: list[dict], settings: dict) -> list[str]:
     """The failover rows with median / min / max over the repeats, the load and the errors seen."""
     runs: dict = defaultdict(list)
     for r in records:
@@ -195,7 +195,10 @@ def failover_details(records: list[dict]) -> list[str]:
     late: list[str] = []
     lines = [
         "Each repeat signals one replica while `loadgen churn` opens new streams through haproxy",
-        "(4 workers, one stream after another, each a CONNECT and a 16-byte echo). median / min / max:",
+        f"({settings.get('workers', '?')} workers, one stream after another with {settings.get('gap_ms', '?')} ms"
+        " between, each a CONNECT and a 16-byte echo), watched for"
+        f" {settings.get('window', '?')} s; haproxy checks /readyz every {settings.get('check_interval', '?')}."
+        " median / min / max:",
         "",
         "| signal | system | runs | to the first new stream that worked (ms) | failed before it "
         "| failed after the signal (of them in flight) | slowest new stream (s) | ok in the window "
@@ -237,8 +240,8 @@ def failover_details(records: list[dict]) -> list[str]:
     if late:
         lines += [
             "",
-            "SIGKILL, the successor starting late, the client going on until every agent holds it",
-            "(median / min / max):",
+            f"SIGKILL, the successor starting {settings.get('late_absence', '?')} s later, the client going on"
+            " until every agent holds it (median / min / max):",
             "",
             "| system | runs | successor held by every agent after (s) | slowest new stream begun after "
             "it started (s) | failed | ok | load average 1 min |",
