@@ -224,3 +224,66 @@ async def test_probes_through_an_unreachable_client_port_say_so(
     assert f"127.0.0.1:{port}" in row["last_error"]["message"]
     assert any("client port" in p for p in document["problems"]), document["problems"]
     assert format_authority("127.0.0.1", port) in json.dumps(document["problems"])
+
+
+async def test_the_client_certificate_from_the_signer(tmp_path: Path, nursery: trio.Nursery) -> None:
+    """``--signer``: without a token the collector runs with probes off and says what to do; with a
+    token bound to its name it bootstraps and probes; a used token, or one for another name, is a
+    refusal in words (never a crash: INSTALLED and AVAILABLE need no certificate)."""
+    from clusterproxy_health.collector import run_with
+    from tests.support.certs import SignedHub, SignerProcess
+
+    targets = await start_targets(nursery)
+    signer = await SignerProcess(tmp_path / "signer", tmp_path).start()
+    hub = SignedHub(pki=None, log_dir=tmp_path, signer=signer)  # type: ignore[arg-type]
+    try:
+        await hub.start_server()
+        hub.start_agent("cluster1", "agent-a")
+        await hub.wait_agent("cluster1", "agent-a")
+
+        async def one_round(directory: str, token: str | None, name: str = "health-collector") -> dict:
+            files = signer.party(tmp_path / directory)
+            settings = CollectorSettings(
+                admin_urls=[f"http://127.0.0.1:{hub.admin_port}"],
+                proxy=("127.0.0.1", hub.client_port),
+                ca=files.ca,
+                cert=files.cert,
+                key=files.key,
+                server_name="localhost",
+                signer=signer.url,
+                bootstrap_token=token,
+                client_name=name,
+                probe=parse_probe_url(f"http://{targets['ok'].address}/healthz"),
+                probe_timeout=PROBE_TIMEOUT,
+            )
+            document: dict = {}
+
+            async def body(collector: Collector) -> None:
+                await collector.round()
+                document.update(collector.document())
+
+            await run_with(settings, body)
+            return document
+
+        without = await one_round("no-token", None)
+        row = by_name(without)["cluster1"]
+        assert (row["installed"], row["available"], row["probed"]) == (True, True, None), row
+        assert without["probe"]["enabled"] is False
+        (problem,) = without["problems"]
+        assert "no --bootstrap-token" in problem and "token create --client health-collector" in problem
+
+        token = signer.client_token("health-collector")
+        with_token = await one_round("with-token", token)
+        assert with_token["problems"] == [] and by_name(with_token)["cluster1"]["state"] == "healthy"
+        assert signer.issued()["bootstrap"] >= 1
+
+        used = await one_round("used-token", token)
+        (problem,) = used["problems"]
+        assert "refused the bootstrap token" in problem and "token_used" in problem, problem
+        assert by_name(used)["cluster1"]["probed"] is None
+
+        other = await one_round("other-name", signer.client_token("someone-else"))
+        (problem,) = other["problems"]
+        assert "refused the bootstrap token" in problem and "name_mismatch" in problem, problem
+    finally:
+        hub.stop()

@@ -113,6 +113,37 @@ class CollectorProcess:
             raise
         return collector
 
+    @classmethod
+    def launch(cls, log_dir: Path, *flags: str, timeout: float = 60.0) -> CollectorProcess:
+        """The collector with ``flags`` (it listens on a free loopback port and logs JSON), waited for
+        without trio (the tests on real API servers are synchronous): its ``collector_started`` line,
+        then its first round."""
+        from tests.support.workagent import poll_until
+
+        argv = [
+            str(BIN / "cluster-proxy-health-collector"),
+            "--listen=127.0.0.1:0",
+            "--log-format=json",
+            "--log-level=info",
+            *flags,
+        ]
+        process = Process("health-collector", argv, log_dir)
+
+        def started() -> dict[str, Any] | None:
+            found = [r for r in process.events() if r.get("event") == "collector_started"]
+            if not found and process.popen.poll() is not None:
+                raise AssertionError(f"the collector exited ({process.popen.returncode}):\n{process.tail()}")
+            return found[0] if found else None
+
+        try:
+            record = poll_until(started, timeout=timeout, what="the collector's collector_started line")
+            collector = cls(process, str(record["url"]).rstrip("/"), list(flags))
+            poll_until(collector.ready, timeout=timeout, what="the collector's first round", interval=0.1)
+        except BaseException:
+            process.stop()
+            raise
+        return collector
+
     def ready(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.url}/readyz", timeout=2) as answer:

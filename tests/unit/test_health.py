@@ -7,6 +7,7 @@ import base64
 import hashlib
 import io
 import re
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -71,6 +72,33 @@ def test_collector_flags_refuse_what_cannot_work(capsys: pytest.CaptureFixture[s
         ["--once"], environ={"CLUSTER_PROXY_HEALTH_ADMIN_URL": "http://a:1,http://b:2"}
     )
     assert once and settings.admin_urls == ["http://a:1", "http://b:2"] and settings.proxy is None
+
+
+def test_signer_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With --signer the certificate files need not exist yet (the collector writes them); without it
+    each must; a token needs a signer, a signer needs the probes' --proxy."""
+    files = [f"--ca={tmp_path / 'ca.crt'}", f"--cert={tmp_path / 'tls.crt'}", f"--key={tmp_path / 'tls.key'}"]
+    base = ["--admin-url=http://h:1", "--proxy=h:2", *files]
+    with pytest.raises(SystemExit):
+        parse_settings(base, environ={})
+    assert "argument --ca: file not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_settings(base, environ={"CLUSTER_PROXY_HEALTH_BOOTSTRAP_TOKEN": "t"})
+    assert "--bootstrap-token needs --signer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_settings(["--admin-url=http://h:1", "--signer=signer:8443", *files], environ={})
+    assert "--signer needs --proxy" in capsys.readouterr().err
+    settings, _ = parse_settings(
+        [*base, "--signer=signer.ns.svc:8443"], environ={"CLUSTER_PROXY_HEALTH_BOOTSTRAP_TOKEN": " tok \n"}
+    )
+    assert (settings.signer, settings.bootstrap_token, settings.client_name) == (
+        "https://signer.ns.svc:8443",
+        "tok",
+        "health-collector",
+    )
+    with pytest.raises(SystemExit):
+        parse_settings([*base, "--signer=https://s:1", "--client-name=Not A Name"], environ={})
+    assert "invalid client name" in capsys.readouterr().err
 
 
 def _tunnel(cluster: str, agent: str, server: str) -> AgentTunnel:

@@ -20,6 +20,7 @@ import trio
 
 from clusterproxy_protocol.logs import get_logger
 
+from .credentials import DEFAULT_CLIENT_NAME, ClientCertificate
 from .metrics import CollectorMetrics
 from .probe import ProbeSpec, StreamOpener, probe_cluster
 from .servers import resolve_admin_service, server_views
@@ -37,6 +38,9 @@ class CollectorSettings:
     cert: Path | None = None
     key: Path | None = None
     server_name: str | None = None
+    signer: str | None = None  # https://HOST:PORT: the client certificate is bootstrapped and renewed
+    bootstrap_token: str | None = None
+    client_name: str = DEFAULT_CLIENT_NAME
     probe: ProbeSpec = field(default_factory=lambda: ProbeSpec("https", "{cluster}", 443, "/healthz"))
     interval: float = 10.0
     probe_timeout: float = 5.0
@@ -73,16 +77,28 @@ class Collector:
         self.state = State(
             history=settings.history, forget_after=settings.forget_after, kubernetes=settings.kubernetes
         )
-        if opener is None:
+        if settings.proxy is None:
             self.state.probing = (
                 "probes are off: the collector has no --proxy (the proxy-server's client port) and "
                 "hub client certificate (--ca, --cert, --key)"
             )
+        elif opener is None:
+            self.state.probing = "probes are not connected to the proxy-server's client port yet"
         self.log = get_logger("clusterproxy_health")
         self.round_done = trio.Event()
         self.address = ""  # HOST:PORT of the HTTP port, once serving
         self.published = self.render_document()
         self._health: dict[str, str] = {}
+
+    def attach(self, opener: StreamOpener) -> None:
+        """Probes go through ``opener`` from the next round on."""
+        self.opener = opener
+        self.state.probing = None
+
+    def probes_off(self, why: str) -> None:
+        """No probes until :meth:`attach`; ``why`` is shown as a problem (in words: what to do)."""
+        self.opener = None
+        self.state.probing = why
 
     # -- one round ------------------------------------------------------------------------------------
 
@@ -226,19 +242,66 @@ class Collector:
 async def run_with(
     settings: CollectorSettings, body: Callable[[Collector], Awaitable[None]], **kwargs: Any
 ) -> None:
-    """Build a Collector with the SDK's shared tunnel to ``settings.proxy`` (when set) and run ``body``."""
+    """Build a Collector, connect its probes (the SDK's shared tunnel to ``settings.proxy``, after
+    getting a client certificate from ``settings.signer`` when given) and run ``body``."""
+    collector = Collector(settings, **kwargs)
+    if settings.proxy is None:
+        await body(collector)
+        return
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_connect_probes, settings, collector)
+        await body(collector)
+        nursery.cancel_scope.cancel()
+
+
+async def _connect_probes(
+    settings: CollectorSettings, collector: Collector, *, task_status: trio.TaskStatus[None]
+) -> None:
+    """Started once the probes are connected, or once the first try to get the client certificate
+    failed (then the rounds run with probes off, the reason shown, while a retryable failure is
+    retried with a growing delay)."""
+    from clusterproxy_protocol.certclient import CertFiles
+    from clusterproxy_protocol.reloader import CertRenewer
     from clusterproxy_sdk import TLSFiles, open_shared_tunnel
 
-    if settings.proxy is None:
-        await body(Collector(settings, **kwargs))
-        return
-    assert settings.ca is not None
-    tls = TLSFiles(settings.ca, settings.cert, settings.key).reloading(log=get_logger("clusterproxy_health"))
-    async with open_shared_tunnel(
-        settings.proxy,
-        tls,
-        server_hostname=settings.server_name,
-        connect_timeout=settings.probe_timeout,
-        keepalive=(min(10.0, settings.interval), settings.probe_timeout),
-    ) as tunnel:
-        await body(Collector(settings, opener=tunnel, **kwargs))
+    assert settings.proxy is not None and settings.ca is not None
+    log = get_logger("clusterproxy_health")
+    announced = False
+
+    def announce() -> None:
+        nonlocal announced
+        if not announced:
+            announced = True
+            task_status.started()
+
+    async with trio.open_nursery() as nursery:
+        if settings.signer is not None:
+            assert settings.cert is not None and settings.key is not None
+            certificate = ClientCertificate(
+                settings.signer,
+                CertFiles(settings.cert, settings.key, settings.ca),
+                settings.bootstrap_token,
+                settings.client_name,
+            )
+            delay = 1.0
+            while (problem := await certificate.obtain(log)) is not None:
+                log.warning("client_certificate_missing", error=problem.message)
+                collector.probes_off(problem.message)
+                announce()
+                if not problem.retryable:
+                    await trio.sleep_forever()
+                await trio.sleep(delay)
+                delay = min(2 * delay, 60.0)
+            renewer = CertRenewer(certificate.endpoint, certificate.files, log=log)
+            await nursery.start(renewer.run)
+        tls = TLSFiles(settings.ca, settings.cert, settings.key).reloading(log=log)
+        async with open_shared_tunnel(
+            settings.proxy,
+            tls,
+            server_hostname=settings.server_name,
+            connect_timeout=settings.probe_timeout,
+            keepalive=(min(10.0, settings.interval), settings.probe_timeout),
+        ) as tunnel:
+            collector.attach(tunnel)
+            announce()
+            await trio.sleep_forever()

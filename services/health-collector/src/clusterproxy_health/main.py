@@ -38,6 +38,7 @@ from clusterproxy_protocol.logs import configure_logging, get_logger
 from clusterproxy_protocol.wire import CLUSTER_NAME, format_authority
 
 from .collector import Collector, CollectorSettings, run_with
+from .credentials import DEFAULT_CLIENT_NAME
 from .page import PAGE_HEADERS, page_html
 from .probe import parse_probe_url
 from .servers import parse_admin_url
@@ -56,6 +57,19 @@ def _dialable(text: str) -> tuple[str, int]:
     if port == 0 or not host:
         raise InvalidValue(f"invalid address {raw!r}: HOST:PORT with a port 1-65535")
     return host, port
+
+
+def _signer_url(text: str) -> str:
+    """``https://HOST:PORT`` (or ``HOST:PORT``) of the cert-signer."""
+    value = text.strip().rstrip("/")
+    host, port = _dialable(value)
+    return f"https://{format_authority(host, port)}"
+
+
+def _client_name(text: str) -> str:
+    if not CLUSTER_NAME.match(text.strip()):
+        raise InvalidValue(f"invalid client name {text!r}: lower-case letters, digits, '-' and '.'")
+    return text.strip()
 
 
 def _addon_name(text: str) -> str:
@@ -86,12 +100,23 @@ def build_parser() -> argparse.ArgumentParser:
          help="the proxy-server's client port the probes go through (without it: no probes)")  # fmt: skip
     flag(
         "--ca",
-        type=existing_file,
+        type=Path,
         metavar="FILE",
-        help="CA bundle that signed the proxy-server's certificate",
+        help="CA bundle that signed the proxy-server's certificate (with --signer: the cert-signer's "
+        "too, kept current there)",
     )
-    flag("--cert", type=existing_file, metavar="FILE", help="hub client certificate (followed when renewed)")
-    flag("--key", type=existing_file, metavar="FILE", help="its private key")
+    flag("--cert", type=Path, metavar="FILE",
+         help="hub client certificate (followed when renewed; with --signer: written there)")  # fmt: skip
+    flag("--key", type=Path, metavar="FILE", help="its private key")
+    flag("--signer", type=_signer_url, metavar="URL",
+         help="cert-signer (https://HOST:PORT, verified with --ca): get --cert/--key with "
+         "--bootstrap-token when they hold no valid certificate, renew them at 80%% of their lifetime, "
+         "follow the trust bundle in --ca")  # fmt: skip
+    flag("--bootstrap-token", metavar="TOKEN",
+         help="with --signer: a single-use token bound to --client-name (cluster-proxy-cert-signer "
+         "token create --client NAME); better given as its environment twin")  # fmt: skip
+    flag("--client-name", type=_client_name, default=DEFAULT_CLIENT_NAME,
+         help="with --signer: the name in the client certificate (the token's --client)")  # fmt: skip
     flag(
         "--server-name",
         metavar="NAME",
@@ -135,12 +160,23 @@ def parse_settings(
     """The settings and ``--once``; a bad value exits with status 2 and a message naming it."""
     parser = build_parser()
     args = parse_args_or_exit(parser, argv, environ=environ)
+    tls_files = (("--ca", args.ca), ("--cert", args.cert), ("--key", args.key))
     if args.proxy is not None:
-        missing = [f for f, v in (("--ca", args.ca), ("--cert", args.cert), ("--key", args.key)) if v is None]
+        missing = [f for f, v in tls_files if v is None]
         if missing:
             parser.error(
                 f"--proxy needs {', '.join(missing)} (the hub client certificate the probes present)"
             )
+    if args.signer is None:
+        if args.bootstrap_token:
+            parser.error("--bootstrap-token needs --signer (the cert-signer that trades it)")
+        for name, value in ((n, v) for n, v in tls_files if v is not None):
+            try:
+                existing_file(value)
+            except InvalidValue as exc:
+                parser.error(f"argument {name}: {exc} (or use --signer to get the certificate)")
+    elif args.proxy is None:
+        parser.error("--signer needs --proxy: the client certificate is for the probes through it")
     if not args.admin_url and args.admin_service is None:
         parser.error(
             "name the proxy-servers: --admin-url http://HOST:PORT (repeat) or --admin-service HOST:PORT"
@@ -158,6 +194,9 @@ def parse_settings(
         cert=args.cert,
         key=args.key,
         server_name=args.server_name,
+        signer=args.signer,
+        bootstrap_token=(args.bootstrap_token or "").strip() or None,
+        client_name=args.client_name,
         probe=probe,
         interval=args.interval,
         probe_timeout=args.probe_timeout,
