@@ -153,8 +153,9 @@ def make_agent() -> Agent:
     return Agent(AgentConfig("cluster1", "agent-a", policy=EgressPolicy.build()))
 
 
-def options(name: str = "hub") -> TunnelOptions:
-    return TunnelOptions(server=(name, 8091), keepalive=None, backoff_initial=0.1, backoff_max=1.0)
+def options(name: str = "hub", **overrides: float) -> TunnelOptions:
+    settings = {"backoff_initial": 0.1, "backoff_max": 1.0} | overrides
+    return TunnelOptions(server=(name, 8091), keepalive=None, **settings)  # type: ignore[arg-type]
 
 
 def holds(agent: Agent, balancer: FakeBalancer) -> bool:
@@ -240,6 +241,29 @@ async def test_a_missing_replica_costs_at_most_one_dial_per_backoff_max(
     assert sum(r.refused for r in balancer.replicas.values()) >= spent - 1
     balancer.add("r2", 3)
     await wait_until(lambda: holds(agent, balancer), timeout=5, what="the third replica within a backoff")
+    await stop(agent, replicas)
+
+
+async def test_a_long_search_still_finds_a_late_successor_within_the_search_ceiling(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """With the 30 s backoff ceiling, a minute of dials landing on held replicas does not make the
+    agent wait 30 s for a successor that comes up late: the search backs off 2 s at most."""
+    balancer = FakeBalancer(nursery)
+    balancer.add("r0", 3)
+    balancer.add("r1", 3)
+    agent = make_agent()
+    search = options(backoff_max=30.0, search_backoff_max=2.0)
+    replicas = await run_replica_set(nursery, agent, [(search, balancer.open)])
+    await wait_until(lambda: holds(agent, balancer), timeout=60, what="both replicas")
+    dials = balancer.dials
+    await trio.sleep(60)
+    assert 25 <= balancer.dials - dials <= 35  # a dial every 2 s, not every 30 s
+    balancer.add("r2", 3)
+    added = trio.current_time()
+    await wait_until(lambda: holds(agent, balancer), timeout=10, what="the late successor")
+    # round robin over three: at most three dials, 2 s apart, reach it (haproxy's leastconn: the first)
+    assert trio.current_time() - added <= 3 * 2.0 + 0.5
     await stop(agent, replicas)
 
 

@@ -174,6 +174,7 @@ class AgentSettings:
     connect_timeout: float = 10.0
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
+    replica_search_backoff_max: float = 2.0
     keepalive_interval: float = 10.0
     keepalive_timeout: float = 20.0
     drain_timeout: float = 30.0
@@ -268,6 +269,7 @@ class AgentSettings:
             "connect_timeout": self.connect_timeout,
             "backoff_initial": self.backoff_initial,
             "backoff_max": self.backoff_max,
+            "replica_search_backoff_max": self.replica_search_backoff_max,
             "keepalive_interval": self.keepalive_interval,
             "keepalive_timeout": self.keepalive_timeout,
             "drain_timeout": self.drain_timeout,
@@ -434,6 +436,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest reconnect delay ceiling",
     )
     flag(
+        "--replica-search-backoff-max",
+        metavar="DURATION",
+        type=parse_positive_duration,
+        default="2s",
+        help="behind a load balancer, while a proxy-server replica is missing: the longest wait between "
+        "dials that reach replicas already held, so that the missing one (or its successor) is found "
+        "within it (one TLS handshake per wait meanwhile)",
+    )
+    flag(
         "--keepalive-interval",
         metavar="DURATION",
         type=parse_positive_duration,
@@ -550,6 +561,7 @@ def parse_settings(
         connect_timeout=args.connect_timeout,
         backoff_initial=args.backoff_initial,
         backoff_max=args.backoff_max,
+        replica_search_backoff_max=args.replica_search_backoff_max,
         keepalive_interval=args.keepalive_interval,
         keepalive_timeout=args.keepalive_timeout,
         drain_timeout=args.drain_timeout,
@@ -660,6 +672,7 @@ class Service:
             keepalive=(settings.keepalive_interval, settings.keepalive_timeout),
             backoff_initial=settings.backoff_initial,
             backoff_max=settings.backoff_max,
+            search_backoff_max=settings.replica_search_backoff_max,
             settings=settings.tunnel,
             proxy=str(proxy) if proxy is not None else None,
         )

@@ -12,9 +12,12 @@ as it needs:
   none). While it holds fewer distinct replicas than that, it runs more slots, each dialing the same
   address. A dial the balancer sends to a replica already held is answered ``409`` on ``/v1/info`` and
   closed (counted in ``cluster_proxy_agent_duplicate_dials_total``); that slot backs off as after a
-  failure (exponential, full jitter, up to ``--backoff-max``) and dials again. So the cost of looking
-  for a missing replica is bounded: at most one TLS handshake and one ``/v1/info`` per slot per backoff
-  period, and only while a replica is missing; with every replica held, nothing is dialed.
+  failure (exponential, full jitter) but never longer than ``--replica-search-backoff-max`` (2 s), so
+  that a replica's successor is found within that once it is up, however long the search lasted (with
+  ``--backoff-max``'s 30 s, a successor started late waited for its agents for many seconds: the
+  benchmark's failover row). So the cost of looking for a missing replica is bounded: at most one TLS
+  handshake and one ``/v1/info`` per slot per 2 s, and only while a replica is missing; with every
+  replica held, nothing is dialed.
 * **Several addresses** (``--server a:8091,b:8091``, each one replica): one slot per address, and the
   count is only reported (a warning when it is larger than the list).
 

@@ -58,6 +58,10 @@ class TunnelOptions:
     keepalive: tuple[float, float] | None = (10.0, 20.0)
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
+    # A dial that reached a replica this agent already holds (a replica is missing, or its successor not
+    # up yet) backs off at most this long, whatever the backoff has grown to: the missing replica is
+    # found within it once it is up, at the cost of one handshake per slot per this period meanwhile.
+    search_backoff_max: float = 2.0
     stable_after: float = 10.0  # a tunnel that lived longer resets the backoff
     settings: TunnelSettings | None = None
     proxy: str | None = None  # the forward proxy dialed through (redacted URL), for the log lines
@@ -192,6 +196,7 @@ class TunnelRunner:
         self.attempts = 0
         self.record: TunnelRecord | None = None
         self.opening = False  # the transport is up, the tunnel not yet recorded (see replicas.slot_state)
+        self._last_duplicate = False  # the last tunnel reached a replica held by another slot
 
     @property
     def stopping(self) -> bool:
@@ -213,6 +218,8 @@ class TunnelRunner:
                 if lived > self.options.stable_after:
                     self.backoff.reset()
                 delay = self.backoff.next()
+                if self._last_duplicate:
+                    delay = min(delay, self.options.search_backoff_max)
                 self.log.info(
                     "tunnel_reconnect_scheduled", delay=round(delay, 3), attempt=self.backoff.attempt
                 )
@@ -298,7 +305,8 @@ class TunnelRunner:
         finally:
             self.opening = False
         lived = trio.current_time() - started
-        if duplicate:  # counted and logged as replica_already_held; the backoff grows as for a failure
+        self._last_duplicate = duplicate
+        if duplicate:  # counted and logged as replica_already_held; the backoff grows, capped (search)
             self.log.debug("tunnel_disconnected", error=reason, lived=round(lived, 3), duplicate=True)
             return 0.0
         self.agent.last_error = f"tunnel disconnected: {reason}"
