@@ -113,7 +113,18 @@ async def test_local_up_runs_the_simulation_and_stops_cleanly(tmp_path: Path) ->
         for key in ("ca", "cert", "key"):
             assert Path(description["proxy"][key]).is_absolute() and Path(description["proxy"][key]).exists()
         pids = [pid for name, pid in description["pids"].items() if name != "cluster-proxy"]
-        assert len(pids) == 6  # the cert-signer, the server, two agents, two echo services
+        children = set(description["pids"]) - {"cluster-proxy"}
+        expected = {
+            "cert-signer",
+            "proxy-server",
+            "cluster1-agent",
+            "cluster2-agent",
+            "cluster1-echo",
+            "cluster2-echo",
+        }
+        if shutil.which("cluster-proxy-health-collector", path=str(BIN)):
+            expected.add("health-collector")  # local up runs it when its package is installed
+        assert children == expected  # by default: one server, no haproxy, no tinyproxy
 
         commands = [
             line.strip()
