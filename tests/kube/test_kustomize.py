@@ -16,6 +16,14 @@
   agent's pod run from the Deployment, ConfigMap and Secret stored on cluster1 (the tests play the
   kubelet: tests.support.workagent.Kubelet): it bootstraps, its tunnel reaches the proxy-server and
   the Deployment reports READY 1/1.
+- The health-collector the hub overlay installs: its ServiceAccount may list and watch the addons and
+  the clusters and get its own bootstrap Secret, nothing else; its pod, run from the stored Deployment
+  (ports given by an overlay of one's own to match a configuration with ports of its own) beside the
+  manager, cert-signer and proxy-server run from what the manager wrote and cluster1's agent from its
+  ManifestWork, finds the proxy-server by the headless Service and shows cluster1 installed and
+  available with probes off and the Secret to create; once the admin creates it (the real CLI, as
+  docs/health.md says) it bootstraps its client certificate without a restart and probes cluster1's
+  kube-apiserver through the tunnel: the row turns healthy.
 
 These tests run on API servers of their own (a hub and cluster1: this module's ``kube_clusters``
 fixture), not on the session's shared ones: the hub overlay creates cluster-scoped and fixed-name
@@ -29,6 +37,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +47,7 @@ from typing import Any
 import pytest
 import trio
 import yaml
+from kubernetes import client
 
 from clusterproxy_cli.commands import SIGNER, executable
 from tests.support import kubeapi, require
@@ -43,7 +55,7 @@ from tests.support.certs import SERVER_HOSTS, SignedHub, SignerProcess
 from tests.support.kubeapi import KubeCluster, KubeClusters, free_port, install_crds
 from tests.support.procs import Process, json_records
 from tests.support.waiting import wait_until
-from tests.support.workagent import Container, Kubelet, Pod, poll_until
+from tests.support.workagent import Container, Kubelet, Pod, WorkAgent, poll_until
 from tests.unit.test_kustomize_render import (
     KUSTOMIZE,
     MY_CLUSTER_KUSTOMIZATION,
@@ -429,3 +441,245 @@ async def test_an_agent_from_a_managed_overlay_of_your_own_reaches_the_hub(
     finally:
         kubelet.close()
         proxy.stop()
+
+
+# --- the health-collector as the hub overlay installs it ------------------------------------------------
+
+COLLECTOR = "cluster-proxy-health-collector"
+COLLECTOR_SECRET = "cluster-proxy-health-collector-bootstrap"
+COLLECTOR_ACCOUNT = f"system:serviceaccount:{HUB_NAMESPACE}:{COLLECTOR}"
+
+
+def test_the_collectors_service_account_may_only_read_what_it_shows(hub_installed: KubeCluster) -> None:
+    """The overlay's RBAC for the collector: list and watch the addons and the clusters, get its own
+    bootstrap Secret; nothing else (no other Secret, no write)."""
+    allowed = [
+        ("list", "managedclusteraddons.addon.open-cluster-management.io", "--all-namespaces"),
+        ("watch", "managedclusteraddons.addon.open-cluster-management.io", "--all-namespaces"),
+        ("list", "managedclusters.cluster.open-cluster-management.io", ""),
+        ("get", f"secrets/{COLLECTOR_SECRET}", f"--namespace={HUB_NAMESPACE}"),
+    ]
+    refused = [
+        ("get", "secrets/cluster-proxy-server-bootstrap", f"--namespace={HUB_NAMESPACE}"),
+        ("list", "secrets", f"--namespace={HUB_NAMESPACE}"),
+        ("update", "managedclusteraddons.addon.open-cluster-management.io", "--all-namespaces"),
+        ("create", "manifestworks.work.open-cluster-management.io", "--all-namespaces"),
+        ("get", "managedproxyconfigurations.proxy.open-cluster-management.io", ""),
+    ]
+    for verb, resource, scope in [*allowed, *refused]:
+        done = hub_installed.kubectl("auth", "can-i", verb, resource, *([scope] if scope else []),
+                                     f"--as={COLLECTOR_ACCOUNT}")  # fmt: skip
+        want = "yes" if (verb, resource, scope) in allowed else "no"
+        assert done.stdout.strip() == want, (
+            f"{COLLECTOR_ACCOUNT} {verb} {resource}: {done.stdout}{done.stderr}"
+        )
+
+
+def with_free_listen_port(pod: Pod) -> Pod:
+    """:func:`with_free_admin_port` for the collector, whose one port is ``--listen`` (named ``http``)."""
+    port = free_port()
+    for container in pod.containers.values():
+        spec = container.spec
+        spec["args"] = [
+            f"--listen=127.0.0.1:{port}" if a.startswith("--listen=") else a for a in spec["args"]
+        ]
+        for declared in spec.get("ports") or []:
+            if declared.get("name") == "http":
+                declared["containerPort"] = port
+    return pod
+
+
+def collector_document(pod: Pod) -> dict[str, Any]:
+    listen = next(a for a in pod.container().spec["args"] if a.startswith("--listen="))
+    with urllib.request.urlopen(f"http://{listen.split('=', 1)[1]}/api/v1/clusters", timeout=5) as answer:
+        return json.loads(answer.read())
+
+
+def test_the_health_collector_runs_as_the_overlay_installs_it(
+    hub_installed: KubeCluster, kube_clusters: KubeClusters, tmp_path: Path
+) -> None:
+    """The whole hub from the overlays, and the collector's pod from its stored Deployment as its
+    ServiceAccount (only the overlay's RBAC):
+
+    - a configuration of one's own with ports of its own (free ones: these pods share the machine's
+      network) and an overlay of one's own on the hub that gives the collector the same ports (what
+      the Deployment's comment asks for); the addon-manager, the cert-signer and the proxy-server run
+      from what the manager wrote; cluster1 enables the addon and its agent runs from its ManifestWork;
+    - the collector finds the proxy-server through the headless Service (--admin-service) and reads the
+      addons: cluster1 INSTALLED and AVAILABLE True, PROBED HEALTH unknown while it has no client
+      certificate, the page's problem naming the Secret to create;
+    - the admin creates that Secret as docs/health.md says (trust bundle and a token for
+      health-collector, with the real CLI): without a restart the collector bootstraps and cluster1's
+      kube-apiserver, probed through the tunnel by the bare cluster name, makes the row healthy."""
+    hub, cluster1 = hub_installed, kube_clusters["cluster1"]
+    ports = {name: free_port() for name in ("proxyServer", "agentServer", "adminServer", "signer")}
+    configuration = own_overlay(
+        tmp_path / "my-hub-configuration",
+        "hub-configuration",
+        {
+            "patches": [
+                {
+                    "target": {"kind": "ManagedProxyConfiguration", "name": "cluster-proxy"},
+                    "patch": yaml.safe_dump(
+                        {
+                            "apiVersion": "proxy.open-cluster-management.io/v1alpha1",
+                            "kind": "ManagedProxyConfiguration",
+                            "metadata": {"name": "cluster-proxy"},
+                            "spec": {
+                                "proxyServer": {
+                                    "replicas": 1,
+                                    "entrypoint": {
+                                        "type": "Hostname",
+                                        "hostname": {"value": "127.0.0.1"},
+                                        "port": ports["agentServer"],
+                                    },
+                                },
+                                "proxyAgent": {"additionalArgs": ["--admin-listen=127.0.0.1:0"]},
+                                "deploy": {"ports": ports},
+                            },
+                        }
+                    ),
+                }
+            ]
+        },
+        {},
+    )
+    kubectl_ok(hub, "apply", "-k", str(configuration))
+    collector_ports = [
+        f"--admin-service=cluster-proxy-admin.$(POD_NAMESPACE).svc:{ports['adminServer']}",
+        f"--proxy=proxy-entrypoint.$(POD_NAMESPACE).svc:{ports['proxyServer']}",
+        f"--signer=https://cluster-proxy-cert-signer.$(POD_NAMESPACE).svc:{ports['signer']}",
+    ]
+    stored = json.loads(kubectl_ok(hub, "get", "deployment", COLLECTOR, "-n", HUB_NAMESPACE, "-o", "json"))
+    args = stored["spec"]["template"]["spec"]["containers"][0]["args"]
+    patch = [
+        {"op": "replace", "path": f"/spec/template/spec/containers/0/args/{i}", "value": value}
+        for value in collector_ports
+        for i, arg in enumerate(args)
+        if arg.split("=", 1)[0] == value.split("=", 1)[0]
+    ]
+    assert len(patch) == 3, args
+    my_hub = own_overlay(
+        tmp_path / "my-hub",
+        "hub",
+        {"patches": [{"target": {"kind": "Deployment", "name": COLLECTOR}, "patch": yaml.safe_dump(patch)}]},
+        {},
+    )
+    kubectl_ok(hub, "apply", "-k", str(my_hub))
+
+    hub_kubelet = Kubelet(hub, tmp_path / "hub")
+    cluster_kubelet = Kubelet(cluster1, tmp_path / "cluster1")
+    work_agent = None
+    try:
+        manager = with_free_admin_port(hub_kubelet.pod(HUB_NAMESPACE, "cluster-proxy-addon-manager")).start()
+        wait_event(manager.container(), "manager_synced", timeout=60)
+
+        def deployed_with_ports(name: str) -> bool:
+            done = hub.kubectl("get", "deployment", name, "-n", HUB_NAMESPACE, "-o", "json")
+            return done.returncode == 0 and str(ports["signer"]) in done.stdout
+
+        for name in ("cluster-proxy-cert-signer", "cluster-proxy"):
+            poll_until(lambda n=name: deployed_with_ports(n), timeout=60, what=f"{name} with the new ports")
+        hub_kubelet.run(HUB_NAMESPACE, "cluster-proxy-cert-signer").wait_ready(90)
+        server = hub_kubelet.run(HUB_NAMESPACE, "cluster-proxy").wait_ready(90)
+
+        # cluster1 enables the addon; its agent runs from the ManifestWork the manager writes
+        kubectl_ok(hub, "create", "namespace", "cluster1")
+        with hub.api_client() as api:
+            enable_the_addon(client.CustomObjectsApi(api))
+        work_agent = WorkAgent(hub, cluster1, "cluster1").start()
+        applied = work_agent.wait_applied("addon-cluster-proxy-deploy", timeout=60)
+        assert applied.ok, applied.errors()
+        agent = cluster_kubelet.run("cp-agent-health", "cluster-proxy-proxy-agent")
+        wait_event(agent.container(), "tunnel_connected", timeout=60)
+
+        # the collector, from the stored Deployment, as its ServiceAccount; no Secret yet
+        collector = with_free_listen_port(hub_kubelet.pod(HUB_NAMESPACE, COLLECTOR)).start()
+        collector.wait_ready(60)
+
+        def row(want: dict[str, Any]) -> dict[str, Any] | None:
+            if not collector.container().running:
+                raise AssertionError(f"the collector exited:\n{collector.container().tail()}")
+            document = collector_document(collector)
+            found = [c for c in document["clusters"] if c["name"] == "cluster1"]
+            if found and all(found[0][k] == v for k, v in want.items()):
+                return {**found[0], "problems": document["problems"], "servers": document["proxy_servers"]}
+            return None
+
+        waiting = poll_until(
+            lambda: row({"installed": True, "available": True, "probed": None}),
+            timeout=60,
+            what="cluster1 installed and available, probes off",
+            interval=0.5,
+        )
+        assert [s["reachable"] for s in waiting["servers"]] == [True], waiting["servers"]
+        assert any(f"{HUB_NAMESPACE}/{COLLECTOR_SECRET} exists" in p for p in waiting["problems"]), waiting
+
+        # the admin's steps (docs/health.md, "In Kubernetes")
+        store = f"kubernetes:{HUB_NAMESPACE}/cluster-proxy-ca"
+        signer_cli = [executable(SIGNER), "--store", store, "--kubeconfig", str(hub.kubeconfig)]
+        bundle = tmp_path / "ca.crt"
+        made = subprocess.run([signer_cli[0], "trust-bundle", *signer_cli[1:], "--out", str(bundle)],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        made = subprocess.run([signer_cli[0], "token", "create", *signer_cli[1:], "--client", "health-collector",
+                               "--ttl", "1h"], capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        kubectl_ok(hub, "-n", HUB_NAMESPACE, "create", "secret", "generic", COLLECTOR_SECRET,
+                   f"--from-file=ca.crt={bundle}", f"--from-literal=bootstrap-token={made.stdout.strip()}")  # fmt: skip
+
+        created = time.monotonic()
+        healthy = poll_until(
+            lambda: row({"installed": True, "available": True, "probed": True}),
+            timeout=90,
+            what="cluster1 healthy once the Secret exists",
+            interval=0.5,
+        )
+        assert healthy["problems"] == [] and healthy["latency_ms"] > 0, healthy
+        print(
+            f"\nthe collector's Secret created -> cluster1 healthy after {time.monotonic() - created:.1f}s "
+            f"(kube-apiserver /healthz through the tunnel: {healthy['latency_ms']} ms)"
+        )
+        logged = events(collector.container())
+        assert [e for e in logged if e.get("event") == "cert_bootstrapped"], collector.container().tail()
+        refused = [e for e in logged if "forbidden" in json.dumps(e).lower() or "403" in json.dumps(e)]
+        assert not refused, refused[:3]
+        # the probe went through the manager's proxy-server, by the bare cluster name, as health-collector
+        poll_until(
+            lambda: [r for r in events(server.container(), "stream_closed")
+                     if r.get("target") == "cluster1:443" and r.get("client") == "health-collector"],
+            timeout=10,
+            what="the proxy-server's stream_closed for cluster1:443 from health-collector",
+        )  # fmt: skip
+    finally:
+        if work_agent is not None:
+            work_agent.close()
+        cluster_kubelet.close(grace=10)
+        hub_kubelet.close(grace=10)
+
+
+def enable_the_addon(custom: Any) -> None:
+    """cluster1 as a ManagedCluster with the addon enabled (its agent in a namespace of its own)."""
+    custom.create_cluster_custom_object(
+        "cluster.open-cluster-management.io",
+        "v1",
+        "managedclusters",
+        {
+            "apiVersion": "cluster.open-cluster-management.io/v1",
+            "kind": "ManagedCluster",
+            "metadata": {"name": "cluster1"},
+            "spec": {"hubAcceptsClient": True},
+        },
+    )
+    custom.create_namespaced_custom_object(
+        "addon.open-cluster-management.io",
+        "v1alpha1",
+        "cluster1",
+        "managedclusteraddons",
+        {
+            "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+            "kind": "ManagedClusterAddOn",
+            "metadata": {"name": "cluster-proxy", "namespace": "cluster1"},
+            "spec": {"installNamespace": "cp-agent-health"},
+        },
+    )

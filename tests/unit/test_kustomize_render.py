@@ -43,6 +43,7 @@ PROJECT_IMAGES = {
     "cluster-proxy/proxy-agent": "cluster-proxy-agent",
     "cluster-proxy/cert-signer": "cluster-proxy-cert-signer",
     "cluster-proxy/addon-manager": "cluster-proxy-addon-manager",
+    "cluster-proxy/health-collector": "cluster-proxy-health-collector",
 }
 IMAGE_TAG = "dev"
 
@@ -414,8 +415,11 @@ def own_overlay(
     return directory
 
 
-def only(objects: Sequence[Mapping[str, Any]], kind: str) -> Mapping[str, Any]:
-    (found,) = [o for o in objects if o["kind"] == kind]
+MANAGER = "cluster-proxy-addon-manager"  # the hub overlay also holds the health-collector's objects
+
+
+def only(objects: Sequence[Mapping[str, Any]], kind: str, name: str | None = None) -> Mapping[str, Any]:
+    (found,) = [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
     return found
 
 
@@ -427,7 +431,7 @@ def test_images_of_your_own_reach_every_image_field(tmp_path: Path) -> None:
         for part in ("proxy-server", "proxy-agent", "cert-signer", "addon-manager")
     ]
     hub = render(own_overlay(tmp_path / "hub", "hub", {"images": images}, {}))
-    manager = only(hub, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    manager = only(hub, "Deployment", MANAGER)["spec"]["template"]["spec"]["containers"][0]
     assert manager["image"] == "registry.example/cp/addon-manager:v9"
     env = {e["name"]: e.get("value") for e in manager["env"]}
     assert env["CERT_SIGNER_IMAGE"] == "registry.example/cp/cert-signer:v9"
@@ -490,7 +494,7 @@ def test_the_hub_overlay_writes_nothing_the_addon_manager_writes() -> None:
 
     objects = render(KUSTOMIZE / "overlays" / "hub")
     configuration = render(KUSTOMIZE / "overlays" / "hub-configuration")
-    deployment = only(objects, "Deployment")
+    deployment = only(objects, "Deployment", MANAGER)
     pod = pod_of(deployment, objects, Path("/nonexistent"))
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     env = pod.environment(container)
@@ -607,13 +611,13 @@ def test_a_namespace_of_your_own_moves_the_manager_and_its_bindings(tmp_path: Pa
     objects = render(own_overlay(tmp_path / "my-hub", "hub", {"namespace": "my-namespace"}, {}))
     assert only(objects, "Namespace")["metadata"]["name"] == "my-namespace"
     for kind in ("ServiceAccount", "Deployment", "Role", "RoleBinding"):
-        assert only(objects, kind)["metadata"]["namespace"] == "my-namespace", kind
+        assert only(objects, kind, MANAGER)["metadata"]["namespace"] == "my-namespace", kind
     for kind in ("RoleBinding", "ClusterRoleBinding"):
-        (subject,) = only(objects, kind)["subjects"]
+        (subject,) = only(objects, kind, MANAGER)["subjects"]
         assert (subject["name"], subject["namespace"]) == ("cluster-proxy-addon-manager", "my-namespace"), (
             kind
         )
-    deployment = only(objects, "Deployment")
+    deployment = only(objects, "Deployment", MANAGER)
     (command,) = run_pod(pod_of(deployment, objects, tmp_path / "pods"))
     assert "--namespace=my-namespace" in command.argv
 
@@ -641,7 +645,7 @@ def test_the_manager_creates_the_default_configuration_unless_a_patch_says_not_t
     from clusterproxy_addon_manager.main import parse_settings as manager_settings
 
     def settings_of(objects: list[dict[str, Any]], root: Path) -> Any:
-        (command,) = run_pod(pod_of(only(objects, "Deployment"), objects, root))
+        (command,) = run_pod(pod_of(only(objects, "Deployment", MANAGER), objects, root))
         return manager_settings(command.argv[1:], environ=command.env)
 
     shipped = render(KUSTOMIZE / "overlays" / "hub")

@@ -28,6 +28,8 @@ from .state import AddonsView, State
 
 __all__ = ["Collector", "CollectorSettings"]
 
+MAX_CERTIFICATE_RETRY = 30.0  # seconds: a Secret created (or a signer started) later is seen this soon
+
 
 @dataclass
 class CollectorSettings:
@@ -40,6 +42,7 @@ class CollectorSettings:
     server_name: str | None = None
     signer: str | None = None  # https://HOST:PORT: the client certificate is bootstrapped and renewed
     bootstrap_token: str | None = None
+    bootstrap_secret: tuple[str, str] | None = None  # NAMESPACE, NAME: the token (and CA) via the API
     client_name: str = DEFAULT_CLIENT_NAME
     probe: ProbeSpec = field(default_factory=lambda: ProbeSpec("https", "{cluster}", 443, "/healthz"))
     interval: float = 10.0
@@ -254,6 +257,23 @@ async def run_with(
         nursery.cancel_scope.cancel()
 
 
+def _secret_reader(settings: CollectorSettings) -> Any:
+    if settings.bootstrap_secret is None:
+        return None
+    from .addons import load_configuration
+    from .credentials import SecretReader
+
+    namespace, name = settings.bootstrap_secret
+    reader = SecretReader(
+        load_configuration(settings.kubeconfig),
+        namespace,
+        name,
+        settings.client_name,
+        timeout=settings.server_timeout,
+    )
+    return reader.read
+
+
 async def _connect_probes(
     settings: CollectorSettings, collector: Collector, *, task_status: trio.TaskStatus[None]
 ) -> None:
@@ -280,18 +300,22 @@ async def _connect_probes(
             certificate = ClientCertificate(
                 settings.signer,
                 CertFiles(settings.cert, settings.key, settings.ca),
-                settings.bootstrap_token,
-                settings.client_name,
+                token=settings.bootstrap_token,
+                secret=_secret_reader(settings),
+                name=settings.client_name,
             )
             delay = 1.0
+            said = ""
             while (problem := await certificate.obtain(log)) is not None:
-                log.warning("client_certificate_missing", error=problem.message)
+                if problem.message != said:
+                    log.warning("client_certificate_missing", error=problem.message)
+                    said = problem.message
                 collector.probes_off(problem.message)
                 announce()
                 if not problem.retryable:
                     await trio.sleep_forever()
                 await trio.sleep(delay)
-                delay = min(2 * delay, 60.0)
+                delay = min(2 * delay, MAX_CERTIFICATE_RETRY)
             renewer = CertRenewer(certificate.endpoint, certificate.files, log=log)
             await nursery.start(renewer.run)
         tls = TLSFiles(settings.ca, settings.cert, settings.key).reloading(log=log)

@@ -66,6 +66,13 @@ def _signer_url(text: str) -> str:
     return f"https://{format_authority(host, port)}"
 
 
+def _secret_name(text: str) -> tuple[str, str]:
+    namespace, _, name = text.strip().partition("/")
+    if not CLUSTER_NAME.match(namespace) or not CLUSTER_NAME.match(name):
+        raise InvalidValue(f"invalid Secret {text!r}: NAMESPACE/NAME")
+    return namespace, name
+
+
 def _client_name(text: str) -> str:
     if not CLUSTER_NAME.match(text.strip()):
         raise InvalidValue(f"invalid client name {text!r}: lower-case letters, digits, '-' and '.'")
@@ -115,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--bootstrap-token", metavar="TOKEN",
          help="with --signer: a single-use token bound to --client-name (cluster-proxy-cert-signer "
          "token create --client NAME); better given as its environment twin")  # fmt: skip
+    flag("--bootstrap-secret", type=_secret_name, metavar="NAMESPACE/NAME",
+         help="with --signer, instead of --bootstrap-token: a Secret (keys bootstrap-token and ca.crt, the "
+         "hub's trust bundle, which seeds --ca) read through the Kubernetes API until the first "
+         "certificate; it may be created or replaced while the collector runs")  # fmt: skip
     flag("--client-name", type=_client_name, default=DEFAULT_CLIENT_NAME,
          help="with --signer: the name in the client certificate (the token's --client)")  # fmt: skip
     flag(
@@ -167,9 +178,15 @@ def parse_settings(
             parser.error(
                 f"--proxy needs {', '.join(missing)} (the hub client certificate the probes present)"
             )
+    if args.bootstrap_token and args.bootstrap_secret:
+        parser.error("give the token once: --bootstrap-token or --bootstrap-secret")
     if args.signer is None:
-        if args.bootstrap_token:
-            parser.error("--bootstrap-token needs --signer (the cert-signer that trades it)")
+        for name, value in (
+            ("--bootstrap-token", args.bootstrap_token),
+            ("--bootstrap-secret", args.bootstrap_secret),
+        ):
+            if value:
+                parser.error(f"{name} needs --signer (the cert-signer that trades the token)")
         for name, value in ((n, v) for n, v in tls_files if v is not None):
             try:
                 existing_file(value)
@@ -196,6 +213,7 @@ def parse_settings(
         server_name=args.server_name,
         signer=args.signer,
         bootstrap_token=(args.bootstrap_token or "").strip() or None,
+        bootstrap_secret=args.bootstrap_secret,
         client_name=args.client_name,
         probe=probe,
         interval=args.interval,
