@@ -42,9 +42,19 @@ async def test_local_up_serves_sdk_curl_and_port_forward_then_stops_cleanly(tmp_
         doc = local.description()
         assert set(doc["clusters"]) == {"cluster1", "cluster2"}
         pids = list(doc["pids"].values())
-        assert len(pids) == 7 and all(
-            alive(pid) for pid in pids
-        )  # local up, the signer, the server, 2 agents, 2 echoes
+        # local up, the signer, the server, 2 agents, 2 echoes, and the health-collector (installed by
+        # scripts/bootstrap.sh: local up runs it)
+        assert set(doc["pids"]) == {
+            "cluster-proxy",
+            "cert-signer",
+            "proxy-server",
+            "cluster1-agent",
+            "cluster2-agent",
+            "cluster1-echo",
+            "cluster2-echo",
+            "health-collector",
+        }
+        assert all(alive(pid) for pid in pids)
         proxy = proxy_settings(doc)
         for key in ("ca", "cert", "key"):
             assert Path(doc["proxy"][key]).is_absolute() and Path(doc["proxy"][key]).is_file()
