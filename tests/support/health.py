@@ -76,6 +76,16 @@ def start_agent(hub: Hub, pki: PkiFiles, cluster: str, agent_id: str, kube_apise
     return hub.launch_agent(f"agent-{cluster}-{agent_id}", argv)
 
 
+def _log_name(log_dir: Path) -> str:
+    """A log of its own for each collector of a test: a log is appended to, so a second collector
+    writing into the first's would find the first's ``collector_started`` line (and its old port)."""
+    name, n = "health-collector", 1
+    while (log_dir / f"{name}.log").exists():
+        n += 1
+        name = f"health-collector-{n}"
+    return name
+
+
 @dataclass
 class CollectorProcess:
     """``cluster-proxy-health-collector`` as a process, its URL from its ``collector_started`` line."""
@@ -99,7 +109,7 @@ class CollectorProcess:
             "--log-level=info",
             *extra,
         ]
-        process = Process("health-collector", argv, log_dir)
+        process = Process(_log_name(log_dir), argv, log_dir)
         try:
             started = await process.wait_event("collector_started")
             collector = cls(process, str(started["url"]).rstrip("/"), list(extra))
@@ -127,7 +137,7 @@ class CollectorProcess:
             "--log-level=info",
             *flags,
         ]
-        process = Process("health-collector", argv, log_dir)
+        process = Process(_log_name(log_dir), argv, log_dir)
 
         def started() -> dict[str, Any] | None:
             found = [r for r in process.events() if r.get("event") == "collector_started"]
