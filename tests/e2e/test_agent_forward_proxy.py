@@ -28,7 +28,7 @@ from tests.support import require
 from tests.support.certs import ClientParty, SignedHub, SignerProcess
 from tests.support.clients import transfer
 from tests.support.pki import PkiFiles
-from tests.support.procs import BIN, Hub, Process
+from tests.support.procs import BIN, Hub, Process, running_hub
 from tests.support.proxies import (
     ForwardProxyProcess,
     Request,
@@ -55,12 +55,8 @@ def _proxies_installed() -> None:
 @pytest.fixture(scope="module")
 def hub(pki: PkiFiles, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
     """One proxy-server for the module; each test brings its own proxies and agents."""
-    hub = Hub(pki, Path(tmp_path_factory.mktemp("logs")))
-    try:
-        trio.run(hub.start_server)
+    with running_hub(pki, tmp_path_factory.mktemp("logs")) as hub:
         yield hub
-    finally:
-        hub.stop()
 
 
 def launch_agent(
@@ -96,21 +92,8 @@ def only_connects_to(proxy: ForwardProxyProcess, *ports: int) -> list[Request]:
     return requests
 
 
-def events(process: Process, event: str) -> list[dict[str, Any]]:
-    return [e for e in process.events() if e.get("event") == event]
-
-
 def _seconds(record: dict[str, Any]) -> float:
     return dt.datetime.fromisoformat(str(record["timestamp"]).replace("Z", "+00:00")).timestamp()
-
-
-async def wait_count(process: Process, event: str, count: int, timeout: float = 30.0) -> list[dict[str, Any]]:
-    with trio.move_on_after(timeout):
-        while len(found := events(process, event)) < count:
-            assert process.popen.poll() is None, f"{process.name} exited:\n{process.tail()}"
-            await trio.sleep(0.02)
-        return found
-    raise AssertionError(f"{process.name}: fewer than {count} {event!r} after {timeout}s:\n{process.tail()}")
 
 
 # --- tinyproxy: an HTTP proxy -----------------------------------------------------------------------------
@@ -138,9 +121,9 @@ async def test_agent_behind_tinyproxy_carries_16_mib_and_the_proxy_sees_only_the
         # mTLS end to end through the proxy: a cluster1 certificate claiming another cluster is refused by
         # the proxy-server (the proxy only relays ciphertext; the identity is checked at the hub)
         assert hub.server is not None
-        before = len(events(hub.server, "agent_refused"))
+        before = len(hub.server.named("agent_refused"))
         impostor = launch_agent(hub, "behind-tinyproxy-2", "--proxy-url", proxy.url(), cert_for="cluster1")
-        refused = (await wait_count(hub.server, "agent_refused", before + 1))[before]
+        refused = (await hub.server.wait_count("agent_refused", before + 1))[before]
         assert "claims cluster 'behind-tinyproxy-2'" in refused["error"], refused
         assert "certificate is for cluster 'cluster1'" in refused["error"], refused
         impostor.stop()
@@ -172,7 +155,7 @@ async def test_agent_behind_squid_as_an_https_proxy_with_its_own_ca(
     try:
         # without the proxy's CA: a TLS failure with the proxy, one line naming it, then backoff
         untrusting = launch_agent(hub, "behind-squid-no-ca", "--proxy-url", proxy.url())
-        failures = await wait_count(untrusting, "tunnel_connect_failed", 2)
+        failures = await untrusting.wait_count("tunnel_connect_failed", 2)
         for failure in failures:
             assert failure["proxy"] == proxy.url()
             assert failure["error"].startswith(f"TLS with forward proxy {proxy.url()} failed: "), failure
@@ -243,7 +226,7 @@ async def test_a_refusing_proxy_is_one_line_per_attempt_then_backoff_then_the_ag
         url = proxy.url(*credentials) if credentials else proxy.url()
         shown = proxy.url(credentials[0], "***") if credentials else proxy.url()
         agent = launch_agent(hub, cluster, "--proxy-url", url)
-        failures = await wait_count(agent, "tunnel_connect_failed", 4)
+        failures = await agent.wait_count("tunnel_connect_failed", 4)
         expected = f"forward proxy {shown} answered CONNECT 127.0.0.1:{hub.agent_port} with {answer}: "
         for failure in failures:
             assert failure["proxy"] == shown and failure["level"] == "warning"
@@ -256,12 +239,12 @@ async def test_a_refusing_proxy_is_one_line_per_attempt_then_backoff_then_the_ag
         attempts = [r for r in records if r["event"] == "tunnel_connecting"]
         assert {r["event"] for r in answered} == {"tunnel_connect_failed"}
         assert len(attempts) - 1 <= len(answered) <= len(attempts)
-        assert not events(agent, "tunnel_error") and "Traceback" not in log
+        assert not agent.named("tunnel_error") and "Traceback" not in log
         if credentials:
             assert credentials[1] not in log, "the proxy password is in the agent's log"
         assert agent.popen.poll() is None
         gaps = [_seconds(b) - _seconds(a) for a, b in itertools.pairwise(failures)]
-        delays = [e["delay"] for e in events(agent, "tunnel_reconnect_scheduled")[: len(gaps)]]
+        delays = [e["delay"] for e in agent.named("tunnel_reconnect_scheduled")[: len(gaps)]]
         print(f"\n{case}: {answer!r} x{len(failures)}, backoff delays {delays} s, attempt gaps "
               f"{[round(g, 3) for g in gaps]} s")  # fmt: skip
         assert all(0 <= d <= 1.0 for d in delays)  # jittered, under the tests' --backoff-max 1s
@@ -349,7 +332,7 @@ async def test_bootstrap_and_renewal_with_the_signer_go_through_the_proxy(
         to_hub = [r for r in requests if r.target == f"127.0.0.1:{hub.agent_port}"]
         print(f"\ntinyproxy saw {len(to_signer)} CONNECTs to the signer, {len(to_hub)} to the hub")
         assert len(to_signer) >= 2 and len(to_hub) == 1  # bootstrap + renewal (+ trust refreshes); one tunnel
-        assert not events(agent, "tunnel_disconnected")
+        assert not agent.named("tunnel_disconnected")
         assert (
             signer.issued()["renew"] >= 1 and signer.issued()["bootstrap"] >= 2
         )  # the agent's and the server's

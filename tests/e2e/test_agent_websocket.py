@@ -11,8 +11,6 @@ read from its own access log.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
@@ -24,7 +22,7 @@ from tests.support import require
 from tests.support.clients import transfer
 from tests.support.nginx import Ingress, IngressRequest, missing, start_ingress
 from tests.support.pki import PkiFiles
-from tests.support.procs import Hub, Process
+from tests.support.procs import Hub, Process, running_hub
 from tests.support.proxies import binary, start_tinyproxy
 from tests.support.proxies import missing as missing_proxy
 from tests.support.targets import serve_digest
@@ -43,12 +41,15 @@ def _nginx_installed() -> None:
 @pytest.fixture(scope="module")
 def hub(pki: PkiFiles, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
     """One proxy-server with its agent WebSocket port; each test brings its ingress and agents."""
-    hub = Hub(pki, Path(tmp_path_factory.mktemp("logs")))
-    try:
-        trio.run(hub.start_server, "--agent-websocket-listen", "127.0.0.1:0", "--handshake-timeout", "2s")
+    with running_hub(
+        pki,
+        tmp_path_factory.mktemp("logs"),
+        "--agent-websocket-listen",
+        "127.0.0.1:0",
+        "--handshake-timeout",
+        "2s",
+    ) as hub:
         yield hub
-    finally:
-        hub.stop()
 
 
 def websocket_port(hub: Hub) -> int:
@@ -78,19 +79,6 @@ def launch_agent(hub: Hub, cluster: str, server: str, *extra: str, cert_for: str
     return process
 
 
-def events(process: Process, event: str) -> list[dict[str, Any]]:
-    return [e for e in process.events() if e.get("event") == event]
-
-
-async def wait_count(process: Process, event: str, count: int, timeout: float = 30.0) -> list[dict[str, Any]]:
-    with trio.move_on_after(timeout):
-        while len(found := events(process, event)) < count:
-            assert process.popen.poll() is None, f"{process.name} exited:\n{process.tail()}"
-            await trio.sleep(0.02)
-        return found
-    raise AssertionError(f"{process.name}: fewer than {count} {event!r} after {timeout}s:\n{process.tail()}")
-
-
 async def ingress_for(hub: Hub, name: str) -> Ingress:
     return await start_ingress(hub.log_dir, websocket_port(hub), name)
 
@@ -107,7 +95,7 @@ async def test_agent_over_websocket_through_nginx_carries_16_mib_and_its_identit
         assert connected["server"] == ingress.url()
         assert (await agent.wait_event("agent_starting"))["transport"] == "websocket"
         assert hub.server is not None
-        registered = [e for e in events(hub.server, "agent_connected") if e["cluster"] == "behind-ingress"]
+        registered = [e for e in hub.server.named("agent_connected") if e["cluster"] == "behind-ingress"]
         assert registered[-1]["peer"].endswith(" for 127.0.0.1"), registered  # nginx's X-Forwarded-For
 
         seconds = await transfer(hub, "behind-ingress", target, SIZE)
@@ -117,7 +105,7 @@ async def test_agent_over_websocket_through_nginx_carries_16_mib_and_its_identit
 
         # the mTLS runs end to end inside the WebSocket: a certificate for another cluster is refused by
         # the proxy-server though nginx accepted the upgrade
-        before = len(events(hub.server, "agent_refused"))
+        before = len(hub.server.named("agent_refused"))
         impostor = launch_agent(
             hub,
             "behind-ingress-2",
@@ -126,7 +114,7 @@ async def test_agent_over_websocket_through_nginx_carries_16_mib_and_its_identit
             str(ingress.ca),
             cert_for="behind-ingress",
         )
-        refused = (await wait_count(hub.server, "agent_refused", before + 1))[before]
+        refused = (await hub.server.wait_count("agent_refused", before + 1))[before]
         assert "claims cluster 'behind-ingress-2'" in refused["error"], refused
         assert "certificate is for cluster 'behind-ingress'" in refused["error"], refused
         impostor.stop()
@@ -149,7 +137,7 @@ async def test_websocket_refusals_are_one_clear_line_then_backoff(hub: Hub) -> N
     try:
         # the ingress's certificate is not from a CA the agent trusts (no --websocket-ca-file)
         untrusting = launch_agent(hub, "ws-untrusting", ingress.url())
-        failed = (await wait_count(untrusting, "tunnel_connect_failed", 2))[0]
+        failed = (await untrusting.wait_count("tunnel_connect_failed", 2))[0]
         assert failed["error"].startswith(
             f"TLS with the WebSocket endpoint localhost:{ingress.port} failed"
         ), failed
@@ -157,21 +145,21 @@ async def test_websocket_refusals_are_one_clear_line_then_backoff(hub: Hub) -> N
 
         # a path the ingress does not route: nginx's own 404 and its body, in the agent's words
         lost = launch_agent(hub, "ws-lost", ingress.url("/elsewhere"), "--websocket-ca-file", str(ingress.ca))
-        failed = (await wait_count(lost, "tunnel_connect_failed", 2))[0]
+        failed = (await lost.wait_count("tunnel_connect_failed", 2))[0]
         assert failed["error"] == (
             f"WebSocket upgrade to localhost:{ingress.port}/elsewhere refused with HTTP 404: no route here"
         ), failed
 
         # straight to the proxy-server's port with a wrong path: its 404 says where agents connect
         wrong = launch_agent(hub, "ws-wrong-path", f"ws://127.0.0.1:{websocket_port(hub)}/tunnel")
-        failed = (await wait_count(wrong, "tunnel_connect_failed", 2))[0]
+        failed = (await wrong.wait_count("tunnel_connect_failed", 2))[0]
         assert (
             "refused with HTTP 404: no tunnel at '/tunnel': agents connect to /v1/tunnel" in failed["error"]
         )
 
         for agent in (untrusting, lost, wrong):
             assert agent.popen.poll() is None, agent.tail()
-            assert events(agent, "tunnel_reconnect_scheduled"), agent.tail()
+            assert agent.named("tunnel_reconnect_scheduled"), agent.tail()
             agent.stop()
     finally:
         ingress.stop()

@@ -22,7 +22,7 @@ import trio
 
 from tests.support.gopeers import KONNECTIVITY_SOURCES, go_peer
 from tests.support.pki import PkiFiles
-from tests.support.procs import Hub
+from tests.support.procs import Hub, running_hub
 from tests.support.targets import Target, pattern, pattern_digest, serve
 
 pytestmark = pytest.mark.slow
@@ -82,12 +82,8 @@ def konnget() -> Path:
 
 @pytest.fixture(scope="module")
 def hub(pki: PkiFiles, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    hub = Hub(pki, Path(tmp_path_factory.mktemp("logs")))
-    try:
-        trio.run(hub.start_server)
+    with running_hub(pki, tmp_path_factory.mktemp("logs")) as hub:
         yield hub
-    finally:
-        hub.stop()
 
 
 async def run_konnget(binary: Path, hub: Hub, *args: str, timeout: float = 120) -> dict[str, Any]:

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,20 @@ class Process:
 
     def events(self) -> list[dict[str, Any]]:
         return json_records(self.log_path)
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        """Every logged record of ``event``, in order."""
+        return [record for record in self.events() if record.get("event") == event]
+
+    async def wait_count(self, event: str, count: int, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """At least ``count`` records of ``event`` (AssertionError with the log tail after ``timeout``,
+        or at once when the process exited)."""
+        with trio.move_on_after(timeout):
+            while len(found := self.named(event)) < count:
+                assert self.popen.poll() is None, f"{self.name} exited:\n{self.tail()}"
+                await trio.sleep(POLL)
+            return found
+        raise AssertionError(f"{self.name}: fewer than {count} {event!r} after {timeout}s:\n{self.tail()}")
 
     def tail(self, lines: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -230,3 +246,15 @@ class Hub:
             process.stop()
         if self.server is not None:
             self.server.stop()
+
+
+@contextmanager
+def running_hub(pki: PkiFiles, log_dir: Path, *server_options: str) -> Iterator[Hub]:
+    """A proxy-server process (``server_options`` added to the tests' flags) for a module's tests,
+    stopped with every agent the tests attached to it."""
+    hub = Hub(pki, log_dir)
+    try:
+        trio.run(hub.start_server, *server_options)
+        yield hub
+    finally:
+        hub.stop()
