@@ -47,7 +47,8 @@ fi
 stamp_inputs=(pyproject.toml libs/protocol/pyproject.toml libs/sdk/pyproject.toml
     services/proxy-server/pyproject.toml services/proxy-agent/pyproject.toml libs/cli/pyproject.toml
     services/cert-signer/pyproject.toml services/addon-manager/pyproject.toml
-    services/health-collector/pyproject.toml requirements-dev.txt scripts/bootstrap.sh)
+    services/health-collector/pyproject.toml services/cluster-gateway/pyproject.toml requirements-dev.txt
+    scripts/bootstrap.sh)
 for f in "${stamp_inputs[@]}"; do
     [[ -f "$f" ]] || die "missing $f"
 done
@@ -66,6 +67,7 @@ if [[ "$want_stamp" != "$have_stamp" || ! -x "$VENV/bin/task" ]]; then
         -e services/cert-signer \
         -e services/addon-manager \
         -e services/health-collector \
+        -e services/cluster-gateway \
         -e libs/cli \
         -r requirements-dev.txt \
         go-task-bin

@@ -1,0 +1,3 @@
+from clusterproxy_gateway.main import main
+
+main()

@@ -1,0 +1,113 @@
+"""HTTP/1.1 on trio streams with h11, for both sides of the gateway: the server side that the hub's
+aggregator talks to (keep-alive, streamed answers) and the client side toward a managed cluster's
+kube-apiserver (one request per tunnel stream)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import h11
+import trio
+
+__all__ = ["HTTPConnection", "IncomingRequest", "ProtocolFailure", "cancel_when_closed", "header_values"]
+
+RECEIVE_SIZE = 64 << 10
+
+
+class ProtocolFailure(Exception):
+    """The peer broke HTTP/1.1 (or went away mid-message)."""
+
+
+def header_values(headers: list[tuple[bytes, bytes]], name: str) -> list[str]:
+    """Every value of header ``name`` (any case), in order; comma-separated values are not split."""
+    wanted = name.lower().encode()
+    return [value.decode("latin-1") for key, value in headers if key.lower() == wanted]
+
+
+@dataclass
+class IncomingRequest:
+    method: str
+    target: str  # path and query, as sent
+    headers: list[tuple[bytes, bytes]]
+    body: bytes = b""
+    path: str = ""
+    query: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def header(self, name: str, default: str = "") -> str:
+        values = header_values(self.headers, name)
+        return values[0] if values else default
+
+
+class HTTPConnection:
+    """One h11 connection over a trio stream; ``role`` is ``h11.SERVER`` or ``h11.CLIENT``."""
+
+    def __init__(self, stream: trio.abc.Stream, role: Any, *, max_head: int = 64 << 10) -> None:
+        self.stream = stream
+        self.conn = h11.Connection(role, max_incomplete_event_size=max_head)
+
+    async def next_event(self) -> Any:
+        while True:
+            try:
+                event = self.conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise ProtocolFailure(str(exc)) from None
+            if event is not h11.NEED_DATA:
+                return event
+            try:
+                data = await self.stream.receive_some(RECEIVE_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise ProtocolFailure(f"connection lost: {exc}") from None
+            try:
+                self.conn.receive_data(data)
+            except h11.RemoteProtocolError as exc:
+                raise ProtocolFailure(str(exc)) from None
+
+    async def send(self, event: Any) -> None:
+        data = self.conn.send(event)
+        if data:
+            await self.stream.send_all(data)
+
+    async def read_body(self, limit: int) -> bytes:
+        """The rest of the current message's body (ProtocolFailure above ``limit`` bytes)."""
+        body = bytearray()
+        while True:
+            event = await self.next_event()
+            if isinstance(event, h11.Data):
+                body += event.data
+                if len(body) > limit:
+                    raise ProtocolFailure(f"request body larger than {limit} bytes")
+            elif isinstance(event, h11.EndOfMessage):
+                return bytes(body)
+            elif isinstance(event, h11.ConnectionClosed):
+                raise ProtocolFailure("connection closed in the middle of a message")
+
+    async def respond(
+        self,
+        status: int,
+        body: bytes,
+        content_type: str = "application/json",
+        headers: list[tuple[str, str]] | None = None,
+    ) -> None:
+        head = [("Content-Type", content_type), ("Content-Length", str(len(body))), *(headers or [])]
+        await self.send(h11.Response(status_code=status, headers=head))
+        await self.send(h11.Data(data=body))
+        await self.send(h11.EndOfMessage())
+
+    async def respond_json(self, status: int, value: Any) -> None:
+        await self.respond(status, (json.dumps(value) + "\n").encode())
+
+
+async def cancel_when_closed(http: HTTPConnection, scope: trio.CancelScope) -> None:
+    """During a streamed answer the client sends nothing; the end of its stream means it went away."""
+    try:
+        data = await http.stream.receive_some(RECEIVE_SIZE)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        data = b""
+    if not data:
+        scope.cancel()
+        return
+    http.conn.receive_data(data)  # a pipelined request: h11 keeps it for after this answer
+    await trio.sleep_forever()

@@ -1,0 +1,165 @@
+"""``cluster-proxy-cluster-gateway``: the aggregated API server of ``cluster.core.oam.dev/v1alpha1``.
+
+::
+
+    cluster-proxy-cluster-gateway --tls-cert serving.crt --tls-key serving.key \\
+        --proxy-server proxy-server.NS.svc:8090 --proxy-ca ca.crt --proxy-cert client.crt --proxy-key client.key
+
+Every flag has an environment twin (``CLUSTER_PROXY_GATEWAY_<FLAG>``). See docs/cluster-gateway.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from clusterproxy_protocol import workarounds
+from clusterproxy_protocol.config import (
+    ConfigError,
+    add_flag,
+    existing_file,
+    parse_args_or_exit,
+    parse_hostport,
+    parse_positive_duration,
+)
+from clusterproxy_protocol.logs import configure_logging, get_logger
+from clusterproxy_sdk import TLSFiles, open_shared_tunnel
+
+from .inventory import HubInventory, RequestHeaderConfig
+from .proxy import ClusterProxy
+from .server import GatewayServer, serving_context
+
+ENV_PREFIX = "CLUSTER_PROXY_GATEWAY_"
+DEFAULT_TOKEN_SECRET = "cluster-gateway"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cluster-proxy-cluster-gateway", description=__doc__.split("\n\n")[0]
+    )
+
+    def flag(name: str, **kwargs: Any) -> None:
+        add_flag(parser, name, env=ENV_PREFIX + name.removeprefix("--").upper().replace("-", "_"), **kwargs)
+
+    flag("--listen", type=parse_hostport, default="0.0.0.0:9443", metavar="HOST:PORT",
+         help="HTTPS address the hub's aggregator calls (port 0: any free port, logged as gateway_started)")  # fmt: skip
+    flag("--tls-cert", type=existing_file, required=True, metavar="FILE",
+         help="serving certificate; the APIService's caBundle must hold its CA and it must name the Service")  # fmt: skip
+    flag("--tls-key", type=existing_file, required=True, metavar="FILE", help="its private key")
+    flag("--kubeconfig", type=Path, metavar="FILE",
+         help="hub kubeconfig (default: $KUBECONFIG, else the pod's service account)")  # fmt: skip
+    flag("--proxy-server", type=parse_hostport, required=True, metavar="HOST:PORT",
+         help="the proxy-server's client port (HTTP/2 frontend)")  # fmt: skip
+    flag("--proxy-ca", type=existing_file, required=True, metavar="FILE",
+         help="CA bundle that signed the proxy-server's certificate")  # fmt: skip
+    flag("--proxy-cert", type=existing_file, required=True, metavar="FILE",
+         help="the gateway's hub client certificate (read again at each dial: renewals are followed)")  # fmt: skip
+    flag("--proxy-key", type=existing_file, required=True, metavar="FILE", help="its private key")
+    flag("--proxy-server-name", metavar="NAME",
+         help="name checked on the proxy-server's certificate (default: the host of --proxy-server)")  # fmt: skip
+    flag("--token-secret", default=DEFAULT_TOKEN_SECRET, metavar="NAME",
+         help="each cluster's token: the hub Secret of this name in the cluster's namespace (keys token, ca.crt)")  # fmt: skip
+    flag("--requestheader-client-ca", type=existing_file, metavar="FILE",
+         help="CA of the aggregator's front-proxy client certificate (default: read from the hub's ConfigMap "
+         "kube-system/extension-apiserver-authentication, as kube-apiserver publishes it)")  # fmt: skip
+    flag("--requestheader-allowed-names", multiple=True, metavar="CN",
+         help="common names that certificate may carry (with --requestheader-client-ca; empty: any)")  # fmt: skip
+    flag("--cache-ttl", type=parse_positive_duration, default="2s", metavar="DURATION",
+         help="how long a read of the hub (clusters, token Secrets) is reused")  # fmt: skip
+    flag("--watch-interval", type=parse_positive_duration, default="1s", metavar="DURATION",
+         help="a watch of clustergateways looks at the hub this often")  # fmt: skip
+    flag("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    flag("--log-format", default="auto", choices=["auto", "json", "console"],
+         help="auto: JSON unless stderr is a terminal")  # fmt: skip
+    return parser
+
+
+def load_configuration(kubeconfig: Path | None) -> Any:
+    """A ``kubernetes.client.Configuration``: ``--kubeconfig``, ``$KUBECONFIG``, then the pod's service
+    account. ConfigError naming what to do when none works."""
+    from kubernetes import client, config
+    from kubernetes.config.config_exception import ConfigException
+
+    configuration = client.Configuration()
+    path = kubeconfig or (
+        Path(os.environ["KUBECONFIG"].split(os.pathsep)[0]) if os.environ.get("KUBECONFIG") else None
+    )
+    try:
+        if path is not None:
+            if not path.is_file():
+                raise ConfigError(
+                    f"kubeconfig {path}: no such file; point --kubeconfig at the hub's kubeconfig"
+                )
+            config.load_kube_config(config_file=str(path), client_configuration=configuration)
+        else:
+            config.load_incluster_config(client_configuration=configuration)
+    except ConfigException as exc:
+        raise ConfigError(
+            f"no hub credentials: {exc}; pass --kubeconfig (or run in a pod with a service account)"
+        ) from None
+    return configuration
+
+
+def _requestheader(args: argparse.Namespace, inventory: HubInventory) -> RequestHeaderConfig:
+    if args.requestheader_client_ca is not None:
+        return RequestHeaderConfig(
+            client_ca_pem=Path(args.requestheader_client_ca).read_bytes(),
+            allowed_names=tuple(args.requestheader_allowed_names),
+        )
+    try:
+        return inventory.requestheader_config()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot read ConfigMap kube-system/extension-apiserver-authentication from the hub ({exc}); grant "
+            "the gateway the Role extension-apiserver-authentication-reader, or pass --requestheader-client-ca"
+        ) from None
+
+
+async def run(args: argparse.Namespace) -> None:
+    from kubernetes import client
+
+    log = get_logger("cluster-gateway")
+    api = client.ApiClient(load_configuration(args.kubeconfig))
+    inventory = HubInventory(api, token_secret=args.token_secret, ttl=args.cache_ttl)
+    requestheader = await trio.to_thread.run_sync(_requestheader, args, inventory)
+    context = serving_context(Path(args.tls_cert), Path(args.tls_key), requestheader)
+    host, port = args.listen
+    proxy_address = f"{args.proxy_server[0]}:{args.proxy_server[1]}"
+    tls = TLSFiles(args.proxy_ca, args.proxy_cert, args.proxy_key).reloading()
+    async with open_shared_tunnel(proxy_address, tls, server_hostname=args.proxy_server_name) as tunnel:
+        proxy = ClusterProxy(inventory, tunnel, proxy_server=proxy_address)
+        server = GatewayServer(inventory, proxy, requestheader, watch_interval=args.watch_interval)
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        bound = listeners[0].socket.getsockname()
+        log.info(
+            "gateway_started",
+            listen=f"{bound[0]}:{bound[1]}",
+            proxy_server=proxy_address,
+            token_secret=args.token_secret,
+            requestheader_allowed_names=list(requestheader.allowed_names),
+        )
+        await server.serve(listeners, context)
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> None:
+    workarounds.apply()
+    args = parse_args_or_exit(build_parser(), argv, environ=environ)
+    configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
+    try:
+        trio.run(run, args)
+    except ConfigError as exc:
+        sys.exit(f"cluster-proxy-cluster-gateway: {exc}")
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""The ``proxy`` subresource: one request carried to a managed cluster's kube-apiserver.
+
+``/apis/cluster.core.oam.dev/v1alpha1/clustergateways/NAME/proxy/REST?QUERY`` becomes ``METHOD /REST?QUERY``
+on NAME's kube-apiserver: a CONNECT to the bare cluster name through the proxy-server's client port (the
+agent maps it to its own API server), TLS checked against the cluster's CA, the cluster's token as the
+bearer. The answer streams back as it comes (a watch, ``logs -f``), status and body unchanged: the managed
+cluster's own 403 reaches the caller as it was written there.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import TYPE_CHECKING, Any, Protocol
+
+import h11
+import trio
+
+from clusterproxy_protocol.errors import (
+    ConnectRefused,
+    DialTimeout,
+    NoAgentConnected,
+    TunnelError,
+    UnknownCluster,
+    describe_exception,
+)
+from clusterproxy_protocol.logs import get_logger
+
+from . import objects
+from .http import HTTPConnection, IncomingRequest, ProtocolFailure, cancel_when_closed
+from .inventory import ClusterToken, HubInventory, TokenNotReady
+
+if TYPE_CHECKING:
+    from .server import Identity
+
+__all__ = ["ClusterProxy", "StreamOpener"]
+
+# Not forwarded: hop-by-hop headers, the caller's credentials and the aggregator's identity headers
+# (the managed cluster sees the gateway's token; impersonation, point 4, adds its own headers).
+DROPPED_REQUEST_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "authorization",
+        "expect",
+    }
+)
+DROPPED_REQUEST_PREFIXES = ("x-remote-", "impersonate-")
+DROPPED_RESPONSE_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "trailer", "upgrade"})
+TLS_HANDSHAKE_TIMEOUT = 15.0
+RESPONSE_HEAD_TIMEOUT = 60.0
+
+
+class StreamOpener(Protocol):
+    """What the gateway needs of the SDK's SharedTunnel."""
+
+    async def connect_kube_apiserver(self, cluster: str) -> Any: ...
+
+
+class ClusterProxy:
+    def __init__(self, inventory: HubInventory, tunnel: StreamOpener, *, proxy_server: str) -> None:
+        self.inventory = inventory
+        self.tunnel = tunnel
+        self.proxy_server = proxy_server
+        self.log = get_logger("cluster-gateway")
+        self._contexts: dict[bytes, ssl.SSLContext] = {}
+
+    def _context(self, ca_pem: bytes) -> ssl.SSLContext:
+        context = self._contexts.get(ca_pem)
+        if context is None:
+            context = ssl.create_default_context(cadata=ca_pem.decode())
+            context.set_alpn_protocols(["http/1.1"])
+            self._contexts = {ca_pem: context}  # one CA per cluster; a rotated CA replaces the old one
+        return context
+
+    async def forward(
+        self, http: HTTPConnection, request: IncomingRequest, cluster: str, path: str, identity: Identity
+    ) -> int:
+        async def fail(code: int, message: str) -> int:
+            self.log.warning("proxy_refused", cluster=cluster, status=code, reason=message)
+            await http.respond_json(code, objects.status(code, message, name=cluster))
+            return code
+
+        if "upgrade" in request.header("connection").lower():
+            return await fail(
+                501,
+                "upgraded connections (exec, attach, port-forward) are not carried by the cluster-gateway yet; "
+                "use cluster-proxy port-forward CLUSTER CLUSTER:443 for them",
+            )
+        entry = await trio.to_thread.run_sync(self.inventory.cluster, cluster)
+        if entry is None:
+            return await fail(404, objects.not_found_message(cluster))
+        try:
+            token = await trio.to_thread.run_sync(self.inventory.token, cluster)
+        except TokenNotReady as exc:
+            return await fail(503, str(exc))
+        try:
+            stream = await self.tunnel.connect_kube_apiserver(cluster)
+        except (UnknownCluster, NoAgentConnected) as exc:
+            return await fail(
+                503,
+                f"no tunnel to cluster {cluster!r}: no proxy-agent of it is connected to the proxy-server "
+                f"({exc.reason or exc}); check kubectl get managedclusteraddon -n {cluster} cluster-proxy "
+                f"and the agent in the managed cluster",
+            )
+        except DialTimeout as exc:
+            return await fail(
+                504, f"cluster {cluster!r}: its agent could not reach its kube-apiserver in time ({exc})"
+            )
+        except ConnectRefused as exc:
+            return await fail(502, f"cluster {cluster!r}: the tunnel refused the connection: {exc}")
+        except TunnelError as exc:
+            return await fail(
+                503,
+                f"the cluster-gateway cannot reach the proxy-server at {self.proxy_server}: {exc} "
+                "(check the gateway's --proxy-server and its client certificate)",
+            )
+        tls = trio.SSLStream(stream, self._context(token.ca_pem), server_hostname=token.server_name)
+        try:
+            try:
+                with trio.fail_after(TLS_HANDSHAKE_TIMEOUT):
+                    await tls.do_handshake()
+            except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError) as exc:
+                self.inventory.forget_token(cluster)
+                return await fail(
+                    502,
+                    f"TLS with cluster {cluster!r}'s kube-apiserver failed: {describe_exception(exc)} "
+                    f"(its CA is 'ca.crt' of Secret {cluster}/{self.inventory.token_secret} on the hub; the "
+                    f"name checked is {token.server_name!r})",
+                )
+            return await self._exchange(http, request, cluster, path, token, tls, fail)
+        finally:
+            await trio.aclose_forcefully(tls)
+
+    async def _exchange(
+        self,
+        http: HTTPConnection,
+        request: IncomingRequest,
+        cluster: str,
+        path: str,
+        token: ClusterToken,
+        tls: trio.SSLStream[Any],
+        fail: Any,
+    ) -> int:
+        upstream = HTTPConnection(tls, h11.CLIENT)
+        headers = [
+            (k, v)
+            for k, v in request.headers
+            if k.lower().decode("latin-1") not in DROPPED_REQUEST_HEADERS
+            and not k.lower().decode("latin-1").startswith(DROPPED_REQUEST_PREFIXES)
+        ]
+        headers += [
+            (b"Host", token.server_name.encode()),
+            (b"Authorization", f"Bearer {token.token}".encode()),
+            (b"Connection", b"close"),
+        ]
+        if request.body or request.method in ("POST", "PUT", "PATCH"):
+            headers.append((b"Content-Length", str(len(request.body)).encode()))
+        target = path + (f"?{request.query}" if request.query else "")
+        try:
+            await upstream.send(h11.Request(method=request.method, target=target, headers=headers))
+            if request.body:
+                await upstream.send(h11.Data(data=request.body))
+            await upstream.send(h11.EndOfMessage())
+            with trio.fail_after(RESPONSE_HEAD_TIMEOUT):
+                head = await upstream.next_event()
+        except (ProtocolFailure, trio.BrokenResourceError, trio.TooSlowError) as exc:
+            return int(await fail(502, f"cluster {cluster!r}'s kube-apiserver did not answer: {exc}"))
+        if not isinstance(head, h11.Response):
+            return int(await fail(502, f"cluster {cluster!r}'s kube-apiserver answered {head!r}"))
+        if head.status_code == 401:
+            self.inventory.forget_token(cluster)  # a rotated token: read the Secret again next time
+        relayed = [
+            (k, v) for k, v in head.headers if k.lower().decode("latin-1") not in DROPPED_RESPONSE_HEADERS
+        ]
+        await http.send(h11.Response(status_code=head.status_code, headers=relayed, reason=head.reason))
+        cut: str | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_when_closed, http, nursery.cancel_scope)
+            try:
+                while True:
+                    event = await upstream.next_event()
+                    if isinstance(event, h11.Data):
+                        await http.send(h11.Data(data=event.data))
+                    elif isinstance(event, h11.EndOfMessage):
+                        await http.send(h11.EndOfMessage())
+                        break
+                    else:
+                        raise ProtocolFailure(f"unexpected {event!r}")
+            except ProtocolFailure as exc:
+                cut = str(exc)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the caller went away
+            nursery.cancel_scope.cancel()
+        if cut is not None:
+            # cut short upstream: the caller must see a broken answer, not a complete one
+            self.log.warning("proxy_answer_cut", cluster=cluster, reason=cut)
+            raise trio.BrokenResourceError(cut)
+        return head.status_code

@@ -1,0 +1,313 @@
+"""The aggregated API server: TLS, who may talk to it, and what each path answers.
+
+Only the hub kube-apiserver's aggregator talks to the gateway. It has already authenticated the caller
+and authorized the request with the hub's RBAC (``clustergateways`` get/list/watch, ``clustergateways/proxy``
+for the subresource); it presents its front-proxy client certificate (``--proxy-client-cert-file``) and
+names the caller in the requestheader headers (``X-Remote-User``, ``X-Remote-Group``). The gateway
+checks that certificate against the requestheader CA and allowed names and trusts the headers of no one
+else: any other client gets 401 (health paths excepted).
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import h11
+import trio
+from cryptography import x509
+from cryptography.x509.oid import NameOID
+
+from clusterproxy_protocol.logs import get_logger
+
+from . import objects
+from .http import HTTPConnection, IncomingRequest, ProtocolFailure, cancel_when_closed, header_values
+from .inventory import HubInventory, RequestHeaderConfig
+from .proxy import ClusterProxy
+
+__all__ = ["GatewayServer", "Identity", "serving_context"]
+
+PREFIX = f"/apis/{objects.GROUP}/{objects.VERSION}/{objects.RESOURCE}"
+HEALTH_PATHS = frozenset({"/healthz", "/livez", "/readyz"})
+HANDSHAKE_TIMEOUT = 10.0
+MAX_CONNECTIONS = 512
+
+
+@dataclass(frozen=True)
+class Identity:
+    """The hub user the aggregator names (point 4, impersonation, will carry it to the cluster)."""
+
+    user: str
+    groups: tuple[str, ...]
+    extra: dict[str, tuple[str, ...]]
+
+
+def serving_context(cert: Path, key: Path, requestheader: RequestHeaderConfig) -> ssl.SSLContext:
+    """TLS for the aggregator: the gateway's serving certificate; a client certificate is asked for and
+    verified against the requestheader CA (optional at TLS level so that probes of /healthz work)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(str(cert), str(key))
+    context.verify_mode = ssl.CERT_OPTIONAL
+    context.load_verify_locations(cadata=requestheader.client_ca_pem.decode())
+    context.set_alpn_protocols(["http/1.1"])  # the aggregator then speaks HTTP/1.1 (watch streams, upgrades)
+    return context
+
+
+def _common_name(der: bytes | None) -> str | None:
+    if not der:
+        return None
+    names = x509.load_der_x509_certificate(der).subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return str(names[0].value) if names else ""
+
+
+class GatewayServer:
+    def __init__(
+        self,
+        inventory: HubInventory,
+        proxy: ClusterProxy,
+        requestheader: RequestHeaderConfig,
+        *,
+        watch_interval: float = 1.0,
+        max_body: int = 32 << 20,
+    ) -> None:
+        self.inventory = inventory
+        self.proxy = proxy
+        self.requestheader = requestheader
+        self.watch_interval = watch_interval
+        self.max_body = max_body
+        self.log = get_logger("cluster-gateway")
+        self._limit = trio.CapacityLimiter(MAX_CONNECTIONS)
+
+    # connections
+    async def serve(self, listeners: list[trio.SocketListener], context: ssl.SSLContext) -> None:
+        async def handle(tcp: trio.SocketStream) -> None:
+            async with self._limit:
+                await self.handle_connection(trio.SSLStream(tcp, context, server_side=True))
+
+        await trio.serve_listeners(handle, listeners)
+
+    async def handle_connection(self, stream: trio.SSLStream[Any]) -> None:
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                await stream.do_handshake()
+        except (trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError):
+            await trio.aclose_forcefully(stream)
+            return
+        peer = _common_name(stream.getpeercert(binary_form=True))
+        http = HTTPConnection(stream, h11.SERVER)
+        try:
+            while True:
+                event = await http.next_event()
+                if isinstance(event, h11.ConnectionClosed):
+                    break
+                assert isinstance(event, h11.Request)
+                request = self._request(event)
+                request.body = await http.read_body(self.max_body)
+                await self.handle_request(http, request, peer)
+                if http.conn.our_state is not h11.DONE or http.conn.their_state is not h11.DONE:
+                    break
+                http.conn.start_next_cycle()
+        except ProtocolFailure as exc:
+            if http.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE) and "larger than" in str(exc):
+                with trio.move_on_after(2):
+                    await http.respond_json(413, objects.status(413, str(exc)))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    @staticmethod
+    def _request(event: h11.Request) -> IncomingRequest:
+        target = event.target.decode("latin-1")
+        parts = urlsplit(target)
+        return IncomingRequest(
+            method=event.method.decode("ascii"),
+            target=target,
+            headers=list(event.headers),
+            path=parts.path,
+            query=parts.query,
+        )
+
+    # who is asking
+    def authenticate(self, request: IncomingRequest, peer: str | None) -> Identity | str:
+        """The caller named by a trusted aggregator, or the reason the request is refused."""
+        config = self.requestheader
+        if peer is None:
+            return (
+                "no client certificate: only the hub kube-apiserver's aggregator (its front-proxy client "
+                "certificate) may call the cluster-gateway; call it through the hub, e.g. kubectl get --raw "
+                f"{PREFIX}/CLUSTER/proxy/healthz"
+            )
+        if config.allowed_names and peer not in config.allowed_names:
+            return (
+                f"client certificate CN={peer!r} is not one of the requestheader allowed names "
+                f"{list(config.allowed_names)}"
+            )
+        user = next((v for h in config.username_headers for v in header_values(request.headers, h)), "")
+        if not user:
+            return f"the aggregator named no user ({', '.join(config.username_headers)} missing)"
+        groups = tuple(v for h in config.group_headers for v in header_values(request.headers, h))
+        extra: dict[str, list[str]] = {}
+        for key, value in request.headers:
+            name = key.decode("latin-1").lower()
+            for prefix in config.extra_headers_prefixes:
+                if name.startswith(prefix.lower()):
+                    extra.setdefault(name[len(prefix) :], []).append(value.decode("latin-1"))
+        return Identity(user, groups, {k: tuple(v) for k, v in extra.items()})
+
+    # routing
+    async def handle_request(self, http: HTTPConnection, request: IncomingRequest, peer: str | None) -> None:
+        started = time.monotonic()
+        if request.path in HEALTH_PATHS:
+            await http.respond(200, b"ok", "text/plain; charset=utf-8")
+            return
+        identity = self.authenticate(request, peer)
+        if isinstance(identity, str):
+            self.log.warning("request_unauthenticated", path=request.path, peer=peer, reason=identity)
+            await http.respond_json(401, objects.status(401, identity))
+            return
+        status = await self._route(http, request, identity)
+        self.log.info(
+            "request",
+            method=request.method,
+            path=request.path,
+            user=identity.user,
+            status=status,
+            ms=round((time.monotonic() - started) * 1000, 1),
+        )
+
+    async def _route(self, http: HTTPConnection, request: IncomingRequest, identity: Identity) -> int:
+        path = request.path.rstrip("/") or "/"
+        documents: dict[str, Callable[[], dict[str, Any]]] = {
+            "/apis": objects.api_group_list,
+            f"/apis/{objects.GROUP}": objects.api_group,
+            f"/apis/{objects.GROUP}/{objects.VERSION}": objects.api_resource_list,
+        }
+        if path in documents:
+            return await self._document(http, request, documents[path])
+        if path == PREFIX or request.path.startswith(PREFIX + "/"):
+            rest = request.path[len(PREFIX) :].lstrip("/")
+            name, _, subresource = rest.partition("/")
+            if not name:
+                return await self._collection(http, request)
+            if not subresource:
+                return await self._get(http, request, name)
+            sub, _, tail = subresource.partition("/")
+            if sub == "proxy":
+                return await self.proxy.forward(http, request, name, "/" + tail, identity)
+            return await self._fail(http, 404, f'the server could not find the subresource "{sub}"')
+        return await self._fail(http, 404, f"the server could not find the requested resource {request.path}")
+
+    async def _fail(self, http: HTTPConnection, code: int, message: str, name: str | None = None) -> int:
+        await http.respond_json(code, objects.status(code, message, name=name))
+        return code
+
+    async def _document(
+        self, http: HTTPConnection, request: IncomingRequest, make: Callable[[], dict[str, Any]]
+    ) -> int:
+        if request.method != "GET":
+            return await self._fail(http, 405, f"{request.method} is not allowed on {request.path}")
+        await http.respond_json(200, make())
+        return 200
+
+    async def _read_only(self, http: HTTPConnection, request: IncomingRequest) -> int | None:
+        if request.method == "GET":
+            return None
+        return await self._fail(
+            http,
+            405,
+            f"{request.method} is not allowed: ClusterGateways are derived from the ManagedClusters that have "
+            "the cluster-proxy addon (add or remove the addon instead)",
+        )
+
+    async def _collection(self, http: HTTPConnection, request: IncomingRequest) -> int:
+        if (refused := await self._read_only(http, request)) is not None:
+            return refused
+        query = parse_qs(request.query)
+        if query.get("watch", [""])[0] in ("1", "true"):
+            return await self._watch(http, request, query)
+        entries, newest = await trio.to_thread.run_sync(self.inventory.clusters)
+        if objects.wants_table(request.header("accept")):
+            await http.respond_json(200, objects.table(entries, newest))
+        else:
+            await http.respond_json(200, objects.cluster_gateway_list(entries, newest))
+        return 200
+
+    async def _get(self, http: HTTPConnection, request: IncomingRequest, name: str) -> int:
+        if (refused := await self._read_only(http, request)) is not None:
+            return refused
+        entry = await trio.to_thread.run_sync(self.inventory.cluster, name)
+        if entry is None:
+            return await self._fail(http, 404, objects.not_found_message(name), name=name)
+        if objects.wants_table(request.header("accept")):
+            await http.respond_json(200, objects.table([entry], entry.resource_version))
+        else:
+            await http.respond_json(200, objects.cluster_gateway(entry))
+        return 200
+
+    async def _watch(
+        self, http: HTTPConnection, request: IncomingRequest, query: dict[str, list[str]]
+    ) -> int:
+        """Watch by polling the hub every ``watch_interval``: ADDED/MODIFIED/DELETED from the difference.
+        With ``resourceVersion=N`` (kubectl get -w after its list), objects newer than N are ADDED first;
+        without it, every object is (the Kubernetes convention)."""
+        as_table = objects.wants_table(request.header("accept"))
+        since = int(query.get("resourceVersion", ["0"])[0] or 0)
+        timeout = float(query.get("timeoutSeconds", ["0"])[0] or 0) or None
+        await http.send(
+            h11.Response(
+                status_code=200,
+                headers=[("Content-Type", "application/json"), ("Transfer-Encoding", "chunked")],
+            )
+        )
+        seen: dict[str, Any] = {}
+        first = True
+
+        async def emit(kind: str, entry: Any) -> None:
+            if as_table:
+                document = objects.table([entry], entry.resource_version, with_columns=first)
+            else:
+                document = objects.cluster_gateway(entry)
+            line = json.dumps({"type": kind, "object": document}) + "\n"
+            await http.send(h11.Data(data=line.encode()))
+
+        async def poll() -> None:
+            nonlocal first
+            while True:
+                entries, _ = await trio.to_thread.run_sync(self.inventory.clusters)
+                current = {e.name: e for e in entries}
+                for name, entry in current.items():
+                    if name not in seen:
+                        if not (first and since and entry.resource_version <= since):
+                            await emit("ADDED", entry)
+                    elif seen[name] != entry:
+                        await emit("MODIFIED", entry)
+                for name, entry in seen.items():
+                    if name not in current:
+                        await emit("DELETED", entry)
+                seen.clear()
+                seen.update(current)
+                first = False
+                await trio.sleep(self.watch_interval)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_when_closed, http, nursery.cancel_scope)
+            with trio.move_on_after(timeout if timeout else float("inf")):
+                try:
+                    await poll()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+            nursery.cancel_scope.cancel()
+        with trio.move_on_after(2):
+            try:
+                await http.send(h11.EndOfMessage())
+            except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
+                pass
+        return 200
