@@ -51,6 +51,7 @@ from . import certs as certs_command
 from .commands import SIGNER
 from .enroll import add_enroll_command, run_enroll
 from .health import add_health_command, run_health
+from .kubeconfig import add_kubeconfig_command, run_kubeconfig
 from .local_down import add_local_down_command, run_local_down
 from .state import DEFAULT_STATE_DIR, LOCAL_JSON, proxy_settings, read_local_json
 
@@ -194,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     enrolment.set_defaults(run=run_enroll, subparser=enrolment)
     health = add_health_command(commands)
     health.set_defaults(run=run_health, subparser=health)
+    kubeconfig = add_kubeconfig_command(commands)
+    kubeconfig.set_defaults(run=run_kubeconfig, subparser=kubeconfig)
 
     up.set_defaults(run=_local_up, subparser=up)
     certs.set_defaults(run=_certs, subparser=certs)

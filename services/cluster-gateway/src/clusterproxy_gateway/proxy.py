@@ -54,6 +54,7 @@ DROPPED_REQUEST_HEADERS = frozenset(
 )
 DROPPED_REQUEST_PREFIXES = ("x-remote-", "impersonate-")
 DROPPED_RESPONSE_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "trailer", "upgrade"})
+KUBE_APISERVER_PORT = 443
 TLS_HANDSHAKE_TIMEOUT = 15.0
 RESPONSE_HEAD_TIMEOUT = 60.0
 
@@ -61,7 +62,7 @@ RESPONSE_HEAD_TIMEOUT = 60.0
 class StreamOpener(Protocol):
     """What the gateway needs of the SDK's SharedTunnel."""
 
-    async def connect_kube_apiserver(self, cluster: str) -> Any: ...
+    async def connect(self, cluster: str, host: str, port: int) -> Any: ...
 
 
 class ClusterProxy:
@@ -102,7 +103,9 @@ class ClusterProxy:
         except TokenNotReady as exc:
             return await fail(503, str(exc))
         try:
-            stream = await self.tunnel.connect_kube_apiserver(cluster)
+            # the cluster named in the header (so the proxy-server says 503 for a cluster without agents) and
+            # the bare cluster name as the host, which the agent maps to its own kube-apiserver
+            stream = await self.tunnel.connect(cluster, cluster, KUBE_APISERVER_PORT)
         except (UnknownCluster, NoAgentConnected) as exc:
             return await fail(
                 503,

@@ -1,0 +1,656 @@
+"""Seed 004 against real API servers: the cluster-gateway behind the hub kube-apiserver's aggregator.
+
+The addon's stack runs as in test_through_tunnel (addon-manager, cert-signer and proxy-server from the
+Deployments it wrote, agents from the ManifestWorks in cluster1 and cluster2). The ManagedClusters are
+named ``cluster1`` and ``cluster2``, as a user sees them. The gateway runs as a process with a hub client
+certificate of the signer, behind an ``APIService`` for ``v1alpha1.cluster.core.oam.dev`` whose Service
+is an ``ExternalName`` to localhost (tests.support.kubeapi: the only route the aggregator takes here).
+It reads the aggregator's requestheader CA and allowed names from the hub's ConfigMap
+``kube-system/extension-apiserver-authentication``, as it does in a cluster.
+
+Each managed cluster has a ServiceAccount ``cluster-gateway`` in ``open-cluster-management-managed-
+serviceaccount`` (the seed's), and its TokenRequest token and CA are in the hub Secret
+``<cluster>/cluster-gateway`` (what point 2's ManagedServiceAccount will write). Whether that
+ServiceAccount may list namespaces in cluster1 is switched by the tests that care.
+
+Every answer is checked for where it came from: a namespace that exists only in cluster1 (or cluster2).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import secrets
+import shutil
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from tests.support import require
+from tests.support.kubeapi import KubeCluster, KubeClusters, free_port
+from tests.support.procs import BIN, Process
+from tests.support.workagent import AddonStack, poll_until
+
+pytestmark = pytest.mark.slow
+
+GROUP_PATH = "/apis/cluster.core.oam.dev/v1alpha1"
+APISERVICE = "v1alpha1.cluster.core.oam.dev"
+SA_NAMESPACE = "open-cluster-management-managed-serviceaccount"
+SA_NAME = "cluster-gateway"
+SA_USER = f"system:serviceaccount:{SA_NAMESPACE}:{SA_NAME}"
+TOKEN_SECRET = "cluster-gateway"
+READER = "cluster-gateway-test-reader"
+
+
+@dataclass
+class Managed:
+    name: str  # the ManagedCluster
+    api: KubeCluster
+    only_here: str  # a namespace that exists on this cluster's API server alone
+
+
+@dataclass
+class Gateway:
+    stack: AddonStack
+    hub: KubeCluster
+    process: Process
+    port: int
+    clusters: dict[str, Managed]
+    directory: Path
+    kube_clusters: KubeClusters
+
+    def proxy_path(self, cluster: str, rest: str) -> str:
+        return f"{GROUP_PATH}/clustergateways/{cluster}/proxy{rest}"
+
+
+def _kubectl(kubeconfig: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    kubectl = shutil.which("kubectl")
+    require(kubectl is not None, "kubectl (apt-get install kubernetes-client)")
+    assert kubectl is not None
+    return subprocess.run(
+        [kubectl, f"--kubeconfig={kubeconfig}", f"--cache-dir={kubeconfig.parent / 'kubectl-cache'}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _ignore_conflict(call: Any) -> None:
+    try:
+        call()
+    except client.exceptions.ApiException as exc:
+        if exc.status != 409:
+            raise
+
+
+def _project_token(hub: KubeCluster, managed: Managed) -> None:
+    """What point 2 will do: a ServiceAccount in the managed cluster, its token in a hub Secret."""
+    with managed.api.api_client() as admin:
+        core = client.CoreV1Api(admin)
+        _ignore_conflict(lambda: core.create_namespace({"metadata": {"name": SA_NAMESPACE}}))
+        _ignore_conflict(
+            lambda: core.create_namespaced_service_account(SA_NAMESPACE, {"metadata": {"name": SA_NAME}})
+        )
+        token = core.create_namespaced_service_account_token(
+            SA_NAME, SA_NAMESPACE, {"spec": {"expirationSeconds": 3600}}
+        ).status.token
+    with hub.api_client() as admin:
+        client.CoreV1Api(admin).create_namespaced_secret(
+            managed.name,
+            {
+                "metadata": {"name": TOKEN_SECRET},
+                "stringData": {"token": token, "ca.crt": managed.api.ca_path.read_text()},
+            },
+        )
+
+
+def _set_reader(api: KubeCluster, allowed: bool) -> None:
+    """Whether the gateway's ServiceAccount may read namespaces and manage ConfigMaps in ``api``."""
+    with api.api_client() as admin:
+        rbac = client.RbacAuthorizationV1Api(admin)
+        if not allowed:
+            with contextlib.suppress(client.exceptions.ApiException):
+                rbac.delete_cluster_role_binding(READER)
+            return
+        _ignore_conflict(
+            lambda: rbac.create_cluster_role(
+                {
+                    "metadata": {"name": READER},
+                    "rules": [
+                        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
+                        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["*"]},
+                    ],
+                }
+            )
+        )
+        _ignore_conflict(
+            lambda: rbac.create_cluster_role_binding(
+                {
+                    "metadata": {"name": READER},
+                    "roleRef": {
+                        "apiGroup": "rbac.authorization.k8s.io",
+                        "kind": "ClusterRole",
+                        "name": READER,
+                    },
+                    "subjects": [{"kind": "ServiceAccount", "name": SA_NAME, "namespace": SA_NAMESPACE}],
+                }
+            )
+        )
+
+
+def _register(hub: KubeCluster, namespace: str, port: int, ca_pem: bytes) -> None:
+    """The APIService (what deploy/kustomize's hub overlay ships) with an ExternalName Service."""
+    with hub.api_client() as admin:
+        client.CoreV1Api(admin).create_namespaced_service(
+            namespace,
+            {
+                "metadata": {"name": "cluster-gateway"},
+                "spec": {
+                    "type": "ExternalName",
+                    "externalName": "localhost",
+                    "ports": [{"name": "https", "port": port, "targetPort": port}],
+                },
+            },
+        )
+        client.ApiregistrationV1Api(admin).create_api_service(
+            {
+                "metadata": {"name": APISERVICE},
+                "spec": {
+                    "group": "cluster.core.oam.dev",
+                    "version": "v1alpha1",
+                    "service": {"namespace": namespace, "name": "cluster-gateway", "port": port},
+                    "caBundle": base64.b64encode(ca_pem).decode(),
+                    "groupPriorityMinimum": 5000,
+                    "versionPriority": 10,
+                },
+            }
+        )
+
+
+@pytest.fixture(scope="module")
+def gateway(kube_clusters: KubeClusters, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    directory = tmp_path_factory.mktemp("gateway")
+    hub = kube_clusters["hub"]
+    stack = AddonStack(hub, directory)
+    process = None
+    registered = False
+    try:
+        stack.start()
+        managed = {}
+        for name in ("cluster1", "cluster2"):
+            api = kube_clusters[name]
+            only_here = f"only-in-{name}-{stack.tag}"
+            with api.api_client() as admin:
+                client.CoreV1Api(admin).create_namespace({"metadata": {"name": only_here}})
+            stack.join(name, api)
+            managed[name] = Managed(name, api, only_here)
+            _project_token(hub, managed[name])
+        _set_reader(kube_clusters["cluster2"], True)
+        ca, cert, key = stack.client_certificate("cluster-gateway")
+        port = free_port()
+        serving = kube_clusters.ca.issue(
+            "cluster-gateway-serving",
+            "cluster-gateway",
+            dns_names=[f"cluster-gateway.{stack.namespace}.svc", "localhost"],
+            ip_addresses=["127.0.0.1"],
+            server=True,
+        )
+        process = Process(
+            "cluster-gateway",
+            [
+                str(BIN / "cluster-proxy-cluster-gateway"),
+                f"--listen=127.0.0.1:{port}",
+                f"--tls-cert={serving.cert}",
+                f"--tls-key={serving.key}",
+                f"--kubeconfig={hub.kubeconfig}",
+                f"--proxy-server=127.0.0.1:{stack.ports.client}",
+                f"--proxy-ca={ca}",
+                f"--proxy-cert={cert}",
+                f"--proxy-key={key}",
+                "--log-format=json",
+                "--log-level=debug",
+            ],
+            directory,
+        )
+        poll_until(
+            lambda: (
+                any(r.get("event") == "gateway_started" for r in process.events())
+                or (
+                    process.popen.poll() is not None and pytest.fail(f"the gateway exited:\n{process.tail()}")
+                )
+            ),
+            timeout=30,
+            what="the gateway's gateway_started",
+        )
+        _register(hub, stack.namespace, port, kube_clusters.ca.path.read_bytes())
+        registered = True
+        waited = hub.kubectl("wait", "--for=condition=Available", "--timeout=60s", f"apiservice/{APISERVICE}")
+        assert waited.returncode == 0, f"{waited.stderr}\n--- gateway\n{process.tail()}"
+        yield Gateway(stack, hub, process, port, managed, directory, kube_clusters)
+    finally:
+        if registered:
+            with hub.api_client() as admin, contextlib.suppress(client.exceptions.ApiException):
+                client.ApiregistrationV1Api(admin).delete_api_service(APISERVICE)
+        if process is not None:
+            process.stop()
+        for name in ("cluster1", "cluster2"):
+            with contextlib.suppress(Exception):
+                _set_reader(kube_clusters[name], False)
+        stack.close()
+
+
+def _raw(gateway: Gateway, path: str, kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return _kubectl(kubeconfig or gateway.hub.kubeconfig, "get", "--raw", path)
+
+
+def _hub_user(gateway: Gateway, name: str) -> Path:
+    """A hub kubeconfig of user ``name`` (a client certificate of the hub's CA, no groups)."""
+    pair = gateway.kube_clusters.ca.issue(f"hub-user-{name}", name)
+    path = gateway.directory / f"hub-{name}.kubeconfig"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": "hub",
+                        "cluster": {
+                            "server": gateway.hub.url,
+                            "certificate-authority": str(gateway.hub.ca_path),
+                        },
+                    }
+                ],
+                "users": [
+                    {
+                        "name": name,
+                        "user": {"client-certificate": str(pair.cert), "client-key": str(pair.key)},
+                    }
+                ],
+                "contexts": [{"name": "hub", "context": {"cluster": "hub", "user": name}}],
+                "current-context": "hub",
+            }
+        )
+    )
+    return path
+
+
+def _cluster_kubeconfig(gateway: Gateway, cluster: str, hub_kubeconfig: Path | None = None) -> Path:
+    out = gateway.directory / f"{cluster}-{secrets.token_hex(2)}.kubeconfig"
+    done = subprocess.run(
+        [
+            str(BIN / "cluster-proxy"),
+            "kubeconfig",
+            cluster,
+            f"--kubeconfig={hub_kubeconfig or gateway.hub.kubeconfig}",
+            f"--output={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def _names(output: str) -> set[str]:
+    return {line.split("/", 1)[-1] for line in output.split()}
+
+
+# --- the objects ------------------------------------------------------------------------------------------
+
+
+def test_kubectl_get_clustergateway_lists_both_clusters_with_the_seed_columns(gateway: Gateway) -> None:
+    done = gateway.hub.kubectl("get", "clustergateway")
+    assert done.returncode == 0, f"{done.stderr}\n--- gateway\n{gateway.process.tail()}"
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert rows[0] == ["NAME", "PROVIDER", "CREDENTIAL-TYPE", "ENDPOINT-TYPE"], done.stdout
+    assert ["cluster1", "cluster-proxy", "ServiceAccountToken", "ClusterProxy"] in rows[1:]
+    assert ["cluster2", "cluster-proxy", "ServiceAccountToken", "ClusterProxy"] in rows[1:]
+    print(f"\nkubectl get clustergateway:\n{done.stdout}")
+
+    one = gateway.hub.kubectl("get", "clustergateway", "cluster1", "-o", "json")
+    assert one.returncode == 0, one.stderr
+    document = json.loads(one.stdout)
+    assert document["kind"] == "ClusterGateway" and document["metadata"]["name"] == "cluster1"
+    assert document["spec"]["access"] == {
+        "endpoint": {"type": "ClusterProxy"},
+        "credential": {"type": "ServiceAccountToken"},
+    }
+    assert "token" not in one.stdout.lower().replace("serviceaccounttoken", "")  # never the credential
+
+
+def test_watch_of_clustergateways_sees_a_cluster_that_gets_the_addon(gateway: Gateway) -> None:
+    kubectl = shutil.which("kubectl")
+    require(kubectl is not None, "kubectl (apt-get install kubernetes-client)")
+    assert kubectl is not None
+    name = f"late-{gateway.stack.tag}"
+    log = gateway.directory / "watch.out"
+    with log.open("w") as out:
+        watch = subprocess.Popen(
+            [kubectl, f"--kubeconfig={gateway.hub.kubeconfig}", "get", "clustergateway", "-w", "-o", "name"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        poll_until(
+            lambda: "clustergateway" in log.read_text() and "cluster2" in log.read_text(),
+            timeout=30,
+            what="the listed gateways",
+        )
+        _managed_cluster(gateway, name)
+        poll_until(lambda: f"/{name}" in log.read_text(), timeout=30, what=f"{name} in the watch")
+    finally:
+        watch.terminate()
+        watch.wait(10)
+        _delete_managed_cluster(gateway, name)
+
+
+# --- the proxy subresource --------------------------------------------------------------------------------
+
+
+def test_healthz_through_the_gateway_answers_from_each_cluster(gateway: Gateway) -> None:
+    for name in ("cluster1", "cluster2"):
+        done = _raw(gateway, gateway.proxy_path(name, "/healthz"))
+        assert done.returncode == 0, f"{done.stderr}\n--- gateway\n{gateway.process.tail()}"
+        assert done.stdout.strip() == "ok"
+    # which server answered: cluster2's gateway ServiceAccount may read namespaces; each sees its own
+    _set_reader(gateway.clusters["cluster1"].api, True)
+    for name, other in (("cluster1", "cluster2"), ("cluster2", "cluster1")):
+        here = gateway.clusters[name].only_here
+        found = poll_until(
+            lambda n=name, h=here: (
+                (done := _raw(gateway, gateway.proxy_path(n, f"/api/v1/namespaces/{h}"))).returncode == 0
+                and done
+            ),
+            timeout=15,
+            what=f"namespace {here} through the gateway",
+        )
+        assert found.returncode == 0, found.stderr
+        assert json.loads(found.stdout)["metadata"]["name"] == here
+        missing = _raw(
+            gateway, gateway.proxy_path(name, f"/api/v1/namespaces/{gateway.clusters[other].only_here}")
+        )
+        assert missing.returncode != 0 and "NotFound" in missing.stderr, missing.stderr
+
+
+def test_hub_rbac_on_the_proxy_subresource_decides_who_passes(gateway: Gateway) -> None:
+    alice = _hub_user(gateway, f"alice-{gateway.stack.tag}")
+    bob_name = f"bob-{gateway.stack.tag}"
+    bob = _hub_user(gateway, bob_name)
+    role = f"gateway-proxy-{gateway.stack.tag}"
+    with gateway.hub.api_client() as admin:
+        rbac = client.RbacAuthorizationV1Api(admin)
+        rbac.create_cluster_role(
+            {
+                "metadata": {"name": role},
+                "rules": [
+                    {
+                        "apiGroups": ["cluster.core.oam.dev"],
+                        "resources": ["clustergateways/proxy"],
+                        "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
+                    }
+                ],
+            }
+        )
+        rbac.create_cluster_role_binding(
+            {
+                "metadata": {"name": role},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+                "subjects": [{"kind": "User", "name": bob_name, "apiGroup": "rbac.authorization.k8s.io"}],
+            }
+        )
+    try:
+        path = gateway.proxy_path("cluster1", "/healthz")
+        refused = _raw(gateway, path, alice)
+        assert refused.returncode != 0
+        assert "Forbidden" in refused.stderr and "clustergateways/proxy" in refused.stderr, refused.stderr
+        assert "alice" in refused.stderr
+        print(f"\nhub user without RBAC: {refused.stderr.strip()}")
+        passed = poll_until(
+            lambda: (done := _raw(gateway, path, bob)).returncode == 0 and done,
+            timeout=15,
+            what="bob through the gateway once the binding is seen",
+        )
+        assert passed.stdout.strip() == "ok"
+        # the gateway saw bob, named by the aggregator's requestheader identity
+        poll_until(
+            lambda: [
+                r
+                for r in gateway.process.events()
+                if r.get("event") == "request" and r.get("user") == bob_name
+            ],
+            timeout=10,
+            what="the gateway's request record naming bob",
+        )
+    finally:
+        with gateway.hub.api_client() as admin:
+            rbac = client.RbacAuthorizationV1Api(admin)
+            rbac.delete_cluster_role_binding(role)
+            rbac.delete_cluster_role(role)
+
+
+# --- kubectl with the generated kubeconfig ----------------------------------------------------------------
+
+
+def test_kubeconfig_from_the_cli_points_at_the_proxy_subresource(gateway: Gateway) -> None:
+    config = yaml.safe_load(_cluster_kubeconfig(gateway, "cluster1").read_text())
+    server = config["clusters"][0]["cluster"]["server"]
+    assert server == f"{gateway.hub.url}{GROUP_PATH}/clustergateways/cluster1/proxy"
+    # the hub user's own credentials, nothing of cluster1
+    assert config["users"][0]["user"]["client-certificate"] == str(gateway.hub.admin.cert)
+    assert config["clusters"][0]["cluster"]["certificate-authority"] == str(gateway.hub.ca_path)
+
+
+def test_forbidden_in_cluster1_names_the_service_account_until_granted(gateway: Gateway) -> None:
+    config = _cluster_kubeconfig(gateway, "cluster1")
+    cluster1 = gateway.clusters["cluster1"].api
+    _set_reader(cluster1, False)
+    refused = poll_until(
+        lambda: (done := _kubectl(config, "get", "ns", "-o", "name")).returncode != 0 and done,
+        timeout=15,
+        what="Forbidden once the binding is gone",
+    )
+    assert (
+        "Forbidden" in refused.stderr
+        and f'User "{SA_USER}" cannot list resource "namespaces"' in refused.stderr
+    )
+    print(f"\nbefore RBAC in cluster1: {refused.stderr.strip()}")
+    _set_reader(cluster1, True)
+    allowed = poll_until(
+        lambda: (done := _kubectl(config, "get", "ns", "-o", "name")).returncode == 0 and done,
+        timeout=15,
+        what="namespaces once granted",
+    )
+    names = _names(allowed.stdout)
+    assert gateway.clusters["cluster1"].only_here in names
+    assert gateway.clusters["cluster2"].only_here not in names
+
+
+def test_kubectl_through_the_gateway_gets_creates_applies_deletes_and_watches(gateway: Gateway) -> None:
+    config = _cluster_kubeconfig(gateway, "cluster1")
+    _set_reader(gateway.clusters["cluster1"].api, True)
+    namespace = gateway.clusters["cluster1"].only_here
+    listed = poll_until(
+        lambda: (done := _kubectl(config, "get", "ns", "-o", "name")).returncode == 0 and done,
+        timeout=15,
+        what="get ns through the gateway",
+    )
+    assert namespace in _names(listed.stdout)
+
+    created = _kubectl(config, "-n", namespace, "create", "configmap", "gw", "--from-literal=a=1")
+    assert created.returncode == 0, created.stderr
+    manifest = yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "gw", "namespace": namespace},
+            "data": {"a": "2"},
+        }
+    )
+    applied = subprocess.run(
+        [shutil.which("kubectl") or "kubectl", f"--kubeconfig={config}", "apply", "-f", "-"],
+        input=manifest,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert applied.returncode == 0, applied.stderr
+    with gateway.clusters["cluster1"].api.api_client() as admin:
+        stored = client.CoreV1Api(admin).read_namespaced_config_map("gw", namespace)
+    assert stored.data == {"a": "2"}  # in cluster1's own API server
+    deleted = _kubectl(config, "-n", namespace, "delete", "configmap", "gw")
+    assert deleted.returncode == 0, deleted.stderr
+    with (
+        gateway.clusters["cluster1"].api.api_client() as admin,
+        pytest.raises(client.exceptions.ApiException) as gone,
+    ):
+        client.CoreV1Api(admin).read_namespaced_config_map("gw", namespace)
+    assert gone.value.status == 404
+
+    # a watch streams through the aggregator, the gateway and the tunnel: an event after it started
+    kubectl = shutil.which("kubectl")
+    assert kubectl is not None
+    log = gateway.directory / "ns-watch.out"
+    late = f"late-ns-{secrets.token_hex(3)}"
+    with log.open("w") as out:
+        watch = subprocess.Popen(
+            [kubectl, f"--kubeconfig={config}", "get", "ns", "-w", "-o", "name"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        poll_until(lambda: namespace in log.read_text(), timeout=30, what="the watch's initial list")
+        started = time.monotonic()
+        with gateway.clusters["cluster1"].api.api_client() as admin:
+            client.CoreV1Api(admin).create_namespace({"metadata": {"name": late}})
+        poll_until(lambda: late in log.read_text(), timeout=30, what=f"{late} in the watch")
+        print(
+            f"\nnamespace created in cluster1 seen by kubectl get ns -w through the gateway after {(time.monotonic() - started) * 1000:.0f} ms"
+        )
+        assert watch.poll() is None, log.read_text()  # still streaming
+    finally:
+        watch.terminate()
+        watch.wait(10)
+
+
+# --- errors in words ---------------------------------------------------------------------------------------
+
+
+def _managed_cluster(gateway: Gateway, name: str) -> None:
+    """A ManagedCluster with the addon and no agent anywhere."""
+    with gateway.hub.api_client() as admin:
+        client.CoreV1Api(admin).create_namespace({"metadata": {"name": name}})
+        custom = client.CustomObjectsApi(admin)
+        custom.create_cluster_custom_object(
+            "cluster.open-cluster-management.io",
+            "v1",
+            "managedclusters",
+            {
+                "apiVersion": "cluster.open-cluster-management.io/v1",
+                "kind": "ManagedCluster",
+                "metadata": {"name": name},
+                "spec": {"hubAcceptsClient": True},
+            },
+        )
+        custom.create_namespaced_custom_object(
+            "addon.open-cluster-management.io",
+            "v1alpha1",
+            name,
+            "managedclusteraddons",
+            {
+                "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+                "kind": "ManagedClusterAddOn",
+                "metadata": {"name": "cluster-proxy", "namespace": name},
+                "spec": {"installNamespace": f"cp-agent-{gateway.stack.tag}"},
+            },
+        )
+
+
+def _delete_managed_cluster(gateway: Gateway, name: str) -> None:
+    with gateway.hub.api_client() as admin:
+        custom = client.CustomObjectsApi(admin)
+        for delete in (
+            lambda: custom.delete_namespaced_custom_object(
+                "work.open-cluster-management.io", "v1", name, "manifestworks", "addon-cluster-proxy-deploy-0"
+            ),
+            lambda: custom.delete_namespaced_custom_object(
+                "addon.open-cluster-management.io", "v1alpha1", name, "managedclusteraddons", "cluster-proxy"
+            ),
+            lambda: custom.delete_cluster_custom_object(
+                "cluster.open-cluster-management.io", "v1", "managedclusters", name
+            ),
+            lambda: client.CoreV1Api(admin).delete_namespace(name),
+        ):
+            with contextlib.suppress(client.exceptions.ApiException):
+                delete()
+
+
+def test_errors_say_what_is_wrong(gateway: Gateway) -> None:
+    unknown = _raw(gateway, gateway.proxy_path("nowhere", "/healthz"))
+    assert unknown.returncode != 0
+    assert (
+        "(NotFound)" in unknown.stderr
+        and 'clustergateways.cluster.core.oam.dev "nowhere" not found' in unknown.stderr
+    )
+    got = gateway.hub.kubectl("get", "clustergateway", "nowhere")
+    assert got.returncode != 0 and "NotFound" in got.stderr, got.stderr
+
+    lonely = f"lonely-{gateway.stack.tag}"
+    _managed_cluster(gateway, lonely)
+    try:
+        not_projected = poll_until(
+            lambda: (
+                "ServiceUnavailable" in (done := _raw(gateway, gateway.proxy_path(lonely, "/healthz"))).stderr
+                and done
+            ),
+            timeout=15,
+            what=f"503 for {lonely}",
+        )
+        assert f"Secret {lonely}/{TOKEN_SECRET} on the hub does not exist" in not_projected.stderr
+        assert "not projected yet" in not_projected.stderr
+        print(f"\ntoken not projected: {not_projected.stderr.strip()}")
+        with gateway.hub.api_client() as admin:
+            client.CoreV1Api(admin).create_namespaced_secret(
+                lonely,
+                {
+                    "metadata": {"name": TOKEN_SECRET},
+                    "stringData": {"token": "x", "ca.crt": gateway.hub.ca_path.read_text()},
+                },
+            )
+        no_tunnel = poll_until(
+            lambda: (
+                "no tunnel" in (done := _raw(gateway, gateway.proxy_path(lonely, "/healthz"))).stderr and done
+            ),
+            timeout=15,
+            what=f"no tunnel for {lonely}",
+        )
+        assert (
+            "ServiceUnavailable" in no_tunnel.stderr
+            and "no proxy-agent of it is connected" in no_tunnel.stderr
+        )
+        print(f"no tunnel: {no_tunnel.stderr.strip()}")
+    finally:
+        _delete_managed_cluster(gateway, lonely)
+
+    # nobody but the aggregator: a direct call without its front-proxy certificate
+    context = ssl.create_default_context(cafile=str(gateway.kube_clusters.ca.path))
+    request = urllib.request.Request(
+        f"https://127.0.0.1:{gateway.port}{gateway.proxy_path('cluster1', '/healthz')}",
+        headers={"X-Remote-User": "mallory"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as direct:
+        urllib.request.urlopen(request, context=context, timeout=10)
+    assert direct.value.code == 401
+    assert "only the hub kube-apiserver's aggregator" in direct.value.read().decode()
