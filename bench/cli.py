@@ -1,4 +1,5 @@
-"""python -m bench: run the benchmark workloads through direct, ours and upstream."""
+"""python -m bench: run the benchmark workloads through direct, ours and upstream (and their
+variants: ours-websocket, ours-grpc, upstream-grpc)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench import report
@@ -22,7 +24,17 @@ from bench.systems import REPO, Direct, Env, Ours, System, Unavailable, Upstream
 from bench.workloads import WORKLOADS, Runner, Settings, log
 
 DEFAULT_ANP_VERSION = "v0.36.0"
-SYSTEMS = {"direct": Direct, "ours": Ours, "upstream": Upstream}
+SYSTEMS: dict[str, Callable[[Env], System]] = {
+    "direct": Direct,
+    "ours": Ours,
+    "upstream": Upstream,
+    # ours with its agents in a WebSocket (ws:// to --agent-websocket-listen, no ingress)
+    "ours-websocket": lambda env: Ours(env, transport="websocket"),
+    # konnectivity gRPC clients (CreateSingleUseGrpcTunnel per stream): our client port, and
+    # upstream's proxy-server in its default --mode=grpc
+    "ours-grpc": lambda env: Ours(env, frontend="konnectivity"),
+    "upstream-grpc": lambda env: Upstream(env, mode="grpc"),
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,7 +50,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help=f"comma-separated workloads to run (default: all of {','.join(WORKLOADS)})",
     )
-    p.add_argument("--systems", default="direct,ours,upstream", help="comma-separated: direct,ours,upstream")
+    p.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"comma-separated, of {','.join(SYSTEMS)} (default: all; each variant runs only the "
+        "workloads it is measured on)",
+    )
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="results folder")
     p.add_argument("--anp-version", default=os.environ.get("ANP_VERSION", DEFAULT_ANP_VERSION))
     p.add_argument(
@@ -104,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     loadgen = build_loadgen()
     anp_bin, anp_why = (None, "not selected")
-    if "upstream" in wanted:
+    if any(name.startswith("upstream") for name in wanted):
         log(f"building/locating apiserver-network-proxy {args.anp_version}")
         anp_bin, anp_why = find_anp(args.anp_version, build=not args.no_build)
     anp_versions = ""
@@ -140,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in wanted:
         s = SYSTEMS[name](env)
         try:
-            if name == "upstream" and anp_bin is None:
-                raise Unavailable(f"upstream: apiserver-network-proxy unavailable: {anp_why}")
+            if name.startswith("upstream") and anp_bin is None:
+                raise Unavailable(f"{name}: apiserver-network-proxy unavailable: {anp_why}")
             s.check()
             systems.append(s)
         except Unavailable as exc:

@@ -6,14 +6,18 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-SYSTEM_ORDER = ("direct", "ours", "upstream")
+SYSTEM_ORDER = ("direct", "ours", "upstream", "ours-websocket", "ours-grpc", "upstream-grpc")
+# Quotients shown where both systems ran: (numerator, denominator). The first is this project against
+# upstream as cluster-proxy runs it; the second the same in konnectivity gRPC (the seed's own mode);
+# the third what the WebSocket carrier costs against the plain tunnel.
+RATIOS = (("ours", "upstream"), ("ours-grpc", "upstream-grpc"), ("ours-websocket", "ours"))
 
 # (workload, metric) -> (label, unit, higher_is_better); only these appear in the main table.
 METRICS: dict[tuple[str, str], tuple[str, str, bool]] = {
     ("bulk", "mbit_s"): ("throughput", "Mbit/s", True),
     ("connect", "first_byte_p50_ms"): ("new stream to first byte p50", "ms", False),
     ("connect", "first_byte_p99_ms"): ("new stream to first byte p99", "ms", False),
-    ("connect", "connect_200_p50_ms"): ("CONNECT answered (200) p50", "ms", False),
+    ("connect", "connect_200_p50_ms"): ("CONNECT answered (200) / DIAL_RSP p50", "ms", False),
     ("rr", "p50_ms"): ("1 KiB req/resp latency p50", "ms", False),
     ("rr", "p99_ms"): ("1 KiB req/resp latency p99", "ms", False),
     ("rr", "achieved_rps"): ("achieved rate", "req/s", True),
@@ -96,14 +100,19 @@ def markdown(results: dict) -> str:
         f"- run: {meta['started']} ({'quick' if meta['quick'] else 'full'} mode), {meta['elapsed_s']} s",
         f"- command: `{meta['command']}`",
         f"- machine: {meta['machine']}",
-        f"- upstream: apiserver-network-proxy {meta.get('anp_version', '?')} (http-connect, destHost, mTLS)",
+        f"- upstream: apiserver-network-proxy {meta.get('anp_version', '?')} (upstream: --mode=http-connect;"
+        " upstream-grpc: --mode=grpc; destHost, mTLS)",
         f"- systems run: {', '.join(meta['systems'])}",
         f"- load average (1/5/15 min) before: {meta.get('loadavg_before', '?')}, after: {meta.get('loadavg_after', '?')}"
         " (other work on the machine shows here; the run itself adds ~2)",
         "",
-        "Values are medians over repeats. ours/upstream is the plain quotient; `better` says which system",
+        "Values are medians over repeats. a/b is the plain quotient; `better` says which of the two",
         "wins on that metric (within 5 %: even): higher is better for throughput, rates, counts and the",
-        "head-of-line ratio; lower is better for latencies, times and memory.",
+        "head-of-line ratio; lower is better for latencies, times and memory. Systems: ours and upstream",
+        "through HTTP/1.1 CONNECT; ours-websocket: ours with its agent's tunnel in a WebSocket (ws://",
+        "to the server's --agent-websocket-listen port, no ingress); ours-grpc and upstream-grpc: the",
+        "same loadgen as a konnectivity gRPC client (CreateSingleUseGrpcTunnel per stream) to our",
+        "client port and to upstream's proxy-server --mode=grpc.",
         "",
     ]
     if results.get("skipped"):
@@ -117,38 +126,31 @@ def markdown(results: dict) -> str:
             first = r["error"].strip().splitlines()[0][:300] if r["error"].strip() else ""
             lines.append(f"- {r['workload']}/{r['variant']}/{r['system']} rep {r['rep']}: {first}")
         lines.append("")
-    # Systems beyond the three (ours over another agent transport, say) get columns of their own.
-    others = sorted({r["system"] for r in results["records"]} - set(SYSTEM_ORDER))
     for w in WORKLOAD_TITLES:
         if w not in summary:
             continue
+        ran = {s for var in summary[w].values() for vals in var.values() for s in vals}
+        # direct, ours and upstream always (as before); the variants where they ran; unknown names last.
+        columns = [s for s in SYSTEM_ORDER if s in ran or s in SYSTEM_ORDER[:3]]
+        columns += sorted(ran - set(columns))
+        pairs = [(a, b) for a, b in RATIOS if a in ran and b in ran]
         lines += [f"## {WORKLOAD_TITLES[w]}", ""]
         lines += [
-            "| variant | metric | direct | ours | upstream | "
-            + "".join(f"{o} | " for o in others)
-            + "ours/upstream | better |",
-            "|---|---|---:|---:|---:|" + "---:|" * len(others) + "---:|---|",
+            "| variant | metric | "
+            + "".join(f"{c} | " for c in columns)
+            + "".join(f"{a}/{b} | better |" for a, b in pairs),
+            "|---|---|" + "---:|" * len(columns) + "---:|---|" * len(pairs),
         ]
         for var in sorted(summary[w], key=_variant_key):
             for (wk, m), (label, unit, higher) in METRICS.items():
                 if wk != w or m not in summary[w][var]:
                     continue
                 vals = summary[w][var][m]
-                d, o, u = vals.get("direct"), vals.get("ours"), vals.get("upstream")
-                ratio, better = "-", "-"
-                if o is not None and u:
-                    r = o / u
-                    ratio = f"{r:.2f}"
-                    if 0.95 <= r <= 1.05:
-                        better = "even"
-                    else:
-                        better = "ours" if (r > 1) == higher else "upstream"
-                elif o is not None and u == 0 and o > 0:
-                    better = "ours" if higher else "upstream"
-                extra = "".join(f"{_fmt(vals.get(o))} | " for o in others)
-                lines.append(
-                    f"| {var} | {label} ({unit}) | {_fmt(d)} | {_fmt(o)} | {_fmt(u)} | {extra}{ratio} | {better} |"
+                cells = "".join(f"{_fmt(vals.get(c))} | " for c in columns)
+                quotients = "".join(
+                    f"{q} | {win} |" for q, win in (_compare(vals, a, b, higher) for a, b in pairs)
                 )
+                lines.append(f"| {var} | {label} ({unit}) | {cells}{quotients}")
         lines.append("")
         if w == "failover":
             lines += failover_details(results["records"], results.get("settings", {}).get("failover", {}))
@@ -172,6 +174,21 @@ def markdown(results: dict) -> str:
         lines += cpu_rows
         lines.append("")
     return "\n".join(lines)
+
+
+def _compare(vals: dict, a: str, b: str, higher: bool) -> tuple[str, str]:
+    """(a/b, which of the two is better) for one metric's values by system."""
+    x, y = vals.get(a), vals.get(b)
+    if x is None or y is None:
+        return "-", "-"
+    if y:
+        r = x / y
+        if 0.95 <= r <= 1.05:
+            return f"{r:.2f}", "even"
+        return f"{r:.2f}", a if (r > 1) == higher else b
+    if x > 0:
+        return "-", a if higher else b
+    return "-", "-"
 
 
 def _spread(values: list[float], scale: float = 1.0, digits: int = 0) -> str:
@@ -301,7 +318,14 @@ def plots(results: dict, out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     summary = results["summary"]
-    colors = {"direct": "#7f7f7f", "ours": "#1f77b4", "upstream": "#ff7f0e"}
+    colors = {
+        "direct": "#7f7f7f",
+        "ours": "#1f77b4",
+        "upstream": "#ff7f0e",
+        "ours-websocket": "#17becf",
+        "ours-grpc": "#2ca02c",
+        "upstream-grpc": "#d62728",
+    }
     made: list[Path] = []
 
     def bars(workload: str, metric: str, title: str, ylabel: str, fname: str, log: bool = False) -> None:

@@ -1,8 +1,10 @@
-"""The three paths a workload is measured through: direct, ours, upstream.
+"""The paths a workload is measured through: direct, ours, upstream, and their variants (ours with
+agents over the WebSocket transport; ours and upstream through konnectivity gRPC).
 
 Every system gives the loadgen the flags that reach the target through it (`dial_args`), the
 processes to watch (`procs`), and for the fan-in workload a way to run many agents
-(`start_fanin`). The target and the client are the same for all of them.
+(`start_fanin`). The target and the client are the same for all of them. A system runs the
+workloads in its `workloads` (None: every one).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ REPO = Path(__file__).resolve().parent.parent
 CLUSTER = "cluster1"
 CLUSTER_HEADER = "cluster-proxy-cluster"
 FANIN_BASE = "127.1.0.0"
+WEBSOCKET_PATH = "/v1/tunnel"  # where the proxy-server's --agent-websocket-listen port takes tunnels
+# What the konnectivity-gRPC systems are measured on (issue 16: the bulk, connect and
+# request/response rows). Each stream is a single-use tunnel: its own TCP + TLS + gRPC connection.
+KONNECTIVITY_WORKLOADS = ("bulk", "connect", "rr")
 
 
 def fanin_ip(i: int, base: str = FANIN_BASE) -> str:
@@ -131,6 +137,9 @@ class FaninHandle:
 class System:
     name = "?"
     proxied = True
+    # The workloads this system is measured on (None: all). A variant that changes one thing (the
+    # agents' transport, the client protocol) is measured where that thing matters.
+    workloads: tuple[str, ...] | None = None
 
     def __init__(self, env: Env) -> None:
         self.env = env
@@ -206,17 +215,29 @@ class Direct(System):
 
 
 class Upstream(System):
-    """apiserver-network-proxy in http-connect mode, mTLS on both ports, destHost strategy.
+    """apiserver-network-proxy in http-connect mode (or, mode="grpc", its default gRPC mode: the
+    loadgen then speaks konnectivity gRPC, a CreateSingleUseGrpcTunnel per stream), mTLS on both
+    ports, destHost strategy.
 
-    The agent's identifier is host=127.0.0.1 and clients CONNECT 127.0.0.1:<target port>: with
-    destHost the server routes by the CONNECT host and the agent dials that same host:port, so the
-    identifier must be an address (or name) the agent can reach the target at.
+    The agent's identifier is host=127.0.0.1 and clients CONNECT (or DIAL_REQ) 127.0.0.1:<target
+    port>: with destHost the server routes by that host and the agent dials that same host:port, so
+    the identifier must be an address (or name) the agent can reach the target at.
     """
 
     name = "upstream"
     # Upstream's /readyz is "at least one agent connected" (DefaultBackendStorage.Ready): checked
     # for the agents' backend too, a replica would never get its first agent. /healthz is liveness.
     agent_backend_check = "/healthz"
+    modes = ("http-connect", "grpc")
+
+    def __init__(self, env: Env, mode: str = "http-connect") -> None:
+        super().__init__(env)
+        if mode not in self.modes:
+            raise ValueError(f"upstream: unknown proxy-server mode {mode!r}; known: {self.modes}")
+        self.mode = mode
+        if mode == "grpc":
+            self.name = "upstream-grpc"
+            self.workloads = KONNECTIVITY_WORKLOADS
 
     def check(self) -> None:
         if self.env.anp_bin is None:
@@ -235,7 +256,7 @@ class Upstream(System):
         place = place or Place("main", self.agent_port, self.client_port, self.health_port, self.admin_port)
         return [
             str(e.anp_bin / "proxy-server"),
-            "--mode=http-connect",
+            f"--mode={self.mode}",
             "--proxy-strategies=destHost",
             f"--server-ca-cert={e.pki.ca}",
             f"--server-cert={s.cert}",
@@ -296,7 +317,15 @@ class Upstream(System):
         self.wait_routable()
 
     def dial_args(self, proxy_port: int | None = None) -> list[str]:
-        return ["--target", self.target_authority(), *self.env.proxy_args(proxy_port or self.client_port)]
+        return [
+            "--target",
+            self.target_authority(),
+            *self.env.proxy_args(proxy_port or self.client_port),
+            *self._protocol_args(),
+        ]
+
+    def _protocol_args(self) -> list[str]:
+        return ["--konnectivity"] if self.mode == "grpc" else []
 
     def replica_argv(self, place: Place, server_id: str, count: int, drain_timeout: float) -> list[str]:
         # --graceful-shutdown-timeout (v0.36.0, default 0 = stop at once): on SIGTERM the frontend
@@ -340,38 +369,59 @@ class Upstream(System):
         )
 
     def probe_args(self) -> list[str]:
-        return self.env.proxy_args(self.client_port)
+        return [*self.env.proxy_args(self.client_port), *self._protocol_args()]
 
 
 class Ours(System):
-    """This project's Python proxy-server and proxy-agent, HTTP/1.1 CONNECT frontend with mTLS."""
+    """This project's Python proxy-server and proxy-agent, HTTP/1.1 CONNECT frontend with mTLS (or,
+    frontend="konnectivity", the client port's konnectivity gRPC: the loadgen then makes a
+    CreateSingleUseGrpcTunnel per stream and sends the cluster header as gRPC metadata)."""
 
     name = "ours"
-    # How agents reach the server's agent port. "tls": the plain tunnel (TCP, mTLS, HTTP/2). Another
-    # transport (a WebSocket: ``--server wss://...``) only changes agent_server_address, so every
-    # workload can be run for it by registering Ours(env, transport=...) under its own name.
-    transports = ("tls",)
+    # How agents reach the server. "tls": the plain tunnel (TCP, mTLS, HTTP/2) to the agent port.
+    # "websocket": the same tunnel inside a WebSocket, to the server's --agent-websocket-listen port
+    # with ws:// (plain HTTP, no ingress in front: what is measured is the carrier, not an ingress).
+    transports = ("tls", "websocket")
+    frontends = ("connect", "konnectivity")
 
-    def __init__(self, env: Env, transport: str = "tls") -> None:
+    def __init__(self, env: Env, transport: str = "tls", frontend: str = "connect") -> None:
         super().__init__(env)
         if transport not in self.transports:
             raise ValueError(f"ours: unknown agent transport {transport!r}; known: {self.transports}")
+        if frontend not in self.frontends:
+            raise ValueError(f"ours: unknown client frontend {frontend!r}; known: {self.frontends}")
         self.transport = transport
+        self.frontend = frontend
+        self.websocket_port = 0
         if transport != "tls":
             self.name = f"ours-{transport}"
+            # No fan-in (bench/fleet.py dials TCP) and no failover (haproxy's agent frontend is TCP).
+            self.workloads = ("bulk", "connect", "rr", "idle", "hol")
+        if frontend == "konnectivity":
+            self.name = f"{self.name}-grpc"
+            self.workloads = KONNECTIVITY_WORKLOADS
         self.server_bin = env.venv_bin / "cluster-proxy-server"
         self.agent_bin = env.venv_bin / "cluster-proxy-agent"
 
     def agent_server_address(self, host: str, port: int) -> str:
-        """The agent's ``--server`` for the server's agent port at host:port, in this transport."""
+        """The agent's ``--server`` for the server's agent-facing port at host:port, in this transport."""
+        if self.transport == "websocket":
+            return f"ws://{host}:{port}{WEBSOCKET_PATH}"
         return f"{host}:{port}"
+
+    def agent_facing_port(self) -> int:
+        """The port this transport's agents dial: the WebSocket port or the agent port."""
+        return self.websocket_port if self.transport == "websocket" else self.agent_port
 
     def check(self) -> None:
         for b in (self.server_bin, self.agent_bin):
             if not b.exists():
                 raise Unavailable(f"ours: {b} missing (run `bash scripts/bootstrap.sh` first)")
+        server_flags = ["--agent-listen", "--client-listen", "--admin-listen"]
+        if self.transport == "websocket":
+            server_flags.append("--agent-websocket-listen")
         for b, flags in (
-            (self.server_bin, ("--agent-listen", "--client-listen", "--admin-listen")),
+            (self.server_bin, tuple(server_flags)),
             (self.agent_bin, ("--server", "--cluster", "--agent-id", "--allow", "--admin-listen")),
         ):
             try:
@@ -384,6 +434,9 @@ class Ours(System):
 
     def _server_argv(self, place: Place | None = None) -> list[str]:
         e = self.env
+        websocket: list[str] = []
+        if place is None and self.transport == "websocket":
+            websocket = ["--agent-websocket-listen", f"127.0.0.1:{self.websocket_port}"]
         place = place or Place("main", self.agent_port, self.client_port, self.admin_port, 0)
         return [
             str(self.server_bin),
@@ -403,6 +456,7 @@ class Ours(System):
             "warning",
             "--log-format",
             "json",
+            *websocket,
         ]
 
     def _agent_argv(
@@ -412,7 +466,7 @@ class Ours(System):
         return [
             str(self.agent_bin),
             "--server",
-            self.agent_server_address("127.0.0.1", server_port or self.agent_port),
+            self.agent_server_address("127.0.0.1", server_port or self.agent_facing_port()),
             "--cluster",
             cluster,
             "--agent-id",
@@ -435,12 +489,16 @@ class Ours(System):
 
     def _start_server(self, tag: str) -> Proc:
         self.client_port, self.agent_port, self.admin_port = free_port(), free_port(), free_port()
+        if self.transport == "websocket":
+            self.websocket_port = free_port()
         return self._launch_server(tag)
 
     def _launch_server(self, tag: str) -> Proc:
-        p = Proc("ours-server", self._server_argv(), self.env.log_dir / f"ours-server-{tag}.log")
+        p = Proc(
+            f"{self.name}-server", self._server_argv(), self.env.log_dir / f"{self.name}-server-{tag}.log"
+        )
         wait_port("127.0.0.1", self.client_port, 30, p)
-        wait_port("127.0.0.1", self.agent_port, 30, p)
+        wait_port("127.0.0.1", self.agent_facing_port(), 30, p)
         return p
 
     def start(self) -> None:
@@ -448,7 +506,9 @@ class Ours(System):
         self.server = self._start_server("main")
         cert = e.pki.agent(CLUSTER, "agent1")
         self.agent = Proc(
-            "ours-agent", self._agent_argv(CLUSTER, "agent1", cert), e.log_dir / "ours-agent-main.log"
+            f"{self.name}-agent",
+            self._agent_argv(CLUSTER, "agent1", cert),
+            e.log_dir / f"{self.name}-agent-main.log",
         )
         try:
             self.wait_routable()
@@ -462,9 +522,13 @@ class Ours(System):
             "--target",
             self.target_authority(),
             *self.env.proxy_args(proxy_port or self.client_port),
+            *self._protocol_args(),
             "--header",
             f"{CLUSTER_HEADER}: {CLUSTER}",
         ]
+
+    def _protocol_args(self) -> list[str]:
+        return ["--konnectivity"] if self.frontend == "konnectivity" else []
 
     def replica_argv(self, place: Place, server_id: str, count: int, drain_timeout: float) -> list[str]:
         return [
@@ -517,7 +581,7 @@ class Ours(System):
         )
 
     def probe_args(self) -> list[str]:
-        return self.env.proxy_args(self.client_port)
+        return [*self.env.proxy_args(self.client_port), *self._protocol_args()]
 
 
 def _gauge(metrics: str, name: str) -> int | None:
@@ -560,7 +624,7 @@ def find_anp(version: str, build: bool) -> tuple[Path | None, str]:
 
 def build_loadgen() -> Path:
     script = REPO / "bench" / "loadgen" / "build.sh"
-    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"loadgen build failed:\n{out.stderr}")
     return Path(out.stdout.strip().splitlines()[-1])

@@ -147,10 +147,10 @@ class Runner:
         rec.update(extra)
         self.records.append(rec)
         shown = ", ".join(f"{k}={v}" for k, v in metrics.items())
-        log(f"{workload:8s} {variant:14s} {system.name:9s} rep {rep}: {shown}")
+        log(f"{workload:8s} {variant:14s} {system.name:14s} rep {rep}: {shown}")
 
     def failed(self, workload: str, variant: str, system: System, rep: int, error: str) -> None:
-        log(f"{workload:8s} {variant:14s} {system.name:9s} rep {rep}: FAILED: {error}")
+        log(f"{workload:8s} {variant:14s} {system.name:14s} rep {rep}: FAILED: {error}")
         self.records.append(
             {
                 "workload": workload,
@@ -162,11 +162,16 @@ class Runner:
             }
         )
 
+    def measured_on(self, workload: str) -> list[System]:
+        """The selected systems that the workload is measured on (System.workloads)."""
+        return [s for s in self.systems if s.workloads is None or workload in s.workloads]
+
     @contextlib.contextmanager
     def started(self, workload: str, systems: list[System] | None = None) -> Iterator[list[System]]:
-        """Start the systems for one workload; those that fail to start are left out (with a note)."""
+        """Start the systems for one workload (default: those measured on it, the workload being the
+        name before any '-'); those that fail to start are left out (with a note)."""
         up: list[System] = []
-        for s in systems if systems is not None else self.systems:
+        for s in systems if systems is not None else self.measured_on(workload.split("-")[0]):
             try:
                 s.start()
                 up.append(s)
@@ -316,7 +321,7 @@ class Runner:
         st = self.settings
         for level in st.idle_levels:
             variant = f"{level}"
-            for s in self.systems:
+            for s in self.measured_on("idle"):
                 with self.started(f"idle-{level}", [s]) as up:
                     if not up:
                         continue
@@ -376,7 +381,7 @@ class Runner:
         st = self.settings
         for n in st.fanin_levels:
             variant = f"{n}"
-            for s in self.systems:
+            for s in self.measured_on("fanin"):
                 if not s.proxied:
                     continue
                 if s.name == "ours" and n > st.fanin_ours_max:
@@ -476,7 +481,7 @@ class Runner:
         st = self.settings
         fleets: list[ReplicaFleet] = []
         try:
-            for s in self.systems:
+            for s in self.measured_on("failover"):
                 if not s.proxied:
                     continue
                 fleet = ReplicaFleet(s, self.env, st.failover)

@@ -12,6 +12,8 @@ import (
 	"os"
 	"strings"
 	"time"
+
+	"google.golang.org/grpc"
 )
 
 // headerList is a repeatable --header "Name: value" flag.
@@ -20,20 +22,24 @@ type headerList []string
 func (h *headerList) String() string     { return strings.Join(*h, ", ") }
 func (h *headerList) Set(v string) error { *h = append(*h, v); return nil }
 
-// Dialer reaches a target either directly (plain TCP) or through an HTTP/1.1 CONNECT proxy that is
-// spoken over TLS with a client certificate (mutual TLS). The same code path serves every system
-// under test, so the client is never the difference between them.
+// Dialer reaches a target either directly (plain TCP), through an HTTP/1.1 CONNECT proxy that is
+// spoken over TLS with a client certificate (mutual TLS), or (--konnectivity) through a
+// konnectivity gRPC proxy, one single-use tunnel per stream (konnectivity.go). The same code path
+// serves every system under test, so the client is never the difference between them.
 type Dialer struct {
-	Target      string // host:port of the target, as seen from the agent (CONNECT authority)
-	Proxy       string // host:port of the proxy's HTTP/1.1 CONNECT frontend; "" = direct
-	Headers     []string
-	TLS         *tls.Config
-	DialTimeout time.Duration
+	Target       string // host:port of the target, as seen from the agent (CONNECT / DIAL_REQ address)
+	Proxy        string // host:port of the proxy's client port; "" = direct
+	Headers      []string
+	TLS          *tls.Config
+	DialTimeout  time.Duration
+	Konnectivity bool
+	grpcOptions  []grpc.DialOption
 }
 
 func addDialFlags(fs *flag.FlagSet) func() (*Dialer, error) {
 	target := fs.String("target", "", "target host:port (the CONNECT authority when --proxy is set)")
 	proxy := fs.String("proxy", "", "HTTP/1.1 CONNECT proxy host:port (TLS); empty = dial the target directly")
+	konn := fs.Bool("konnectivity", false, "the proxy speaks konnectivity gRPC: a CreateSingleUseGrpcTunnel per stream (--header goes as gRPC metadata)")
 	ca := fs.String("ca", "", "CA bundle (PEM) that verifies the proxy's certificate")
 	cert := fs.String("cert", "", "client certificate (PEM) presented to the proxy")
 	key := fs.String("key", "", "client key (PEM)")
@@ -41,9 +47,12 @@ func addDialFlags(fs *flag.FlagSet) func() (*Dialer, error) {
 	plainProxy := fs.Bool("proxy-plain", false, "speak to the proxy without TLS (debugging only)")
 	dialTimeout := fs.Duration("dial-timeout", 10*time.Second, "timeout for TCP connect + TLS + CONNECT answer")
 	var headers headerList
-	fs.Var(&headers, "header", "extra CONNECT request header 'Name: value' (repeatable)")
+	fs.Var(&headers, "header", "extra CONNECT request header 'Name: value' (repeatable; gRPC metadata with --konnectivity)")
 	return func() (*Dialer, error) {
-		d := &Dialer{Target: *target, Proxy: *proxy, Headers: headers, DialTimeout: *dialTimeout}
+		d := &Dialer{Target: *target, Proxy: *proxy, Headers: headers, DialTimeout: *dialTimeout, Konnectivity: *konn}
+		if d.Konnectivity && (d.Proxy == "" || *plainProxy) {
+			return nil, errors.New("--konnectivity needs --proxy and TLS (--ca, --cert, --key)")
+		}
 		if d.Proxy != "" && !*plainProxy {
 			cfg := &tls.Config{MinVersion: tls.VersionTLS12, NextProtos: []string{"http/1.1"}}
 			if *ca != "" {
@@ -73,6 +82,9 @@ func addDialFlags(fs *flag.FlagSet) func() (*Dialer, error) {
 				cfg.ServerName = h
 			}
 			d.TLS = cfg
+			if d.Konnectivity {
+				d.grpcOptions = konnectivityOptions(cfg)
+			}
 		}
 		return d, nil
 	}
@@ -116,6 +128,9 @@ func (d *Dialer) Dial() (net.Conn, DialTimings, error) {
 
 // DialTo is Dial with another CONNECT authority and header set (the fan-in probe).
 func (d *Dialer) DialTo(target string, headers []string) (net.Conn, DialTimings, error) {
+	if d.Konnectivity {
+		return d.dialKonnectivity(target, headers)
+	}
 	var tm DialTimings
 	start := time.Now()
 	deadline := start.Add(d.DialTimeout)

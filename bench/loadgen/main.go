@@ -1,6 +1,8 @@
 // Command loadgen is the one client (and the one target) used by every benchmark path in bench/:
 // direct TCP, our proxy's HTTP/1.1 CONNECT frontend and upstream apiserver-network-proxy's
-// http-connect frontend. Standard library only.
+// http-connect frontend, and with --konnectivity the konnectivity gRPC frontends of both (ours on
+// its client port, upstream's proxy-server --mode=grpc) through the real konnectivity-client
+// module. Everything else is the standard library.
 //
 //	loadgen target  --listen 127.0.0.1:PORT                     the target (echo/sink/source/stall)
 //	loadgen bulk    --target T [proxy flags] --streams N --direction up|down --duration D | --bytes B
@@ -12,6 +14,7 @@
 //	loadgen churn   --target T [proxy flags] --workers N --gap D  new streams until stdin closes
 //
 // Proxy flags: --proxy host:port --ca CA --cert CRT --key KEY [--server-name N] [--header 'K: V']...
+// [--konnectivity] (the proxy is konnectivity gRPC: one CreateSingleUseGrpcTunnel per stream).
 // Every client mode prints one JSON object on stdout (and progress events as JSON lines on stderr).
 package main
 
