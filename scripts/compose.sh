@@ -50,10 +50,12 @@ declare -A DOCKERFILES=(
     [cert-signer]=services/cert-signer/Dockerfile
     [addon-manager]=services/addon-manager/Dockerfile
     [health-collector]=services/health-collector/Dockerfile
+    [cluster-gateway]=services/cluster-gateway/Dockerfile
     [toolbox]=deploy/compose/toolbox/Dockerfile
     [network-peers]=deploy/compose/network-peers/Dockerfile
 )
-IMAGE_ORDER=(proxy-server proxy-agent cert-signer addon-manager health-collector toolbox network-peers)
+IMAGE_ORDER=(proxy-server proxy-agent cert-signer addon-manager health-collector cluster-gateway toolbox
+    network-peers)
 
 log() { printf 'compose: %s\n' "$*" >&2; }
 die() { printf 'compose: error: %s\n' "$*" >&2; exit 1; }

@@ -21,11 +21,19 @@ from testcontainers.compose import DockerCompose
 ROOT = Path(__file__).resolve().parents[2]
 TAG = os.environ.get("CLUSTER_PROXY_TAG", "dev")
 BASE_IMAGE = os.environ.get("PYTHON_BASE", "cluster-proxy/python-base:bookworm")
-SERVICE_IMAGES = ("proxy-server", "proxy-agent", "cert-signer", "addon-manager", "health-collector")
+SERVICE_IMAGES = (
+    "proxy-server",
+    "proxy-agent",
+    "cert-signer",
+    "addon-manager",
+    "health-collector",
+    "cluster-gateway",
+)
 IMAGES = (*SERVICE_IMAGES, "toolbox", "network-peers")
 CLUSTERS = ("cluster1", "cluster2")
 REPLICAS = ("proxy-server-1", "proxy-server-2")
 POLL = 0.5
+PROJECT_PREFIX = "cptest"  # + the test session's pid
 
 T = TypeVar("T")
 
@@ -170,11 +178,54 @@ class ComposeStack:
         ]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_stacks(client: Any) -> list[str]:
+    """Take down the stacks of earlier test sessions whose process is gone (a killed session leaves its
+    containers running); the projects removed."""
+    label = "com.docker.compose.project"
+    projects = {c.labels.get(label, "") for c in client.containers.list(all=True, filters={"label": label})}
+    stale = [
+        project
+        for project in sorted(projects)
+        if project.startswith(PROJECT_PREFIX)
+        and project[len(PROJECT_PREFIX) :].isdigit()
+        and not _alive(int(project[len(PROJECT_PREFIX) :]))
+    ]
+    for project in stale:
+        subprocess.run(
+            [
+                "docker",
+                "compose",
+                "-f",
+                str(ROOT / "compose.yaml"),
+                "-p",
+                project,
+                "down",
+                "--volumes",
+                "--timeout",
+                "1",
+            ],
+            capture_output=True,
+            check=False,
+        )
+    return stale
+
+
 @contextlib.contextmanager
 def start_stack(client: Any, folder: Path) -> Iterator[ComposeStack]:
     """``compose.yaml`` up, every service healthy (``--wait``), under a project of its own; down with
     its volumes afterwards (also when the start fails)."""
-    project = f"cptest{os.getpid()}"
+    remove_stale_stacks(client)
+    project = f"{PROJECT_PREFIX}{os.getpid()}"
     health_port = free_port()
     env_file = folder / "compose.env"
     env_file.write_text(f"COMPOSE_PROJECT_NAME={project}\nCLUSTER_PROXY_HEALTH_PORT={health_port}\n")

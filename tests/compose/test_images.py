@@ -17,6 +17,7 @@ CONSOLE_SCRIPT = {
     "cert-signer": "cluster-proxy-cert-signer",
     "addon-manager": "cluster-proxy-addon-manager",
     "health-collector": "cluster-proxy-health-collector",
+    "cluster-gateway": "cluster-proxy-cluster-gateway",
     "toolbox": "cluster-proxy",
 }
 
@@ -28,6 +29,7 @@ OWN_PACKAGES = {
     "cert-signer": {"cluster-proxy-protocol", "cluster-proxy-cert-signer"},
     "addon-manager": {"cluster-proxy-protocol", "cluster-proxy-cert-signer", "cluster-proxy-addon-manager"},
     "health-collector": {"cluster-proxy-protocol", "cluster-proxy-sdk", "cluster-proxy-health-collector"},
+    "cluster-gateway": {"cluster-proxy-protocol", "cluster-proxy-sdk", "cluster-proxy-cluster-gateway"},
     "toolbox": {"cluster-proxy-protocol", "cluster-proxy-sdk", "cluster-proxy-cli"},
 }
 
