@@ -149,8 +149,9 @@ def _set_reader(api: KubeCluster, allowed: bool) -> None:
         )
 
 
-def _register(hub: KubeCluster, namespace: str, port: int, ca_pem: bytes) -> None:
-    """The APIService (what deploy/kustomize's hub overlay ships) with an ExternalName Service."""
+def _register(hub: KubeCluster, namespace: str, port: int) -> None:
+    """The APIService (as deploy/kustomize's overlay ships it: no caBundle, the gateway writes its
+    serving CA there) with an ExternalName Service."""
     with hub.api_client() as admin:
         client.CoreV1Api(admin).create_namespaced_service(
             namespace,
@@ -170,7 +171,6 @@ def _register(hub: KubeCluster, namespace: str, port: int, ca_pem: bytes) -> Non
                     "group": "cluster.core.oam.dev",
                     "version": "v1alpha1",
                     "service": {"namespace": namespace, "name": "cluster-gateway", "port": port},
-                    "caBundle": base64.b64encode(ca_pem).decode(),
                     "groupPriorityMinimum": 5000,
                     "versionPriority": 10,
                 },
@@ -197,31 +197,52 @@ def gateway(kube_clusters: KubeClusters, tmp_path_factory: pytest.TempPathFactor
             managed[name] = Managed(name, api, only_here)
             _project_token(hub, managed[name])
         _set_reader(kube_clusters["cluster2"], True)
-        ca, cert, key = stack.client_certificate("cluster-gateway")
         port = free_port()
-        serving = kube_clusters.ca.issue(
-            "cluster-gateway-serving",
-            "cluster-gateway",
-            dns_names=[f"cluster-gateway.{stack.namespace}.svc", "localhost"],
-            ip_addresses=["127.0.0.1"],
-            server=True,
+        _register(hub, stack.namespace, port)
+        registered = True
+        # the admin's steps for the gateway's hub client certificate: the trust bundle and a token
+        signer_cli = [
+            str(BIN / "cluster-proxy-cert-signer"),
+            f"--store={stack.store}",
+            f"--kubeconfig={hub.kubeconfig}",
+        ]
+        bundle = directory / "bootstrap-ca.crt"
+        made = subprocess.run(
+            [*signer_cli[:1], "trust-bundle", *signer_cli[1:], f"--out={bundle}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
+        assert made.returncode == 0, made.stderr
+        minted = subprocess.run(
+            [*signer_cli[:1], "token", "create", *signer_cli[1:], "--client=cluster-gateway", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert minted.returncode == 0, minted.stderr
+        credentials = directory / "gateway-credentials"
         process = Process(
             "cluster-gateway",
             [
                 str(BIN / "cluster-proxy-cluster-gateway"),
                 f"--listen=127.0.0.1:{port}",
-                f"--tls-cert={serving.cert}",
-                f"--tls-key={serving.key}",
+                f"--serving-name=cluster-gateway.{stack.namespace}.svc",
+                "--serving-name=127.0.0.1",  # for the direct call of test_errors_say_what_is_wrong
+                f"--apiservice={APISERVICE}",
+                f"--state-dir={directory / 'gateway-state'}",
                 f"--kubeconfig={hub.kubeconfig}",
                 f"--proxy-server=127.0.0.1:{stack.ports.client}",
-                f"--proxy-ca={ca}",
-                f"--proxy-cert={cert}",
-                f"--proxy-key={key}",
+                f"--signer=https://127.0.0.1:{stack.ports.signer}",
+                f"--bootstrap-ca={bundle}",
+                f"--proxy-ca={credentials / 'ca.crt'}",
+                f"--proxy-cert={credentials / 'tls.crt'}",
+                f"--proxy-key={credentials / 'tls.key'}",
                 "--log-format=json",
                 "--log-level=debug",
             ],
             directory,
+            env={"CLUSTER_PROXY_GATEWAY_BOOTSTRAP_TOKEN": json.loads(minted.stdout)["token"]},
         )
         poll_until(
             lambda: (
@@ -230,11 +251,9 @@ def gateway(kube_clusters: KubeClusters, tmp_path_factory: pytest.TempPathFactor
                     process.popen.poll() is not None and pytest.fail(f"the gateway exited:\n{process.tail()}")
                 )
             ),
-            timeout=30,
+            timeout=60,
             what="the gateway's gateway_started",
         )
-        _register(hub, stack.namespace, port, kube_clusters.ca.path.read_bytes())
-        registered = True
         waited = hub.kubectl("wait", "--for=condition=Available", "--timeout=60s", f"apiservice/{APISERVICE}")
         assert waited.returncode == 0, f"{waited.stderr}\n--- gateway\n{process.tail()}"
         yield Gateway(stack, hub, process, port, managed, directory, kube_clusters)
@@ -645,7 +664,10 @@ def test_errors_say_what_is_wrong(gateway: Gateway) -> None:
         _delete_managed_cluster(gateway, lonely)
 
     # nobody but the aggregator: a direct call without its front-proxy certificate
-    context = ssl.create_default_context(cafile=str(gateway.kube_clusters.ca.path))
+    # the gateway's own serving CA, which it wrote into the APIService
+    registered = gateway.hub.kubectl("get", "apiservice", APISERVICE, "-o", "jsonpath={.spec.caBundle}")
+    assert registered.returncode == 0, registered.stderr
+    context = ssl.create_default_context(cadata=base64.b64decode(registered.stdout).decode())
     request = urllib.request.Request(
         f"https://127.0.0.1:{gateway.port}{gateway.proxy_path('cluster1', '/healthz')}",
         headers={"X-Remote-User": "mallory"},

@@ -20,6 +20,7 @@ from typing import Any
 import trio
 
 from clusterproxy_protocol import workarounds
+from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.config import (
     ConfigError,
     add_flag,
@@ -31,6 +32,7 @@ from clusterproxy_protocol.config import (
 from clusterproxy_protocol.logs import configure_logging, get_logger
 from clusterproxy_sdk import TLSFiles, open_shared_tunnel
 
+from .credentials import make_self_signed, prepare_client_certificate, register_ca_bundle
 from .inventory import HubInventory, RequestHeaderConfig
 from .proxy import ClusterProxy
 from .server import GatewayServer, serving_context
@@ -49,18 +51,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     flag("--listen", type=parse_hostport, default="0.0.0.0:9443", metavar="HOST:PORT",
          help="HTTPS address the hub's aggregator calls (port 0: any free port, logged as gateway_started)")  # fmt: skip
-    flag("--tls-cert", type=existing_file, required=True, metavar="FILE",
-         help="serving certificate; the APIService's caBundle must hold its CA and it must name the Service")  # fmt: skip
-    flag("--tls-key", type=existing_file, required=True, metavar="FILE", help="its private key")
+    flag("--tls-cert", type=existing_file, metavar="FILE",
+         help="serving certificate (the APIService's caBundle must hold its CA; it must name the Service); "
+         "default: one made at start for --serving-name, its CA written into --apiservice")  # fmt: skip
+    flag("--tls-key", type=existing_file, metavar="FILE", help="its private key")
+    flag("--serving-name", multiple=True, metavar="NAME",
+         help="names of the serving certificate made at start (default: cluster-gateway.$POD_NAMESPACE.svc)")  # fmt: skip
+    flag("--apiservice", metavar="NAME",
+         help="the APIService whose caBundle gets the CA of the serving certificate made at start "
+         "(e.g. v1alpha1.cluster.core.oam.dev)")  # fmt: skip
+    flag("--state-dir", type=Path, default="/var/lib/cluster-gateway", metavar="DIR",
+         help="where the serving certificate made at start is written")  # fmt: skip
     flag("--kubeconfig", type=Path, metavar="FILE",
          help="hub kubeconfig (default: $KUBECONFIG, else the pod's service account)")  # fmt: skip
     flag("--proxy-server", type=parse_hostport, required=True, metavar="HOST:PORT",
          help="the proxy-server's client port (HTTP/2 frontend)")  # fmt: skip
-    flag("--proxy-ca", type=existing_file, required=True, metavar="FILE",
-         help="CA bundle that signed the proxy-server's certificate")  # fmt: skip
-    flag("--proxy-cert", type=existing_file, required=True, metavar="FILE",
-         help="the gateway's hub client certificate (read again at each dial: renewals are followed)")  # fmt: skip
-    flag("--proxy-key", type=existing_file, required=True, metavar="FILE", help="its private key")
+    flag("--proxy-ca", type=Path, required=True, metavar="FILE",
+         help="CA bundle that signed the proxy-server's certificate (with --signer: kept current)")  # fmt: skip
+    flag("--proxy-cert", type=Path, required=True, metavar="FILE",
+         help="the gateway's hub client certificate (read again at each dial; with --signer: written there)")  # fmt: skip
+    flag("--proxy-key", type=Path, required=True, metavar="FILE", help="its private key")
+    flag("--signer", metavar="URL",
+         help="cert-signer (https://HOST:PORT): get --proxy-cert/--proxy-key with --bootstrap-token when they "
+         "hold no valid certificate, renew them, follow the trust bundle")  # fmt: skip
+    flag("--bootstrap-token", metavar="TOKEN",
+         help="with --signer: a single-use token bound to --client-name "
+         "(cluster-proxy-cert-signer token create --client cluster-gateway)")  # fmt: skip
+    flag("--bootstrap-ca", type=Path, metavar="FILE",
+         help="with --signer: the trust bundle that seeds --proxy-ca when that file does not exist yet")  # fmt: skip
+    flag("--client-name", default="cluster-gateway", metavar="NAME",
+         help="with --signer: the name in the client certificate (the token's --client)")  # fmt: skip
     flag("--proxy-server-name", metavar="NAME",
          help="name checked on the proxy-server's certificate (default: the host of --proxy-server)")  # fmt: skip
     flag("--token-secret", default=DEFAULT_TOKEN_SECRET, metavar="NAME",
@@ -123,6 +143,30 @@ def _requestheader(args: argparse.Namespace, inventory: HubInventory) -> Request
         ) from None
 
 
+def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Flags that only make sense together, checked before anything starts."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_cert is None and not args.serving_name and not os.environ.get("POD_NAMESPACE"):
+        parser.error(
+            "without --tls-cert the gateway makes its serving certificate: name it with --serving-name "
+            "(e.g. cluster-gateway.NAMESPACE.svc) or set POD_NAMESPACE"
+        )
+    if args.signer is None:
+        for name in ("--bootstrap-token", "--bootstrap-ca"):
+            if getattr(args, name[2:].replace("-", "_")):
+                parser.error(f"{name} needs --signer (the cert-signer that trades the token)")
+        for name, path in (
+            ("--proxy-ca", args.proxy_ca),
+            ("--proxy-cert", args.proxy_cert),
+            ("--proxy-key", args.proxy_key),
+        ):
+            try:
+                existing_file(path)
+            except ConfigError as exc:
+                parser.error(f"argument {name}: {exc} (or use --signer to get the certificate)")
+
+
 async def run(args: argparse.Namespace) -> None:
     from kubernetes import client
 
@@ -130,11 +174,33 @@ async def run(args: argparse.Namespace) -> None:
     api = client.ApiClient(load_configuration(args.kubeconfig))
     inventory = HubInventory(api, token_secret=args.token_secret, ttl=args.cache_ttl)
     requestheader = await trio.to_thread.run_sync(_requestheader, args, inventory)
-    context = serving_context(Path(args.tls_cert), Path(args.tls_key), requestheader)
+    if args.tls_cert is not None:
+        cert, key = Path(args.tls_cert), Path(args.tls_key)
+    else:
+        names = args.serving_name or [f"cluster-gateway.{os.environ['POD_NAMESPACE']}.svc"]
+        made = make_self_signed(Path(args.state_dir) / "serving", names)
+        cert, key = made.cert, made.key
+        if args.apiservice:
+            await trio.to_thread.run_sync(register_ca_bundle, api, args.apiservice, made.ca_pem)
+            log.info("apiservice_ca_registered", apiservice=args.apiservice, names=names)
+    context = serving_context(cert, key, requestheader)
+    renewer = None
+    if args.signer is not None:
+        files = CertFiles(Path(args.proxy_cert), Path(args.proxy_key), Path(args.proxy_ca))
+        token = (args.bootstrap_token or "").strip() or None
+        renewer = await prepare_client_certificate(
+            args.signer, files, token, args.bootstrap_ca, args.client_name
+        )
+        log.info("client_certificate_ready", subject=renewer.certificate.subject.rfc4514_string())
     host, port = args.listen
     proxy_address = f"{args.proxy_server[0]}:{args.proxy_server[1]}"
     tls = TLSFiles(args.proxy_ca, args.proxy_cert, args.proxy_key).reloading()
-    async with open_shared_tunnel(proxy_address, tls, server_hostname=args.proxy_server_name) as tunnel:
+    async with (
+        trio.open_nursery() as nursery,
+        open_shared_tunnel(proxy_address, tls, server_hostname=args.proxy_server_name) as tunnel,
+    ):
+        if renewer is not None:
+            await nursery.start(renewer.run)
         proxy = ClusterProxy(inventory, tunnel, proxy_server=proxy_address)
         server = GatewayServer(inventory, proxy, requestheader, watch_interval=args.watch_interval)
         listeners = await trio.open_tcp_listeners(port, host=host)
@@ -151,7 +217,9 @@ async def run(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> None:
     workarounds.apply()
-    args = parse_args_or_exit(build_parser(), argv, environ=environ)
+    parser = build_parser()
+    args = parse_args_or_exit(parser, argv, environ=environ)
+    check_args(args, parser)
     configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
     try:
         trio.run(run, args)

@@ -37,6 +37,16 @@ PREFIX = f"/apis/{objects.GROUP}/{objects.VERSION}/{objects.RESOURCE}"
 HEALTH_PATHS = frozenset({"/healthz", "/livez", "/readyz"})
 HANDSHAKE_TIMEOUT = 10.0
 MAX_CONNECTIONS = 512
+# The aggregator downloads every APIService's OpenAPI documents; empty ones say "no schema" (kubectl then
+# validates nothing client-side for these kinds) instead of an error in the hub's log every minute.
+OPENAPI: dict[str, dict[str, Any]] = {
+    "/openapi/v2": {
+        "swagger": "2.0",
+        "info": {"title": "cluster-gateway", "version": "v1alpha1"},
+        "paths": {},
+    },
+    "/openapi/v3": {"paths": {}},
+}
 
 
 @dataclass(frozen=True)
@@ -192,6 +202,8 @@ class GatewayServer:
         }
         if path in documents:
             return await self._document(http, request, documents[path])
+        if path in OPENAPI:
+            return await self._document(http, request, lambda: OPENAPI[path])
         if path == PREFIX or request.path.startswith(PREFIX + "/"):
             rest = request.path[len(PREFIX) :].lstrip("/")
             name, _, subresource = rest.partition("/")
