@@ -1,0 +1,188 @@
+"""The cluster-gateway as deploy/kustomize/overlays/hub-gateway installs it, on the session's hub.
+
+The overlay is applied through an overlay of one's own that changes only what this machine needs: the
+ports (the stack's free ports instead of the configuration's defaults, and a free port to listen on:
+pods share the machine's loopback here), the namespace of the stack's proxy-server and cert-signer
+Services, and the Service as an ``ExternalName`` to localhost (the only route the aggregator takes
+without kube-proxy). The pod runs from the stored Deployment (tests.support.workagent.Kubelet) as its
+ServiceAccount with only the overlay's RBAC: it reads the requestheader ConfigMap, patches the
+APIService's caBundle, bootstraps its hub client certificate with the token of the Secret
+``cluster-gateway-bootstrap`` (created as docs/cluster-gateway.md says), lists the clusters and reads a
+cluster's token Secret. Then ``kubectl get clustergateway`` and ``.../proxy/healthz`` work on the hub.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from tests.support.kubeapi import KubeClusters, free_port
+from tests.support.procs import BIN
+from tests.support.workagent import AddonStack, Pod
+from tests.unit.test_kustomize_render import KUSTOMIZE, own_overlay, render
+
+pytestmark = pytest.mark.slow
+
+NAMESPACE = "open-cluster-management-addon"
+DEPLOYMENT = "cluster-proxy-cluster-gateway"
+APISERVICE = "v1alpha1.cluster.core.oam.dev"
+OVERLAY = KUSTOMIZE / "overlays" / "hub-gateway"
+
+
+def _overlay_for_this_machine(directory: Path, stack: AddonStack, port: int) -> Path:
+    shipped = next(o for o in render(OVERLAY) if o["kind"] == "Deployment")
+    args = []
+    for arg in shipped["spec"]["template"]["spec"]["containers"][0]["args"]:
+        if arg.startswith("--listen="):
+            arg = f"--listen=127.0.0.1:{port}"
+        elif arg.startswith("--proxy-server="):
+            arg = f"--proxy-server=proxy-entrypoint.{stack.namespace}.svc:{stack.ports.client}"
+        elif arg.startswith("--signer="):
+            arg = f"--signer=https://cluster-proxy-cert-signer.{stack.namespace}.svc:{stack.ports.signer}"
+        args.append(arg)
+    patches = [
+        {
+            "target": {"kind": "Deployment", "name": DEPLOYMENT},
+            "patch": yaml.safe_dump(
+                [
+                    {"op": "replace", "path": "/spec/template/spec/containers/0/args", "value": args},
+                    {
+                        "op": "replace",
+                        "path": "/spec/template/spec/containers/0/ports/0/containerPort",
+                        "value": port,
+                    },
+                ]
+            ),
+        },
+        {
+            "target": {"kind": "Service", "name": "cluster-gateway"},
+            "patch": yaml.safe_dump(
+                [
+                    {
+                        "op": "replace",
+                        "path": "/spec",
+                        "value": {
+                            "type": "ExternalName",
+                            "externalName": "localhost",
+                            "ports": [{"name": "https", "port": port}],
+                        },
+                    }
+                ]
+            ),
+        },
+        {
+            "target": {"kind": "APIService", "name": APISERVICE},
+            "patch": yaml.safe_dump([{"op": "replace", "path": "/spec/service/port", "value": port}]),
+        },
+    ]
+    return own_overlay(directory, "hub-gateway", {"patches": patches}, {})
+
+
+@pytest.fixture(scope="module")
+def installed(
+    kube_clusters: KubeClusters, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    directory = tmp_path_factory.mktemp("gateway-deploy")
+    hub = kube_clusters["hub"]
+    stack = AddonStack(hub, directory)
+    overlay = None
+    pod: Pod | None = None
+    try:
+        stack.start()
+        name = f"gw-{stack.tag}"
+        stack.join(name, kube_clusters["cluster1"])
+        with hub.api_client() as admin:
+            core = client.CoreV1Api(admin)
+            with contextlib.suppress(client.exceptions.ApiException):
+                core.create_namespace({"metadata": {"name": NAMESPACE}})
+            # the cluster's token (what point 2 will write): a ServiceAccount of cluster1
+            with kube_clusters["cluster1"].api_client() as managed:
+                managed_core = client.CoreV1Api(managed)
+                managed_core.create_namespaced_service_account("default", {"metadata": {"name": name}})
+                token = managed_core.create_namespaced_service_account_token(
+                    name, "default", {"spec": {"expirationSeconds": 3600}}
+                ).status.token
+            core.create_namespaced_secret(
+                name,
+                {
+                    "metadata": {"name": "cluster-gateway"},
+                    "stringData": {"token": token, "ca.crt": kube_clusters["cluster1"].ca_path.read_text()},
+                },
+            )
+        # the admin's step (docs/cluster-gateway.md, "Install"): the bootstrap Secret
+        signer = [f"--store={stack.store}", f"--kubeconfig={hub.kubeconfig}"]
+        bundle = directory / "bundle.crt"
+        cli = str(BIN / "cluster-proxy-cert-signer")
+        done = subprocess.run(
+            [cli, "trust-bundle", *signer, f"--out={bundle}"], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        minted = subprocess.run(
+            [cli, "token", "create", *signer, "--client=cluster-gateway", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert minted.returncode == 0, minted.stderr
+        created = hub.kubectl(
+            "-n",
+            NAMESPACE,
+            "create",
+            "secret",
+            "generic",
+            "cluster-gateway-bootstrap",
+            f"--from-literal=bootstrap-token={json.loads(minted.stdout)['token']}",
+            f"--from-file=ca.crt={bundle}",
+        )
+        assert created.returncode == 0, created.stderr
+
+        port = free_port()
+        overlay = _overlay_for_this_machine(directory / "overlay", stack, port)
+        applied = hub.kubectl("apply", "-k", str(overlay))
+        assert applied.returncode == 0, applied.stderr
+        pod = stack.hub_kubelet.run(NAMESPACE, DEPLOYMENT)
+        waited = hub.kubectl("wait", "--for=condition=Available", "--timeout=60s", f"apiservice/{APISERVICE}")
+        assert waited.returncode == 0, f"{waited.stderr}\n--- gateway pod\n{pod.container().tail()}"
+        yield {"hub": hub, "cluster": name, "pod": pod, "stack": stack}
+    finally:
+        if overlay is not None:
+            hub.kubectl("delete", "-k", str(overlay), "--wait=false")
+        hub.kubectl("-n", NAMESPACE, "delete", "secret", "cluster-gateway-bootstrap", "--ignore-not-found")
+        stack.close()
+
+
+def test_the_gateway_runs_as_the_overlay_installs_it(installed: dict[str, Any]) -> None:
+    hub, name, pod = installed["hub"], installed["cluster"], installed["pod"]
+    listed = hub.kubectl("get", "clustergateway", name, "--no-headers")
+    assert listed.returncode == 0, f"{listed.stderr}\n--- gateway pod\n{pod.container().tail()}"
+    assert listed.stdout.split() == [name, "cluster-proxy", "ServiceAccountToken", "ClusterProxy"]
+    health = hub.kubectl(
+        "get", "--raw", f"/apis/cluster.core.oam.dev/v1alpha1/clustergateways/{name}/proxy/healthz"
+    )
+    assert health.returncode == 0, f"{health.stderr}\n--- gateway pod\n{pod.container().tail()}"
+    assert health.stdout.strip() == "ok"
+    events = {r.get("event") for r in pod.container().events()}
+    assert {"apiservice_ca_registered", "client_certificate_ready", "gateway_started"} <= events
+
+
+def test_the_gateways_service_account_may_not_read_other_secrets(installed: dict[str, Any]) -> None:
+    hub, name = installed["hub"], installed["cluster"]
+    user = f"system:serviceaccount:{NAMESPACE}:{DEPLOYMENT}"
+    allowed = hub.kubectl("auth", "can-i", "get", "secret/cluster-gateway", "-n", name, f"--as={user}")
+    assert allowed.stdout.strip() == "yes"
+    for question in (
+        ("get", "secret/other", "-n", name),
+        ("list", "secrets", "-n", name),
+        ("create", "managedclusters"),
+        ("patch", "apiservice/v1.apps"),
+    ):
+        refused = hub.kubectl("auth", "can-i", *question, f"--as={user}")
+        assert refused.stdout.strip() == "no", question
