@@ -676,3 +676,34 @@ def test_errors_say_what_is_wrong(gateway: Gateway) -> None:
         urllib.request.urlopen(request, context=context, timeout=10)
     assert direct.value.code == 401
     assert "only the hub kube-apiserver's aggregator" in direct.value.read().decode()
+
+
+# --- a number for the closing note (printed, never asserted) -----------------------------------------------
+
+
+def _latencies(url: str, context: ssl.SSLContext, count: int) -> list[float]:
+    """Milliseconds of ``count`` sequential GETs of ``url``, each on a new connection (as kubectl's
+    first request), every answer checked."""
+    measured = []
+    for _ in range(count):
+        started = time.perf_counter()
+        with urllib.request.urlopen(url, context=context, timeout=30) as answer:
+            assert answer.status == 200 and answer.read().strip() == b"ok"
+        measured.append((time.perf_counter() - started) * 1000)
+    return sorted(measured)
+
+
+def test_healthz_latency_through_the_gateway_and_straight(gateway: Gateway) -> None:
+    hub, cluster1 = gateway.hub, gateway.clusters["cluster1"].api
+    count = 50
+    through = _latencies(
+        f"{hub.url}{gateway.proxy_path('cluster1', '/healthz')}", hub.admin_ssl_context(), count
+    )
+    straight = _latencies(f"{cluster1.url}/healthz", cluster1.admin_ssl_context(), count)
+
+    def summary(values: list[float]) -> str:
+        return f"p50 {values[len(values) // 2]:.1f} ms, p99 {values[int(len(values) * 0.99) - 1]:.1f} ms"
+
+    print(
+        f"\nGET /healthz x{count}: through the hub and the gateway {summary(through)}; straight {summary(straight)}"
+    )
