@@ -663,6 +663,32 @@ def test_errors_say_what_is_wrong(gateway: Gateway) -> None:
     finally:
         _delete_managed_cluster(gateway, lonely)
 
+    # a CA that did not sign cluster2's serving certificate in its Secret: TLS fails, said in words
+    with gateway.hub.api_client() as admin:
+        core = client.CoreV1Api(admin)
+        right = core.read_namespaced_secret(TOKEN_SECRET, "cluster2").data["ca.crt"]
+        wrong = base64.b64encode(gateway.kube_clusters.front_proxy_ca.path.read_bytes()).decode()
+        core.patch_namespaced_secret(TOKEN_SECRET, "cluster2", {"data": {"ca.crt": wrong}})
+        try:
+            refused = poll_until(
+                lambda: (
+                    "BadGateway" in (done := _raw(gateway, gateway.proxy_path("cluster2", "/healthz"))).stderr
+                    and done
+                ),
+                timeout=15,
+                what="502 for a wrong CA",
+            )
+            assert "TLS with the kube-apiserver of cluster 'cluster2' failed" in refused.stderr
+            assert "certificate verify failed" in refused.stderr and "ca.crt" in refused.stderr
+            print(f"wrong CA: {refused.stderr.strip()}")
+        finally:
+            core.patch_namespaced_secret(TOKEN_SECRET, "cluster2", {"data": {"ca.crt": right}})
+    poll_until(
+        lambda: _raw(gateway, gateway.proxy_path("cluster2", "/healthz")).returncode == 0,
+        timeout=15,
+        what="cluster2 back with its CA",
+    )
+
     # nobody but the aggregator: a direct call without its front-proxy certificate
     # the gateway's own serving CA, which it wrote into the APIService
     registered = gateway.hub.kubectl("get", "apiservice", APISERVICE, "-o", "jsonpath={.spec.caBundle}")

@@ -134,7 +134,7 @@ class ClusterProxy:
                 self.inventory.forget_token(cluster)
                 return await fail(
                     502,
-                    f"TLS with cluster {cluster!r}'s kube-apiserver failed: {describe_exception(exc)} "
+                    f"TLS with the kube-apiserver of cluster {cluster!r} failed: {describe_exception(exc)} "
                     f"(its CA is 'ca.crt' of Secret {cluster}/{self.inventory.token_secret} on the hub; the "
                     f"name checked is {token.server_name!r})",
                 )
@@ -175,9 +175,9 @@ class ClusterProxy:
             with trio.fail_after(RESPONSE_HEAD_TIMEOUT):
                 head = await upstream.next_event()
         except (ProtocolFailure, trio.BrokenResourceError, trio.TooSlowError) as exc:
-            return int(await fail(502, f"cluster {cluster!r}'s kube-apiserver did not answer: {exc}"))
+            return int(await fail(502, f"the kube-apiserver of cluster {cluster!r} did not answer: {exc}"))
         if not isinstance(head, h11.Response):
-            return int(await fail(502, f"cluster {cluster!r}'s kube-apiserver answered {head!r}"))
+            return int(await fail(502, f"the kube-apiserver of cluster {cluster!r} answered {head!r}"))
         if head.status_code == 401:
             self.inventory.forget_token(cluster)  # a rotated token: read the Secret again next time
         relayed = [

@@ -119,6 +119,8 @@ class GatewayServer:
                     break
                 assert isinstance(event, h11.Request)
                 request = self._request(event)
+                if http.conn.they_are_waiting_for_100_continue:
+                    await http.send(h11.InformationalResponse(status_code=100, headers=[]))
                 request.body = await http.read_body(self.max_body)
                 await self.handle_request(http, request, peer)
                 if http.conn.our_state is not h11.DONE or http.conn.their_state is not h11.DONE:
