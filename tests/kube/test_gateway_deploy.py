@@ -26,7 +26,7 @@ from kubernetes import client
 
 from tests.support.kubeapi import KubeClusters, free_port
 from tests.support.procs import BIN
-from tests.support.workagent import AddonStack, Pod
+from tests.support.workagent import AddonStack, Pod, poll_until
 from tests.unit.test_kustomize_render import KUSTOMIZE, own_overlay, render
 
 pytestmark = pytest.mark.slow
@@ -186,3 +186,35 @@ def test_the_gateways_service_account_may_not_read_other_secrets(installed: dict
     ):
         refused = hub.kubectl("auth", "can-i", *question, f"--as={user}")
         assert refused.stdout.strip() == "no", question
+
+
+def test_a_hub_read_refused_is_a_500_in_words_and_the_gateway_stays_up(installed: dict[str, Any]) -> None:
+    hub, name, pod = installed["hub"], installed["cluster"], installed["pod"]
+    binding = hub.kubectl("get", "clusterrolebinding", DEPLOYMENT, "-o", "json")
+    assert binding.returncode == 0, binding.stderr
+    saved = json.loads(binding.stdout)
+    for key in ("resourceVersion", "uid", "creationTimestamp", "managedFields"):
+        saved["metadata"].pop(key, None)
+    deleted = hub.kubectl("delete", "clusterrolebinding", DEPLOYMENT)
+    assert deleted.returncode == 0, deleted.stderr
+    try:
+        failed = poll_until(
+            lambda: "InternalError" in (done := hub.kubectl("get", "clustergateway")).stderr and done,
+            timeout=30,
+            what="a 500 once the gateway may not read the clusters",
+        )
+        assert "the cluster-gateway failed: reading the hub failed (403 Forbidden)" in failed.stderr, (
+            failed.stderr
+        )
+        assert 'cannot list resource "managedclusters"' in failed.stderr and "rbac.yaml" in failed.stderr
+        print(f"\nRBAC removed: {failed.stderr.strip()}")
+    finally:
+        restored = hub.kubectl("apply", "-f", "-", input=json.dumps(saved))
+        assert restored.returncode == 0, restored.stderr
+    listed = poll_until(
+        lambda: (done := hub.kubectl("get", "clustergateway", name, "--no-headers")).returncode == 0 and done,
+        timeout=30,
+        what="the gateway answering again",
+    )
+    assert listed.stdout.split()[0] == name
+    assert pod.container().running

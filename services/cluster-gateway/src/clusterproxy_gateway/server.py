@@ -58,6 +58,25 @@ class Identity:
     extra: dict[str, tuple[str, ...]]
 
 
+def describe_hub_error(exc: Exception) -> str:
+    """A failed call of the hub's API in words (the kubernetes client's ApiException carries the hub's
+    status and its Status message), anything else as its type and text."""
+    status = getattr(exc, "status", None)
+    if status is None:
+        return f"{type(exc).__name__}: {exc}"
+    body = getattr(exc, "body", None) or ""
+    try:
+        message = json.loads(body).get("message") or body
+    except (ValueError, AttributeError):
+        message = body
+    hint = (
+        " (the gateway's RBAC on the hub: deploy/kustomize/base/cluster-gateway/rbac.yaml)"
+        if status == 403
+        else ""
+    )
+    return f"reading the hub failed ({status} {getattr(exc, 'reason', '')}): {message}{hint}"
+
+
 def serving_context(cert: Path, key: Path, requestheader: RequestHeaderConfig) -> ssl.SSLContext:
     """TLS for the aggregator: the gateway's serving certificate; a client certificate is asked for and
     verified against the requestheader CA (optional at TLS level so that probes of /healthz work)."""
@@ -132,6 +151,8 @@ class GatewayServer:
                     await http.respond_json(413, objects.status(413, str(exc)))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
+        except Exception:
+            self.log.exception("connection_failed", peer=peer)  # this connection only, never the server
         finally:
             await trio.aclose_forcefully(stream)
 
@@ -185,7 +206,19 @@ class GatewayServer:
             self.log.warning("request_unauthenticated", path=request.path, peer=peer, reason=identity)
             await http.respond_json(401, objects.status(401, identity))
             return
-        status = await self._route(http, request, identity)
+        try:
+            status = await self._route(http, request, identity)
+        except (ProtocolFailure, trio.BrokenResourceError, trio.ClosedResourceError):
+            raise
+        except Exception as exc:
+            # a failed read of the hub (or a bug) costs this request a 500, never the server
+            self.log.exception("request_failed", method=request.method, path=request.path)
+            if http.conn.our_state is not h11.SEND_RESPONSE:
+                raise trio.BrokenResourceError(f"request failed after its answer started: {exc!r}") from None
+            status = 500
+            await http.respond_json(
+                500, objects.status(500, f"the cluster-gateway failed: {describe_hub_error(exc)}")
+            )
         self.log.info(
             "request",
             method=request.method,
