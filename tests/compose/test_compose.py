@@ -109,8 +109,9 @@ def curl_get(stack: ComposeStack, cluster: str, path: str) -> dict:
 
 
 def test_every_party_bootstrapped_from_a_token(compose_stack: ComposeStack) -> None:
-    """The signer issued each party's certificate from its token: both replicas, the hub client and one
-    agent per cluster (the stack came up with every service healthy)."""
+    """The signer issued each party's certificate from its token: both replicas, the two hub clients
+    (the toolbox's, the health-collector's) and one agent per cluster (the stack came up with every
+    service healthy)."""
     print(f"\ncompose up --wait: {compose_stack.up_seconds:.1f}s")
     done = compose_stack.exec(
         "cert-signer",
@@ -121,6 +122,7 @@ def test_every_party_bootstrapped_from_a_token(compose_stack: ComposeStack) -> N
     assert identities == [
         "agent:cluster1/cluster1-agent",
         "agent:cluster2/cluster2-agent",
+        "client:health-collector",
         "client:hub-admin",
         "server:proxy-server",
         "server:proxy-server",
@@ -129,7 +131,7 @@ def test_every_party_bootstrapped_from_a_token(compose_stack: ComposeStack) -> N
         "cert-signer",
         ["cluster-proxy-cert-signer", "token", "list", "--store", "/var/lib/cluster-proxy/store"],
     )
-    assert tokens.stdout.count(" used") >= 5, tokens.stdout
+    assert tokens.stdout.count(" used") >= 6, tokens.stdout
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)

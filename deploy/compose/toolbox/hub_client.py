@@ -1,10 +1,10 @@
-"""The toolbox's main process in compose: holds the hub client certificate that curl, the SDK, the CLI
-and the health-collector use (``DIR/tls.crt``, ``tls.key``, ``ca.crt``).
+"""The toolbox's main process in compose: holds the hub client certificate that curl, the SDK and the
+CLI use in the toolbox (``DIR/tls.crt``, ``tls.key``, ``ca.crt``).
 
 It trades the client bootstrap token for a first certificate (only when ``DIR`` holds no valid one,
 so a restart needs no new token), then renews it at 80% of its lifetime and follows the trust bundle,
-forever, as every other party does. Readers follow the files (the health-collector re-reads them at
-each connection). Runs with the toolbox's Python (the cluster-proxy-cli install brings the protocol
+forever, as every other party does (curl and the CLI read the files at each run, the SDK's
+``ReloadingTLSFiles`` at each connection). Runs with the toolbox's Python (the cluster-proxy-cli install brings the protocol
 library)::
 
     python hub_client.py --signer https://cert-signer:8443 --bootstrap-dir /etc/cluster-proxy/bootstrap \
