@@ -37,6 +37,8 @@ PREFIX = f"/apis/{objects.GROUP}/{objects.VERSION}/{objects.RESOURCE}"
 HEALTH_PATHS = frozenset({"/healthz", "/livez", "/readyz"})
 HANDSHAKE_TIMEOUT = 10.0
 MAX_CONNECTIONS = 512
+IDLE_TIMEOUT = 300.0  # a kept-alive connection with no request (Go's clients close theirs at 90 s)
+BODY_TIMEOUT = 60.0  # a request's body, once its head arrived
 # The aggregator downloads every APIService's OpenAPI documents; empty ones say "no schema" (kubectl then
 # validates nothing client-side for these kinds) instead of an error in the hub's log every minute.
 OPENAPI: dict[str, dict[str, Any]] = {
@@ -133,14 +135,16 @@ class GatewayServer:
         http = HTTPConnection(stream, h11.SERVER)
         try:
             while True:
-                event = await http.next_event()
-                if isinstance(event, h11.ConnectionClosed):
+                event: Any = None
+                with trio.move_on_after(IDLE_TIMEOUT):
+                    event = await http.next_event()
+                if not isinstance(event, h11.Request):  # closed, or idle too long
                     break
-                assert isinstance(event, h11.Request)
                 request = self._request(event)
                 if http.conn.they_are_waiting_for_100_continue:
                     await http.send(h11.InformationalResponse(status_code=100, headers=[]))
-                request.body = await http.read_body(self.max_body)
+                with trio.fail_after(BODY_TIMEOUT):
+                    request.body = await http.read_body(self.max_body)
                 await self.handle_request(http, request, peer)
                 if http.conn.our_state is not h11.DONE or http.conn.their_state is not h11.DONE:
                     break
@@ -149,7 +153,7 @@ class GatewayServer:
             if http.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE) and "larger than" in str(exc):
                 with trio.move_on_after(2):
                     await http.respond_json(413, objects.status(413, str(exc)))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
             pass
         except Exception:
             self.log.exception("connection_failed", peer=peer)  # this connection only, never the server
