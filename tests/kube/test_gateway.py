@@ -40,7 +40,14 @@ from kubernetes import client
 from tests.support import require
 from tests.support.kubeapi import KubeCluster, KubeClusters, free_port
 from tests.support.procs import BIN, Process
-from tests.support.workagent import AddonStack, poll_until
+from tests.support.workagent import (
+    MANIFEST_WORK,
+    WORK_GROUP,
+    WORK_PLURAL,
+    WORK_VERSION,
+    AddonStack,
+    poll_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -602,7 +609,7 @@ def _delete_managed_cluster(gateway: Gateway, name: str) -> None:
         custom = client.CustomObjectsApi(admin)
         for delete in (
             lambda: custom.delete_namespaced_custom_object(
-                "work.open-cluster-management.io", "v1", name, "manifestworks", "addon-cluster-proxy-deploy-0"
+                WORK_GROUP, WORK_VERSION, name, WORK_PLURAL, MANIFEST_WORK
             ),
             lambda: custom.delete_namespaced_custom_object(
                 "addon.open-cluster-management.io", "v1alpha1", name, "managedclusteraddons", "cluster-proxy"
