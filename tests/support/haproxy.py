@@ -38,13 +38,14 @@ from typing import Any
 import trio
 
 from clusterproxy_cli.commands import agent_argv, server_argv
+from clusterproxy_cli.local_plan import free_ports
 from clusterproxy_protocol import tls
 from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.pki import DevCA
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from tests.support.pki import PkiFiles, make_pki
 from tests.support.procs import AGENT_FLAGS, ANY_PORT, POLL, Process, http_get
-from tests.support.proxies import binary, free_port
+from tests.support.proxies import binary
 from tests.support.traffic import BYE
 
 HAPROXY_MISSING = "haproxy (Debian package haproxy; scripts/bootstrap.sh installs it)"
@@ -72,16 +73,10 @@ def make_ha_pki(directory: Path) -> PkiFiles:
 
 
 def allocate_places(count: int) -> list[Place]:
-    """``count`` places on free loopback ports (bound then released)."""
-    ports = iter(_distinct_free_ports(3 * count))
+    """``count`` places on free loopback ports (bound together then released, below the kernel's
+    ephemeral range: see :func:`tests.support.proxies.free_port`)."""
+    ports = iter(free_ports(3 * count))
     return [Place(f"place{i}", next(ports), next(ports), next(ports)) for i in range(count)]
-
-
-def _distinct_free_ports(count: int) -> list[int]:
-    found: set[int] = set()
-    while len(found) < count:
-        found.add(free_port())
-    return sorted(found)
 
 
 def _accepts(port: int) -> bool:
@@ -186,7 +181,7 @@ async def start_haproxy(
     haproxy = binary("haproxy")
     assert haproxy, HAPROXY_MISSING
     private = Path(tempfile.mkdtemp(prefix="cpx-haproxy-"))  # a short path for the UNIX socket
-    agent_port, client_port = _distinct_free_ports(2)
+    agent_port, client_port = free_ports(2)
     config = log_dir / f"{name}.cfg"
     config.write_text(haproxy_config(places, agent_port, client_port, private / "stats.sock", agent_balance))
     # -db: stay in the foreground, logs (tcplog lines, server state changes) to stdout

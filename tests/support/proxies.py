@@ -29,6 +29,7 @@ from pathlib import Path
 
 import trio
 
+from clusterproxy_cli.local_plan import free_ports
 from tests.support.procs import POLL, Process
 
 EXTRA_PATH = ("/usr/sbin", "/sbin", "/usr/bin")
@@ -53,10 +54,10 @@ def missing(name: str) -> str:
 
 
 def free_port() -> int:
-    """A loopback port nobody listens on (bound then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port nobody listens on (bound then released), below the kernel's ephemeral range:
+    on a busy machine an outgoing connection can take an ephemeral port between our release and the
+    process's bind (a replica once failed to start with EADDRINUSE that way)."""
+    return free_ports(1)[0]
 
 
 def accepts(port: int) -> bool:
