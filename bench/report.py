@@ -136,9 +136,11 @@ def markdown(results: dict) -> str:
         pairs = [(a, b) for a, b in RATIOS if a in ran and b in ran]
         lines += [f"## {WORKLOAD_TITLES[w]}", ""]
         lines += [
-            "| variant | metric | "
-            + "".join(f"{c} | " for c in columns)
-            + "".join(f"{a}/{b} | better |" for a, b in pairs),
+            (
+                "| variant | metric | "
+                + "".join(f"{c} | " for c in columns)
+                + "".join(f"{a}/{b} | better | " for a, b in pairs)
+            ).rstrip(),
             "|---|---|" + "---:|" * len(columns) + "---:|---|" * len(pairs),
         ]
         for var in sorted(summary[w], key=_variant_key):
@@ -148,17 +150,35 @@ def markdown(results: dict) -> str:
                 vals = summary[w][var][m]
                 cells = "".join(f"{_fmt(vals.get(c))} | " for c in columns)
                 quotients = "".join(
-                    f"{q} | {win} |" for q, win in (_compare(vals, a, b, higher) for a, b in pairs)
+                    f"{q} | {win} | " for q, win in (_compare(vals, a, b, higher) for a, b in pairs)
                 )
-                lines.append(f"| {var} | {label} ({unit}) | {cells}{quotients}")
+                lines.append(f"| {var} | {label} ({unit}) | {cells}{quotients}".rstrip())
         lines.append("")
+        loads = [
+            float(r["loadavg"].split()[0])
+            for r in results["records"]
+            if r["workload"] == w and r.get("loadavg") and w != "failover"
+        ]
+        if loads:
+            lines += [
+                f"1-minute load average as each measurement ended: {min(loads):.2f}-{max(loads):.2f}"
+                f" (median {statistics.median(loads):.2f}).",
+                "",
+            ]
         if w == "failover":
             lines += failover_details(results["records"], results.get("settings", {}).get("failover", {}))
     if meta.get("commands"):
         lines += ["## How the systems were started", ""]
         for name, roles in meta["commands"].items():
             for role, argv in roles.items():
-                lines += [f"{name} {role}:", "", "```", " ".join(_short(a) for a in argv), "```", ""]
+                lines += [
+                    f"{name} {role}:",
+                    "",
+                    "```",
+                    " ".join(_shell_word(_short(a)) for a in argv),
+                    "```",
+                    "",
+                ]
     for name, text in meta.get("configs", {}).items():
         lines += [f"{name}:", "", "```", text.rstrip(), "```", ""]
     cpu_rows = _cpu_rows(results["records"])
@@ -278,6 +298,11 @@ def failover_details(records: list[dict], settings: dict) -> list[str]:
         lines += [f"- {system} {variant}: `{e}`" for system, variant, e in errors]
     lines.append("")
     return lines
+
+
+def _shell_word(arg: str) -> str:
+    """The argument as typed in a shell (quoted when it has a space: a header flag's value)."""
+    return f"'{arg}'" if " " in arg else arg
 
 
 def _short(arg: str) -> str:

@@ -395,8 +395,9 @@ class Ours(System):
         self.websocket_port = 0
         if transport != "tls":
             self.name = f"ours-{transport}"
-            # No fan-in (bench/fleet.py dials TCP) and no failover (haproxy's agent frontend is TCP).
-            self.workloads = ("bulk", "connect", "rr", "idle", "hol")
+            # No fan-in (bench/fleet.py dials TCP), no failover (haproxy's agent frontend is TCP), no
+            # idle (memory per stream does not depend on the agent's carrier; it would add minutes).
+            self.workloads = ("bulk", "connect", "rr", "hol")
         if frontend == "konnectivity":
             self.name = f"{self.name}-grpc"
             self.workloads = KONNECTIVITY_WORKLOADS

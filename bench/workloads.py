@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from bench.failover import FailoverSettings, ReplicaFleet
+from bench.failover import FailoverSettings, ReplicaFleet, loadavg
 from bench.procs import Proc
 from bench.systems import Env, System, Unavailable
 
@@ -145,6 +145,7 @@ class Runner:
             "metrics": metrics,
         }
         rec.update(extra)
+        rec.setdefault("loadavg", loadavg())  # the machine is shared: each figure with its load
         self.records.append(rec)
         shown = ", ".join(f"{k}={v}" for k, v in metrics.items())
         log(f"{workload:8s} {variant:14s} {system.name:14s} rep {rep}: {shown}")
@@ -175,7 +176,10 @@ class Runner:
             try:
                 s.start()
                 up.append(s)
-                self.commands.setdefault(s.name, {role: p.argv for role, p in s.procs().items()})
+                roles = {role: p.argv for role, p in s.procs().items()}
+                # The client's side of every workload: loadgen MODE, these flags, the workload's own.
+                roles["client (loadgen)"] = [str(self.env.loadgen), "MODE", *s.dial_args()]
+                self.commands.setdefault(s.name, roles)
             except Exception as exc:
                 s.stop()
                 self.skipped[f"{workload}/{s.name}"] = f"failed to start: {exc}"
