@@ -23,7 +23,7 @@ import trio
 from tests.support.gopeers import KONNECTIVITY_SOURCES, go_peer
 from tests.support.pki import PkiFiles
 from tests.support.procs import Hub, running_hub
-from tests.support.targets import Target, pattern, pattern_digest, serve
+from tests.support.targets import Blackhole, Target, pattern, pattern_digest, serve
 
 pytestmark = pytest.mark.slow
 
@@ -175,6 +175,20 @@ async def test_refusals_arrive_in_go_with_our_reason(
     result = await run_konnget(konnget, hub, "-mode", "dial", *args)
     assert result["failed"] == 1, result
     assert reason in result["dial_error"], result
+
+
+async def test_a_target_that_never_answers_is_a_timeout_in_go_with_our_reason(
+    hub: Hub, konnget: Path, cluster_target: Target
+) -> None:
+    blackhole = Blackhole()  # a loopback listener whose accept queue is full: the connect hangs
+    try:
+        result = await run_konnget(
+            konnget, hub, "-mode", "dial", "-address", blackhole.address, "-cluster", CLUSTER
+        )
+    finally:
+        blackhole.close()
+    assert result["failed"] == 1, result
+    assert f"dial to {blackhole.address} timed out after 10s" in result["dial_error"], result
 
 
 async def test_a_cluster_whose_agent_is_gone_is_refused_in_go_with_our_reason(

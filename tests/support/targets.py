@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -181,6 +182,19 @@ class Blackhole:
             filler.setblocking(False)
             filler.connect_ex(("127.0.0.1", self.port))
             self._fillers.append(filler)
+        deadline = time.monotonic() + 5.0
+        while self.queued() < 1:  # the fillers' handshakes complete asynchronously
+            assert time.monotonic() < deadline, "the blackhole's accept queue did not fill"
+            time.sleep(0.005)
+
+    def queued(self) -> int:
+        """Connections in the accept queue (``tcpi_unacked`` of a listener's ``TCP_INFO``: after 8
+        one-byte fields, u32 rto, ato, snd_mss, rcv_mss, then unacked)."""
+        import socket
+        import struct
+
+        info = self._listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 32)
+        return struct.unpack_from("I", info, 24)[0]
 
     @property
     def address(self) -> str:
