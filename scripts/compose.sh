@@ -240,6 +240,18 @@ cmd_base() {
 
 # --- images ------------------------------------------------------------------------------------------
 
+build_image() {
+    # $1: image name, then docker build flags. The legacy builder (no buildx here): a deprecation
+    # notice on stderr, nothing else.
+    local name="$1" log="$CACHE/docker/build-$1.log"
+    shift
+    if ! DOCKER_BUILDKIT=0 docker build --quiet --build-arg "PYTHON_BASE=$BASE" \
+        -f "${DOCKERFILES[$name]}" "$@" . >/dev/null 2>>"$log"; then
+        tail -n 30 "$log" >&2
+        die "docker build of cluster-proxy/$name failed (above; whole log $log)"
+    fi
+}
+
 cmd_images() {
     cmd_engine
     cmd_base
@@ -247,17 +259,18 @@ cmd_images() {
     all="$(now)"
     for name in "${IMAGE_ORDER[@]}"; do
         started="$(now)"
-        # The legacy builder (no buildx here): a deprecation notice on stderr, nothing else.
-        if ! DOCKER_BUILDKIT=0 docker build --quiet --build-arg "PYTHON_BASE=$BASE" \
-            -f "${DOCKERFILES[$name]}" -t "cluster-proxy/$name:$TAG" . >/dev/null 2>"$CACHE/docker/build-$name.log"; then
-            tail -n 30 "$CACHE/docker/build-$name.log" >&2
-            die "docker build of cluster-proxy/$name failed (above; whole log $CACHE/docker/build-$name.log)"
+        : >"$CACHE/docker/build-$name.log"
+        # The build stage is tagged too (NAME:TAG-build): it holds the dependency layers that the next
+        # build reuses, so the prune below cannot take them; its earlier versions it can.
+        if grep -q '^FROM .* AS build$' "${DOCKERFILES[$name]}"; then
+            build_image "$name" --target build -t "cluster-proxy/$name:$TAG-build"
         fi
+        build_image "$name" -t "cluster-proxy/$name:$TAG"
         log "cluster-proxy/$name:$TAG built in $(since "$started") s"
     done
     log "every image built in $(since "$all") s"
-    # layers of earlier builds of these tags
-    docker image prune --force --filter "label=io.cluster-proxy.image" >/dev/null 2>&1 || true
+    # What earlier builds left untagged (every image made FROM the local base carries its label).
+    docker image prune --force --filter "label=$BASE_LABEL" >/dev/null 2>&1 || true
 }
 
 cmd_sizes() {
