@@ -16,7 +16,8 @@
 # its recipe: a recipe change rebuilds it, nothing else does. Extra arguments of `up` and `down` go to
 # docker compose. Environment: PYTHON_BASE (another base image, e.g. python:3.11-slim-bookworm when
 # it can be pulled; nothing is made then), CLUSTER_PROXY_TAG (image tag, default dev),
-# COMPOSE_PROJECT_NAME (default cluster-proxy), CLUSTER_PROXY_HEALTH_PORT (default 8099).
+# COMPOSE_PROJECT_NAME (default cluster-proxy), CLUSTER_PROXY_HEALTH_PORT (default 8099; empty: any
+# free port).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -290,7 +291,8 @@ cmd_up() {
     local started port
     started="$(now)"
     compose up --detach --wait --no-build --pull never "$@"
-    port="${CLUSTER_PROXY_HEALTH_PORT:-8099}"
+    port="${CLUSTER_PROXY_HEALTH_PORT-8099}"
+    [[ -n "$port" ]] || port="$(compose port health-collector 8080 | sed 's/.*://')"  # Docker picked it
     log "up in $(since "$started") s"
     cat <<EOF
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -55,12 +54,6 @@ def images_ready() -> bool:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_for(what: str, check: Callable[[], T | None], timeout: float) -> tuple[T, float]:
     """Poll ``check`` until it returns something other than None; that value and the seconds it took.
     AssertionError naming ``what`` (and the last value seen) after ``timeout`` seconds."""
@@ -86,7 +79,7 @@ class ComposeStack:
     compose: DockerCompose
     client: Any  # docker.DockerClient
     project: str
-    health_port: int
+    health_port: int = 0  # the health page's host port (Docker picks it)
     up_seconds: float = 0.0  # `docker compose up --wait`
 
     def container(self, service: str) -> Any:
@@ -226,14 +219,15 @@ def start_stack(client: Any, folder: Path) -> Iterator[ComposeStack]:
     its volumes afterwards (also when the start fails)."""
     remove_stale_stacks(client)
     project = f"{PROJECT_PREFIX}{os.getpid()}"
-    health_port = free_port()
     env_file = folder / "compose.env"
-    env_file.write_text(f"COMPOSE_PROJECT_NAME={project}\nCLUSTER_PROXY_HEALTH_PORT={health_port}\n")
+    # the health page on a port Docker picks when it publishes it: a port chosen here ahead could be
+    # taken by another process before the collector starts
+    env_file.write_text(f"COMPOSE_PROJECT_NAME={project}\nCLUSTER_PROXY_HEALTH_PORT=\n")
     os.environ["COMPOSE_BAKE"] = "false"
     compose = DockerCompose(
         ROOT, compose_file_name="compose.yaml", env_file=str(env_file), wait=True, build=False, pull=False
     )
-    stack = ComposeStack(compose, client, project, health_port)
+    stack = ComposeStack(compose, client, project)
     started = time.monotonic()
     try:
         compose.start()
@@ -245,6 +239,8 @@ def start_stack(client: Any, folder: Path) -> Iterator[ComposeStack]:
             f"docker compose up --wait failed (exit {exc.returncode}):\n{exc.stderr.decode(errors='replace')[-3000:]}\n{logs}"
         ) from None
     stack.up_seconds = time.monotonic() - started
+    collector = stack.container("health-collector")
+    stack.health_port = int(collector.attrs["NetworkSettings"]["Ports"]["8080/tcp"][0]["HostPort"])
     try:
         yield stack
     finally:
