@@ -21,8 +21,10 @@ process over the signer's API. ``--no-cert-signer`` uses static certificates fro
 Once every agent is connected, ``STATE/local.json`` is written and ready-to-paste commands are
 printed. Foreground: Ctrl-C or SIGTERM (``cluster-proxy local down``) stops every child (SIGTERM,
 then SIGKILL after 10 s) and removes ``local.json``. A replica dying on its own is restarted after 1 s
-(haproxy sends new connections to the others meanwhile; ``local.json`` gets its new pid); any other
-child dying, or a replica crashing in a loop, stops the rest too and exits 1.
+(haproxy sends new connections to the others meanwhile), an agent after ``--agent-restart-delay`` (5 s:
+meanwhile its cluster is unreachable, as when a kubelet backs off a crashed pod), each with its
+certificate from before; ``local.json`` gets the new pid. Any other child dying, or a replica or agent
+crashing in a loop, stops the rest too and exits 1.
 
 The jobs live in :mod:`.local_plan` (what runs where), :mod:`.local_pki` (certificates),
 :mod:`.local_supervise` (children and readiness) and :mod:`.local_print` (the report); this module
@@ -101,6 +103,7 @@ from .state import LOCAL_JSON, ProxySettings, build_local_json, write_local_json
 
 SIGNER_POLL_TIMEOUT = 2.0  # one /healthz attempt while the signer starts
 REPLICA_RESTART = RestartPolicy(delay=1.0, limit=5, window=60.0)
+AGENT_RESTART_DELAY = 5.0
 HAPROXY_CONFIG = "haproxy.cfg"  # in the state folder
 TINYPROXY_CONFIG = "tinyproxy.conf"
 
@@ -145,13 +148,15 @@ async def local_up(
     proxied_cluster: str | None = None,
     haproxy: str = "haproxy",
     tinyproxy: str = "tinyproxy",
+    agent_restart_delay: float = AGENT_RESTART_DELAY,
 ) -> int:
     """Run the local system until a signal (exit status 0) or a failure (exit status 1).
 
     With ``cert_signer`` (the default) certificates come from a cert-signer process (leaves live
     ``cert_ttl``, parties fetch the trust bundle every ``trust_refresh``); else from a static
     development CA. ``servers`` > 1 runs that many proxy-server replicas behind the program
-    ``haproxy``; ``proxied_cluster``'s agent reaches the hub through the program ``tinyproxy``. A
+    ``haproxy``; ``proxied_cluster``'s agent reaches the hub through the program ``tinyproxy``. An
+    agent that dies is started again after ``agent_restart_delay`` seconds. A
     service or program that is not installed, or a bad setting, raises ConfigError naming what to do."""
     out = out or sys.stdout
     state_dir = state_dir.resolve()
@@ -249,7 +254,19 @@ async def local_up(
                     signer = await _start_signer(
                         nursery, supervisor, signer, ports, certs, clusters, ready_timeout
                     )
-                hub = Hub(nursery, supervisor, ports, certs, clusters, state_dir, programs, signer, proxied)
+                agent_restart = RestartPolicy(delay=agent_restart_delay, limit=5, window=60.0)
+                hub = Hub(
+                    nursery,
+                    supervisor,
+                    ports,
+                    certs,
+                    clusters,
+                    state_dir,
+                    programs,
+                    signer,
+                    proxied,
+                    agent_restart,
+                )
                 await hub.start(ready_timeout, out)
                 health_url = await _start_health_collector(nursery, supervisor, ports, proxy, ready_timeout)
             except (
@@ -400,6 +417,7 @@ class Hub:
     programs: Programs
     signer: SignerPlan | None
     proxied: dict[str, str]  # cluster -> the forward proxy's URL its agent dials through
+    agent_restart: RestartPolicy
 
     async def start(self, ready_timeout: float, out: TextIO) -> None:
         """Start everything; wait until tinyproxy listens, every agent holds a tunnel to every
@@ -430,7 +448,7 @@ class Hub:
                     argv = local_agent_argv(
                         cluster, ports, self.certs, self.signer, proxy_url=self.proxied.get(cluster)
                     )
-                    await supervisor.start(nursery, f"{cluster}-agent", argv)
+                    await supervisor.start(nursery, f"{cluster}-agent", argv, self.agent_restart)
                 admin_ports = [server.admin for server in ports.servers]
                 await wait_agents(LOOPBACK, ports.echo, admin_ports, self.clusters, out)
                 if ports.balanced:

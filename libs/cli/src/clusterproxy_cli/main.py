@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "--proxied-cluster", env="CLUSTER_PROXY_PROXIED_CLUSTER", type=parse_cluster,
              help="this cluster's agent reaches the hub only through a forward proxy: tinyproxy (Debian's "
              "tinyproxy package) on loopback")  # fmt: skip
+    add_flag(up, "--agent-restart-delay", env="CLUSTER_PROXY_AGENT_RESTART_DELAY", type=parse_duration,
+             default="5s", help="an agent that dies is started again after this long (its cluster unreachable "
+             "meanwhile); one that dies 5 times within a minute stops everything")  # fmt: skip
     add_flag(up, "--haproxy", env="CLUSTER_PROXY_HAPROXY", default="haproxy",
              help="the haproxy program (a name searched on PATH and in /usr/sbin, /sbin, or a path)")  # fmt: skip
     add_flag(up, "--tinyproxy", env="CLUSTER_PROXY_TINYPROXY", default="tinyproxy",
@@ -295,6 +298,7 @@ def _local_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 proxied_cluster=args.proxied_cluster,
                 haproxy=args.haproxy,
                 tinyproxy=args.tinyproxy,
+                agent_restart_delay=args.agent_restart_delay,
             )
         )
     except ConfigError as exc:
