@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from clusterproxy_agent.control import ControlEndpoint, is_control_target
 from clusterproxy_agent.dialer import ConnectFailed, Connector, ResolveFailed, Resolver, connect_any, resolve
 from clusterproxy_agent.egress import EgressPolicy, Target, TargetError, normalize_name, parse_target
 from clusterproxy_agent.metrics import AgentMetrics
@@ -123,8 +124,10 @@ class Agent:
         metrics: AgentMetrics | None = None,
         resolver: Resolver = resolve,
         connector: Connector = connect_any,
+        control: ControlEndpoint | None = None,
     ) -> None:
         self.config = config
+        self.control = control or ControlEndpoint(config.cluster, config.kube_apiserver, None)
         self._resolve = resolver
         self._connect = connector
         self.tunnels: dict[Mux, TunnelRecord] = {}
@@ -226,7 +229,9 @@ class Agent:
     async def handle(self, request: IncomingRequest) -> None:
         """The tunnel's request handler: never raises, so one stream can never take the tunnel down."""
         try:
-            if request.method == "CONNECT":
+            if request.method == "CONNECT" and is_control_target(request.authority):
+                await self.control.handle(request)
+            elif request.method == "CONNECT":
                 await self._handle_connect(request)
             elif request.path == INFO_PATH:
                 await self._handle_info(request)

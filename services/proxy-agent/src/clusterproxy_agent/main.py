@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import trio
 
 from clusterproxy_agent.agent import Agent, AgentConfig, agent_version
+from clusterproxy_agent.control import ControlEndpoint, ServiceAccountSettings
 from clusterproxy_agent.egress import EgressPolicy, Rule, parse_rule
 from clusterproxy_agent.replicas import ReplicaSet
 from clusterproxy_agent.tunnel import Opener, TunnelOptions, tls_opener, websocket_carrier
@@ -52,6 +53,7 @@ __all__ = ["AgentSettings", "build_parser", "main", "parse_settings", "serve"]
 
 ENV_PREFIX = "CLUSTER_PROXY_AGENT_"
 PROG = "cluster-proxy-agent"
+SERVICEACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")  # the pod's own token and CA
 
 
 # --- converters -----------------------------------------------------------------------------------------
@@ -166,6 +168,7 @@ class AgentSettings:
     server_name: str = ""
     agent_id: str = field(default_factory=_default_agent_id)
     kube_apiserver: tuple[str, int] = ("kubernetes.default.svc", 443)
+    serviceaccounts: ServiceAccountSettings | None = None  # the control endpoint's (control.py)
     dial_timeout: float = 10.0
     allow: list[Rule] = field(default_factory=list)
     deny: list[Rule] = field(default_factory=list)
@@ -259,6 +262,7 @@ class AgentSettings:
             "server": self.server_list,
             "server_name": self.server_name,
             "kube_apiserver": format_authority(*self.kube_apiserver),
+            "serviceaccount_namespace": self.serviceaccounts.namespace if self.serviceaccounts else None,
             "ca": str(self.ca),
             "cert": str(self.cert),
             "key": str(self.key),
@@ -384,6 +388,28 @@ def build_parser() -> argparse.ArgumentParser:
         default="kubernetes.default.svc:443",
         metavar="HOST:PORT",
         help="where the bare cluster name as dial host leads",
+    )
+    flag(
+        "--serviceaccount-namespace",
+        metavar="NAMESPACE",
+        help="serve the hub's managed service accounts: ServiceAccounts and their TokenRequest tokens in this "
+        "namespace of the cluster, asked for through the tunnel by an authorized hub client "
+        "(docs/managed-serviceaccount.md); unset: the control endpoint answers 503",
+    )
+    flag(
+        "--kube-token-file",
+        type=Path,
+        default=str(SERVICEACCOUNT_DIR / "token"),
+        metavar="FILE",
+        help="with --serviceaccount-namespace: the agent's own ServiceAccount token (read at each call)",
+    )
+    flag(
+        "--kube-ca-file",
+        type=Path,
+        default=str(SERVICEACCOUNT_DIR / "ca.crt"),
+        metavar="FILE",
+        help="with --serviceaccount-namespace: the CA of the cluster's kube-apiserver (also handed to the hub "
+        "with each token)",
     )
     flag(
         "--dial-timeout",
@@ -553,6 +579,11 @@ def parse_settings(
         cert=args.cert,
         key=args.key,
         kube_apiserver=args.kube_apiserver,
+        serviceaccounts=(
+            ServiceAccountSettings(args.serviceaccount_namespace, args.kube_token_file, args.kube_ca_file)
+            if args.serviceaccount_namespace
+            else None
+        ),
         dial_timeout=args.dial_timeout,
         allow=list(args.allow),
         deny=list(args.deny),
@@ -642,7 +673,8 @@ class Service:
                 kube_apiserver=settings.kube_apiserver,
                 dial_timeout=settings.dial_timeout,
                 policy=settings.policy(),
-            )
+            ),
+            control=ControlEndpoint(settings.cluster, settings.kube_apiserver, settings.serviceaccounts),
         )
         self.tls = settings.reloading_context()
         self.replicas = ReplicaSet(self.agent, [self._target(address) for address in settings.servers])

@@ -48,6 +48,7 @@ from clusterproxy_server.agent_port import AgentPort
 from clusterproxy_server.agent_websocket import AgentWebSocketPort
 from clusterproxy_server.authz import ClientIdentity, PolicyFile
 from clusterproxy_server.config import ServerConfig
+from clusterproxy_server.control import ControlAccess
 from clusterproxy_server.ejection import OutlierEjection
 from clusterproxy_server.frontends import FRONTENDS, ClientConnection
 from clusterproxy_server.frontends.connection import Drain, send_and_close
@@ -112,6 +113,7 @@ class ProxyServer:
                 config.max_pending_dials_per_connection, config.max_pending_dials_per_client
             ),
             startup_grace=config.startup_grace,
+            control=ControlAccess(config.control_clients),
         )
         self.drain = Drain()
         self.agent_port = AgentPort(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clusterproxy_protocol.core import TunnelSettings
+from clusterproxy_server.control import DEFAULT_CONTROL_CLIENTS
 from clusterproxy_server.ejection import EjectionPolicy
 
 # The HTTP/2 abuse limits' defaults (main.py's flags say the same). A client connection gets a few
@@ -56,3 +57,5 @@ class ServerConfig:
     trust_refresh: float = 60.0  # while a CA rotation is under way the signer asks for sooner
     # which clients reach which clusters (authz.py); None: every client reaches every cluster
     client_policy: Path | None = None
+    # common names of the hub clients that may reach the agents' control endpoint (control.py)
+    control_clients: tuple[str, ...] = DEFAULT_CONTROL_CLIENTS

@@ -159,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
         "reaches every cluster",
     )
     flag(
+        "--control-client",
+        multiple=True,
+        metavar="CN",
+        help="common name of a hub client certificate allowed to reach the agents' control endpoint (the "
+        "managed service accounts' tokens; repeat; an empty value allows nobody; docs/managed-serviceaccount.md); "
+        "default: cluster-gateway",
+    )
+    flag(
         "--server-id",
         help="this replica's identity, told to agents (each keeps one tunnel per id); unique per "
         "running process (default: the host name plus a random suffix, new at every start)",
@@ -400,6 +408,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                 existing_file(path)
             except ConfigError as exc:
                 raise ConfigError(f"{flag_name}: {exc} (or use --signer to get one)") from None
+    if args.control_client:
+        config.control_clients = tuple(name.strip() for name in args.control_client if name.strip())
     if args.client_policy is not None:
         config.client_policy = args.client_policy
         load_policy(args.client_policy)  # a broken policy stops the start, not the first request

@@ -35,6 +35,7 @@ from clusterproxy_protocol.errors import (
 from clusterproxy_protocol.relay import relay
 from clusterproxy_protocol.wire import FAULT_HEADER, FAULT_TARGET
 from clusterproxy_server.authz import ClientIdentity, PolicyFile
+from clusterproxy_server.control import ControlAccess
 from clusterproxy_server.metrics import ServerMetrics
 from clusterproxy_server.pending_dials import ConnectionDials, PendingDials, ScopedTooManyRequests
 from clusterproxy_server.registry import AgentTunnel, Registry
@@ -85,8 +86,10 @@ class Relayer:
         agent_answer_timeout: float | None = None,
         pending: PendingDials | None = None,
         startup_grace: float = 0.0,
+        control: ControlAccess | None = None,
     ) -> None:
         self.registry = registry
+        self.control = control or ControlAccess()
         self.metrics = metrics
         self.policy = policy
         self.dial_timeout = dial_timeout  # the whole dial, retry included
@@ -128,11 +131,12 @@ class Relayer:
             route = await self._route(request, deadline)
             log = log.bind(cluster=route.cluster)
             self._authorize(request.client, route.cluster)
+            marks = self.control.headers_for(request.client, route.authority, route.cluster)
             with self.pending.hold(connection or ConnectionDials(), request.client.describe()):
                 self.metrics.pending_dials.inc()
                 try:
                     with self.metrics.dial_seconds.time():
-                        upstream, tunnel = await self._dial(route, log, deadline)
+                        upstream, tunnel = await self._dial(route, log, deadline, marks)
                 finally:
                     self.metrics.pending_dials.dec()
         except ConnectRefused as exc:
@@ -199,7 +203,11 @@ class Relayer:
             raise Forbidden(decision.reason)
 
     async def _dial(
-        self, route: Route, log: structlog.stdlib.BoundLogger, deadline: float
+        self,
+        route: Route,
+        log: structlog.stdlib.BoundLogger,
+        deadline: float,
+        headers: list[tuple[str, str]] | None = None,
     ) -> tuple[TunnelStream, AgentTunnel]:
         """Open the stream on the least-loaded tunnel in routing. A tunnel that dies meanwhile makes us
         try the next; an agent that fails by itself (:func:`agent_fault`, or no answer within the agent
@@ -227,7 +235,7 @@ class Relayer:
             wait = min(self.agent_answer_timeout, deadline - trio.current_time())
             try:
                 with trio.fail_after(max(wait, 0)):
-                    stream = await tunnel.mux.open_connect(route.authority)
+                    stream = await tunnel.mux.open_connect(route.authority, headers or [])
             except TunnelClosed:
                 lost.add(tunnel)
                 continue
