@@ -4,7 +4,8 @@ Three kinds of key, each reconciled from scratch every time (no memory of events
 
 ``hub``
     The ManagedProxyConfiguration -> the hub objects (render.hub_objects) in its namespace, the CA
-    and the proxy-servers' bootstrap token, and the MPC's status conditions.
+    and the proxy-servers' bootstrap token, the hub clients' bootstrap Secrets (``--hub-client``),
+    and the MPC's status conditions.
 ``cma``
     The ClusterManagementAddOn ``cluster-proxy`` pointing at the MPC.
 ``cluster/<name>``
@@ -47,7 +48,14 @@ from .config import (
     parse_mpc,
     resolve_endpoints,
 )
-from .identity import DESCRIPTION_PREFIX, Credentials, agent_binding, import_custom_ca, server_binding
+from .identity import (
+    DESCRIPTION_PREFIX,
+    Credentials,
+    agent_binding,
+    client_binding,
+    import_custom_ca,
+    server_binding,
+)
 from .informer import Informer
 from .kube import (
     ADDON_DEPLOYMENT_CONFIG,
@@ -96,6 +104,7 @@ class ManagerOptions:
     signer_image: str
     token_prune_grace: dt.timedelta = dt.timedelta(minutes=10)
     watch_timeout: int = 60
+    hub_clients: tuple[render.HubClient, ...] = ()
 
 
 def _generation(obj: dict[str, Any] | None) -> Any:
@@ -385,7 +394,7 @@ class Controller:
             self._enqueue_clusters(self.cluster_names())
             return
         group = _token_group(obj)
-        if group == "proxy-server":
+        if group == "proxy-server" or (group and group.startswith("hub-client ")):
             self.enqueue(HUB_KEY)
         elif group and group.startswith("cluster "):
             self.enqueue(cluster_key(group.removeprefix("cluster ")))
@@ -587,7 +596,10 @@ class Controller:
         )
         for obj in objects:
             self._ensure(obj, hub)
-        self._delete_hub_objects(hub, keep={(o["kind"], o["metadata"]["name"]) for o in objects})
+        client_secrets = self._reconcile_hub_clients(cfg, hub, bundle)
+        keep = {(o["kind"], o["metadata"]["name"]) for o in objects}
+        keep |= {("Secret", name) for namespace, name in client_secrets if namespace == cfg.namespace}
+        self._delete_hub_objects(hub, keep=keep)
 
         conditions.append(
             self._deployment_condition(hub, cfg, "ProxyServerDeployed", render.SERVER_DEPLOYMENT)
@@ -629,6 +641,46 @@ class Controller:
                 )
             )
         self._set_mpc_status(cfg, conditions)
+
+    def _hub_client_secret(self, hub: HubInformers, namespace: str, name: str) -> dict[str, Any] | None:
+        """A hub client's Secret as it is now: from the informer in the proxy-server namespace, read
+        from the API in another one (not watched: the resync and the store's token events bring the
+        manager back to it)."""
+        if namespace == hub.namespace:
+            return self._fresh(hub.secrets, SECRET, name, namespace)
+        return self.kube.get_or_none(SECRET, name, namespace)
+
+    def _reconcile_hub_clients(
+        self, cfg: ProxyConfig, hub: HubInformers, bundle: str
+    ) -> list[tuple[str, str]]:
+        """One usable token per hub client in its Secret, with the CA bundle (docs/addon-manager.md,
+        "Identities"): replaced when used, expiring or bound otherwise, as the proxy-servers' one.
+        Returns the (namespace, name) of every Secret kept."""
+        kept = []
+        for hub_client in self.options.hub_clients:
+            namespace, name = hub_client.where(cfg.namespace)
+            current = self._hub_client_secret(hub, namespace, name)
+            token = self.credentials.ensure_token(
+                cfg.namespace,
+                hub_client.group,
+                client_binding(hub_client.name),
+                render.token_from_secret(current),
+            )
+            if token.minted:
+                self.metrics.tokens_minted.labels("hub-client").inc()
+                self.log.info(
+                    "token_minted", group=hub_client.group, secret=f"{namespace}/{name}", reason=token.reason
+                )
+            desired = render.hub_client_secret(cfg, hub_client, ca_bundle_pem=bundle, token=token.token)
+            if current is None or not contains(current, desired):
+                written = self.kube.apply(SECRET, desired)
+                self._remember(SECRET, written)
+                self.metrics.writes.labels("Secret", "apply").inc()
+                self.log.info(
+                    "object_applied", kind="Secret", name=name, namespace=namespace, created=current is None
+                )
+            kept.append((namespace, name))
+        return kept
 
     def _server_certificate(self, hub: HubInformers) -> IssuedRecord | None:
         """The newest live proxy-server certificate the signer issued, from the store's records of
@@ -872,6 +924,11 @@ class Controller:
         )
         if server_token:
             keep.add(server_token.split(".", 1)[0])
+        for hub_client in self.options.hub_clients:
+            namespace, name = hub_client.where(cfg.namespace)
+            client_token = render.token_from_secret(self._hub_client_secret(self._hub, namespace, name))
+            if client_token:
+                keep.add(client_token.split(".", 1)[0])
         deleted = self.credentials.prune_tokens(cfg.namespace, keep, grace=self.options.token_prune_grace)
         if deleted:
             self.log.info("tokens_pruned", count=len(deleted), ids=deleted)

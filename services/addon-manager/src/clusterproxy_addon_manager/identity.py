@@ -3,7 +3,8 @@ cert-signer's store (the same Secrets the signer reads: ``kubernetes:<namespace>
 
 The design (docs/addon-manager.md, "Identities"): every party gets its certificate from the signer
 itself, with a single-use, short-lived bootstrap token, and renews it on its own. The manager keeps
-**one usable token per group of parties** (the proxy-servers; each cluster's agents) in the Secret
+**one usable token per group of parties** (the proxy-servers; each cluster's agents; each hub client
+of ``--hub-client``) in the Secret
 those pods read at start. A token is replaced when it was used (a pod bootstrapped with it), expires
 within a quarter of its lifetime, or no longer matches what the group may ask for (the server's host
 names changed). So a pod that starts late, or again after losing its emptyDir, finds a usable token.
@@ -25,7 +26,14 @@ from clusterproxy_certsigner.rotation import ensure_ca
 from clusterproxy_certsigner.store import CertStore, StoreError
 from clusterproxy_certsigner.tokens import MAX_TOKEN_TTL, secret_matches
 
-__all__ = ["DESCRIPTION_PREFIX", "Credentials", "MintedToken", "agent_binding", "server_binding"]
+__all__ = [
+    "DESCRIPTION_PREFIX",
+    "Credentials",
+    "MintedToken",
+    "agent_binding",
+    "client_binding",
+    "server_binding",
+]
 
 #: every token the manager mints says so in its description: ``addon-manager <group>``
 DESCRIPTION_PREFIX = "addon-manager "
@@ -38,6 +46,12 @@ def agent_binding(cluster: str) -> Binding:
 
 def server_binding(name: str, hosts: list[str]) -> Binding:
     return Binding(kind="server", name=name, hosts=tuple(sorted(hosts)))
+
+
+def client_binding(name: str) -> Binding:
+    """A hub client (the health-collector, the cluster-gateway): a client certificate with CN ``name``,
+    as ``cluster-proxy-cert-signer token create --client NAME`` binds it."""
+    return Binding(kind="client", name=name)
 
 
 def _utc_now() -> dt.datetime:

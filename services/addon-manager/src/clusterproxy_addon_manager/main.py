@@ -59,6 +59,19 @@ def _name(text: str) -> str:
     return value
 
 
+def _hub_client(text: str) -> render.HubClient:
+    """``NAME=SECRET`` or ``NAME=NAMESPACE/SECRET``."""
+    name, sep, where = text.strip().partition("=")
+    namespace, _, secret = where.rpartition("/")
+    if not sep or not name or not secret:
+        raise InvalidValue(
+            f"invalid hub client {text!r}: expected NAME=SECRET or NAME=NAMESPACE/SECRET (e.g. "
+            "health-collector=cluster-proxy-health-collector-bootstrap): the client certificate's CN and the "
+            "Secret that receives its bootstrap token"
+        )
+    return render.HubClient(_name(name), _name(secret), _name(namespace) if namespace else "")
+
+
 def _admin_url(text: str) -> str:
     value = text.strip().rstrip("/")
     if not value.startswith("http://") or len(value) <= len("http://"):
@@ -89,6 +102,7 @@ class ManagerSettings:
     store_prefix: str = "cluster-proxy-ca"
     cert_signer_image: str = "cluster-proxy/cert-signer:dev"
     workers: int = 4
+    hub_clients: list[render.HubClient] = field(default_factory=list)
     admin_listen: tuple[str, int] = ("0.0.0.0", 8094)
     watch_timeout: int = 60
     log_level: str = "info"
@@ -107,6 +121,9 @@ class ManagerSettings:
             "store_prefix": self.store_prefix,
             "cert_signer_image": self.cert_signer_image,
             "workers": self.workers,
+            "hub_clients": [
+                f"{c.name}={c.namespace + '/' if c.namespace else ''}{c.secret}" for c in self.hub_clients
+            ],
             "admin_listen": format_authority(*self.admin_listen),
         }
 
@@ -185,6 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="cluster-proxy/cert-signer:dev",
         help="image of the cert-signer Deployment",
     )
+    flag(
+        "--hub-client",
+        type=_hub_client,
+        multiple=True,
+        metavar="NAME=[NAMESPACE/]SECRET",
+        help="keep a bootstrap Secret for hub client NAME (repeat): keys bootstrap-token (a single-use token "
+        "for a client certificate CN=NAME, replaced once used or expiring) and ca.crt; the Secret in "
+        "NAMESPACE, by default the proxy-server namespace",
+    )
     flag("--workers", type=parse_positive_int, default="4", help="reconciles run at once")
     flag(
         "--admin-listen",
@@ -225,10 +251,27 @@ def parse_settings(
         store_prefix=args.store_prefix,
         cert_signer_image=args.cert_signer_image.strip() or "cluster-proxy/cert-signer:dev",
         workers=args.workers,
+        hub_clients=_unique_hub_clients(args.hub_client),
         admin_listen=args.admin_listen,
         log_level=args.log_level,
         log_format=args.log_format,
     )
+
+
+def _unique_hub_clients(clients: Sequence[render.HubClient]) -> list[render.HubClient]:
+    """Each client once; two clients writing one Secret would replace each other's token forever."""
+    by_secret: dict[tuple[str, str], render.HubClient] = {}
+    for hub_client in dict.fromkeys(clients):
+        where = (hub_client.namespace, hub_client.secret)
+        other = by_secret.setdefault(where, hub_client)
+        if other != hub_client:
+            print(
+                f"{PROG}: --hub-client {other.name} and {hub_client.name} name the same Secret "
+                f"{hub_client.secret}: give each client a Secret of its own",
+                file=sys.stderr,
+            )
+            sys.exit(2)
+    return list(by_secret.values())
 
 
 class Manager:
@@ -254,6 +297,7 @@ class Manager:
                 store_prefix=settings.store_prefix,
                 signer_image=settings.cert_signer_image,
                 watch_timeout=settings.watch_timeout,
+                hub_clients=tuple(settings.hub_clients),
             ),
             self.credentials,
             self.metrics,

@@ -34,7 +34,7 @@ class ManagerMetrics:
         )
         self.tokens_minted = prom.Counter(
             PREFIX + "tokens_minted_total",
-            "Bootstrap tokens minted, by party (proxy-server, agent)",
+            "Bootstrap tokens minted, by party (proxy-server, agent, hub-client)",
             ["party"],
             registry=self.registry,
         )

@@ -5,6 +5,8 @@ Hub (namespace ``spec.proxyServer.namespace``), each owned by the ManagedProxyCo
 - ServiceAccounts ``cluster-proxy`` (proxy-server; no API access, no token mounted) and
   ``cluster-proxy-cert-signer`` with the Role/RoleBinding its Secrets store needs;
 - Secret ``cluster-proxy-server-bootstrap``: the CA bundle and a bootstrap token for the servers;
+- one Secret per hub client of ``--hub-client NAME=SECRET`` (the health-collector's, the gateway's):
+  the CA bundle and a bootstrap token for a client certificate with CN ``NAME``;
 - Deployment ``cluster-proxy`` (``cluster-proxy-server``), Services ``<inClusterServiceName>`` (client
   port, ClusterIP), ``<entrypoint service>`` (agent port; LoadBalancer or ClusterIP) and
   ``cluster-proxy-admin`` (headless: every replica's admin port, polled for agent tunnels);
@@ -52,10 +54,12 @@ __all__ = [
     "SIGNER_SERVICE",
     "TOKEN_KEY",
     "AgentInputs",
+    "HubClient",
     "HubInputs",
     "agent_manifest_work",
     "cluster_management_addon",
     "default_configuration",
+    "hub_client_secret",
     "hub_objects",
     "server_tls_hosts",
     "signer_tls_hosts",
@@ -214,6 +218,50 @@ def _placement(node_selector: Sequence[tuple[str, str]], tolerations: Sequence[A
 
 
 # --- hub -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HubClient:
+    """A hub client whose bootstrap Secret the manager keeps (``--hub-client NAME=[NAMESPACE/]SECRET``):
+    ``name`` is its certificate's CN (the token's ``--client``); ``namespace`` "" is the proxy-server
+    namespace, where the cert-signer the client dials runs."""
+
+    name: str
+    secret: str
+    namespace: str = ""
+
+    def where(self, default_namespace: str) -> tuple[str, str]:
+        return self.namespace or default_namespace, self.secret
+
+    @property
+    def group(self) -> str:
+        """The token group (the description of the tokens minted for it: ``addon-manager <group>``)."""
+        return f"hub-client {self.name}"
+
+
+def hub_client_secret(
+    cfg: ProxyConfig,
+    client: HubClient,
+    *,
+    ca_bundle_pem: str,
+    token: str,
+    mpc_api_version: str = "proxy.open-cluster-management.io/v1alpha1",
+) -> dict[str, Any]:
+    """The Secret a hub client reads at start (keys ``bootstrap-token``, ``ca.crt``), owned by the
+    ManagedProxyConfiguration like the proxy-servers' own."""
+    namespace, name = client.where(cfg.namespace)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": labels(client.name),
+            "ownerReferences": _owner(mpc_api_version, "ManagedProxyConfiguration", cfg.name, cfg.uid),
+        },
+        "type": "Opaque",
+        "data": {CA_KEY: _b64(ca_bundle_pem), TOKEN_KEY: _b64(token)},
+    }
 
 
 @dataclass(frozen=True)
