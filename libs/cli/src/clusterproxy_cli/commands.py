@@ -92,9 +92,12 @@ def server_argv(
     known_clusters: Sequence[str] = (),
     drain_timeout: str | None = None,
     log_level: str | None = None,
+    workers: int | None = 1,
     options: Sequence[str] = (),
 ) -> list[str]:
-    """``cluster-proxy-server`` logging JSON; ``options`` go last (any other flag)."""
+    """``cluster-proxy-server`` logging JSON; ``options`` go last (any other flag). One worker process
+    unless ``workers`` says otherwise (None: the server's default, one per core): ``local up`` and the
+    tests count one process per replica."""
     return [
         executable(SERVER),
         "--agent-listen",
@@ -106,6 +109,7 @@ def server_argv(
         *_party_flags(files, signer),
         *repeat_flag("--tls-host", tls_hosts),
         *_flag("--known-clusters", ",".join(known_clusters) or None),
+        *_flag("--workers", None if workers is None else str(workers)),
         *_last_flags(drain_timeout, log_level, options),
     ]
 

@@ -59,6 +59,7 @@ from clusterproxy_server.metrics import ServerMetrics
 from clusterproxy_server.pending_dials import PendingDials
 from clusterproxy_server.registry import Registry
 from clusterproxy_server.relaying import Relayer
+from clusterproxy_server.workers import WorkerSpec, listeners_from_fds
 
 __all__ = ["BoundAddresses", "ProxyServer", "ServerConfig"]
 
@@ -77,8 +78,11 @@ class BoundAddresses:
 
 
 class ProxyServer:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, worker: WorkerSpec | None = None) -> None:
+        """``worker``: this server is one of ``--workers`` (:mod:`.workers`): its listening sockets are
+        inherited from the parent, and its admin port is the parent's private channel to it."""
         self.config = config
+        self.worker = worker
         self.registry = Registry(config.known_clusters, OutlierEjection(config.ejection))
         self.metrics = ServerMetrics()
         self.log = get_logger("proxy-server", server_id=config.server_id)
@@ -141,11 +145,17 @@ class ProxyServer:
 
     async def run(self, *, task_status: trio.TaskStatus[BoundAddresses] = trio.TASK_STATUS_IGNORED) -> None:
         cfg = self.config
-        agent_listeners = await trio.open_tcp_listeners(cfg.agent_listen[1], host=cfg.agent_listen[0])
-        client_listeners = await trio.open_tcp_listeners(cfg.client_listen[1], host=cfg.client_listen[0])
-        admin_listeners = await trio.open_tcp_listeners(cfg.admin_listen[1], host=cfg.admin_listen[0])
-        websocket_listeners = []
-        if cfg.agent_websocket_listen is not None:
+        if self.worker is not None:
+            agent_listeners = listeners_from_fds(self.worker.agent)
+            client_listeners = listeners_from_fds(self.worker.client)
+            admin_listeners = listeners_from_fds([self.worker.admin])
+            websocket_listeners = listeners_from_fds(self.worker.websocket)
+        else:
+            agent_listeners = await trio.open_tcp_listeners(cfg.agent_listen[1], host=cfg.agent_listen[0])
+            client_listeners = await trio.open_tcp_listeners(cfg.client_listen[1], host=cfg.client_listen[0])
+            admin_listeners = await trio.open_tcp_listeners(cfg.admin_listen[1], host=cfg.admin_listen[0])
+            websocket_listeners = []
+        if cfg.agent_websocket_listen is not None and self.worker is None:
             host, port = cfg.agent_websocket_listen
             websocket_listeners = await trio.open_tcp_listeners(port, host=host)
         bound = BoundAddresses(
@@ -168,7 +178,7 @@ class ProxyServer:
                 self.relayer.start_grace()
                 self.ready = True
                 self.log.info(
-                    "server_started",
+                    "server_started" if self.worker is None else "worker_started",
                     agent_port=format_address(bound.agent),
                     agent_websocket_port=format_address(bound.agent_websocket)
                     if bound.agent_websocket

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import signal
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import structlog
 import trio
 
 from clusterproxy_protocol import certclient, workarounds
@@ -34,6 +37,14 @@ from clusterproxy_server.app import ProxyServer, ServerConfig
 from clusterproxy_server.authz import load_policy
 from clusterproxy_server.config import AGENT_TUNNEL, CLIENT_TUNNEL
 from clusterproxy_server.ejection import EjectionPolicy
+from clusterproxy_server.workers import (
+    WORKER_ENV,
+    Supervisor,
+    WorkerSpec,
+    default_workers,
+    follow_cert_files,
+    watch_parent,
+)
 
 ENV = "CLUSTER_PROXY_SERVER_"
 AGENT_ANSWER_TIMEOUT = 12.0  # the agents' default --dial-timeout (10 s) plus a margin
@@ -170,6 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--server-id",
         help="this replica's identity, told to agents (each keeps one tunnel per id); unique per "
         "running process (default: the host name plus a random suffix, new at every start)",
+    )
+    flag(
+        "--workers",
+        type=parse_positive_int,
+        metavar="N",
+        help="worker processes sharing the ports, one per core to use: each is a replica to the agents "
+        "(server id <--server-id>.w<i>, count --server-count x N), a client's stream is served by the "
+        "worker that accepted its connection; the parent restarts a worker that dies, drains them all "
+        "on SIGTERM, renews the certificate once and answers the admin port for all. 1: one process, "
+        'as before (docs/architecture.md, "Workers"). Default: the cores this process may use',
     )
     flag(
         "--server-count",
@@ -434,15 +455,46 @@ async def bootstrap(config: ServerConfig) -> None:
     )
 
 
-async def serve(config: ServerConfig) -> None:
-    """Run until SIGTERM/SIGINT, then drain (a second signal cuts the drain short)."""
-    await bootstrap(config)
-    server = ProxyServer(config)
+def worker_config(config: ServerConfig, args: argparse.Namespace, spec: WorkerSpec) -> ServerConfig:
+    """A worker's settings: its replica id and count from the parent; no signer (the parent bootstraps
+    and renews the files, the worker reloads them)."""
+    return dataclasses.replace(
+        config,
+        server_id=spec.server_id,
+        server_count=spec.server_count,
+        startup_grace=(
+            args.startup_grace
+            if args.startup_grace is not None
+            else (REPLICA_STARTUP_GRACE if spec.server_count > 1 else 0.0)
+        ),
+        signer=None,
+        bootstrap_token=None,
+    )
+
+
+async def serve(config: ServerConfig, worker: WorkerSpec | None = None, follow_files: bool = False) -> None:
+    """Run until SIGTERM/SIGINT, then drain (a second signal cuts the drain short). A worker also stops
+    when its parent is gone (at once, without waiting for streams), and with ``follow_files`` reloads
+    the certificate its parent renews."""
+    if worker is None:
+        await bootstrap(config)
+    server = ProxyServer(config, worker)
     log = get_logger("proxy-server", server_id=config.server_id)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(server.run)
             stop = trio.Event()
+            if worker is not None:
+
+                def parent_gone() -> None:
+                    log.error("parent_gone", error="the supervising process is gone: stopping now")
+                    server.cut_drain()
+                    stop.set()
+
+                nursery.start_soon(watch_parent, worker.parent_alive, parent_gone)
+                if follow_files:
+                    files = [config.cert, config.key, config.ca]
+                    nursery.start_soon(follow_cert_files, [server._agent_tls, server._client_tls], files)
 
             async def watch_signals() -> None:
                 async for signum in signals:
@@ -469,9 +521,51 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = config_from_args(args)
     except ConfigError as exc:
         parser.exit(2, f"cluster-proxy-server: error: {exc}\n")
+    spec_text = os.environ.pop(WORKER_ENV, None)
+    if spec_text:
+        spec = WorkerSpec.from_json(spec_text)
+        structlog.contextvars.bind_contextvars(worker=spec.index)
+        config = worker_config(config, args, spec)
+        run_worker(parser, config, spec, follow_files=bool(args.signer))
+        return
+    workers = args.workers or default_workers()
+    if workers > 1:
+        run_parent(parser, config, list(sys.argv[1:] if argv is None else argv), workers)
+        return
     try:
         trio.run(serve, config)
     except* ConfigError as group:  # e.g. a refused bootstrap token, a bad certificate file
         parser.exit(1, f"cluster-proxy-server: error: {group.exceptions[0]}\n")
     except* OSError as group:  # e.g. a listen address already in use
         parser.exit(1, f"cluster-proxy-server: error: {group.exceptions[0]}\n")
+
+
+def run_worker(
+    parser: argparse.ArgumentParser, config: ServerConfig, spec: WorkerSpec, follow_files: bool
+) -> None:
+    try:
+        trio.run(serve, config, spec, follow_files)
+    except* (ConfigError, OSError) as group:
+        parser.exit(1, f"cluster-proxy-server: error: worker {spec.index}: {group.exceptions[0]}\n")
+
+
+def run_parent(parser: argparse.ArgumentParser, config: ServerConfig, argv: list[str], workers: int) -> None:
+    """``--workers`` above 1: bootstrap the certificate once, then supervise the workers."""
+    supervisor = Supervisor(config, argv, workers)
+
+    async def supervise() -> int:
+        await bootstrap(config)
+        return await supervisor.run()
+
+    try:
+        status = trio.run(supervise)
+    except* ConfigError as group:
+        parser.exit(1, f"cluster-proxy-server: error: {group.exceptions[0]}\n")
+    except* OSError as group:  # e.g. a listen address already in use
+        parser.exit(1, f"cluster-proxy-server: error: {group.exceptions[0]}\n")
+    if status:
+        parser.exit(status, f"cluster-proxy-server: error: {supervisor.failure}\n")
+
+
+if __name__ == "__main__":  # how the parent starts a worker: python -m clusterproxy_server.main
+    main()

@@ -1,0 +1,213 @@
+"""``--workers 2`` as real processes: streams through the one client port land on both workers and are
+answered by the right cluster (sha256-checked); every agent holds a tunnel to each worker; a worker
+SIGKILLed is restarted and its agents come back while new streams keep working; SIGTERM drains and
+exits 0; the certificate is bootstrapped once for the pod."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from clusterproxy_sdk import TLSFiles, open_tunnel
+from tests.support.certs import SignedHub, SignerProcess, count_events
+from tests.support.pki import PkiFiles
+from tests.support.procs import Hub, alive, http_get
+from tests.support.targets import CHUNK, Target, pattern, pattern_digest, serve_digest
+
+pytestmark = pytest.mark.slow
+
+CLUSTERS = ("cluster1", "cluster2")
+STREAMS = 20
+SIZE = 256 << 10
+
+
+def admin_json(hub: Hub, path: str) -> Any:
+    status, body = http_get(f"http://127.0.0.1:{hub.admin_port}{path}")
+    assert status == 200, body
+    return json.loads(body)
+
+
+def worker_ids(hub: Hub) -> list[str]:
+    return [w["server_id"] for w in admin_json(hub, "/api/v1/workers")]
+
+
+async def every_agent_on_every_worker(hub: Hub, agents: int, timeout: float = 20.0) -> float:
+    """Seconds until each of ``agents`` agents holds a tunnel to each running worker (by their ids)."""
+    started = time.monotonic()
+    with trio.move_on_after(timeout):
+        while True:
+            ids = set(await trio.to_thread.run_sync(worker_ids, hub))
+            held: dict[tuple[str, str], set[str]] = {}
+            for entry in await trio.to_thread.run_sync(admin_json, hub, "/api/v1/agents"):
+                held.setdefault((entry["cluster"], entry["agent_id"]), set()).add(entry["server_id"])
+            if len(held) == agents and all(servers >= ids for servers in held.values()):
+                return time.monotonic() - started
+            await trio.sleep(0.02)
+    raise AssertionError(f"agents not on every worker after {timeout}s: {held} (workers {ids})")
+
+
+async def one_stream(hub: Hub, pki: PkiFiles, cluster: str, target: Target, token: str) -> None:
+    """One stream on its own client connection (so the kernel picks a worker for it), SIZE bytes each
+    way, both digests checked."""
+    files = TLSFiles(pki.ca, pki.client.cert, pki.client.key)
+    async with open_tunnel(f"127.0.0.1:{hub.client_port}", files, server_hostname="localhost") as tunnel:
+        stream = await tunnel.connect(cluster, target.host, target.port)
+        received = hashlib.sha256()
+        count = 0
+
+        async def send() -> None:
+            await stream.send_all(f"{token} {SIZE}\n".encode())
+            for chunk in pattern(token + "-up", SIZE):
+                await stream.send_all(chunk)
+            await stream.send_eof()
+
+        async def receive() -> None:
+            nonlocal count
+            while data := await stream.receive_some(CHUNK):
+                received.update(data)
+                count += len(data)
+
+        async with stream, trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            nursery.start_soon(receive)
+    assert count == SIZE and received.hexdigest() == pattern_digest(token, SIZE), f"{token}: bad download"
+    assert target.received[token] == pattern_digest(token + "-up", SIZE), f"{token}: bad upload"
+
+
+async def streams_to_both_clusters(hub: Hub, pki: PkiFiles, targets: dict[str, Target], prefix: str) -> None:
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for i in range(STREAMS):
+                cluster = CLUSTERS[i % 2]
+                nursery.start_soon(one_stream, hub, pki, cluster, targets[cluster], f"{prefix}-{cluster}-{i}")
+
+
+@pytest.fixture(scope="module")
+def hub(pki: PkiFiles, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    hub = Hub(pki, Path(tmp_path_factory.mktemp("workers")))
+    try:
+        trio.run(hub.start_server, "--workers", "2", "--dial-timeout", "15s")
+        yield hub
+    finally:
+        hub.stop()
+
+
+async def test_streams_spread_over_workers_each_agent_holds_both(hub: Hub, pki: PkiFiles) -> None:
+    async with trio.open_nursery() as nursery:
+        # each cluster's agent may reach only its own target: a stream routed to the wrong cluster fails
+        targets = {cluster: await serve_digest(nursery) for cluster in CLUSTERS}
+        for cluster in CLUSTERS:
+            hub.start_agent(cluster, "agent-a", "--allow", f"127.0.0.1/32:{targets[cluster].port}")
+        found = await every_agent_on_every_worker(hub, len(CLUSTERS))
+        print(f"\nboth agents hold both workers {found:.2f}s after their start (one address)")
+        listing = admin_json(hub, "/api/v1/workers")
+        assert [w["worker"] for w in listing] == [0, 1]
+        assert len({w["server_id"] for w in listing}) == 2
+        assert all(w["tunnels"] == len(CLUSTERS) for w in listing), listing
+        before = [w["streams_total"] for w in listing]
+
+        await streams_to_both_clusters(hub, pki, targets, "spread")
+        after = [w["streams_total"] for w in admin_json(hub, "/api/v1/workers")]
+        served = [a - b for a, b in zip(after, before, strict=True)]
+        print(f"20 streams served per worker: {served}")
+        assert sum(served) == STREAMS and all(n > 0 for n in served), served
+
+        merged = admin_json(hub, "/api/v1/clusters")
+        assert merged["cluster1"] == {"agents": 1} and merged["cluster2"] == {"agents": 1}, merged
+        status, metrics = http_get(f"http://127.0.0.1:{hub.admin_port}/metrics")
+        assert status == 200
+        text = metrics.decode()
+        # summed over the workers, as one process counts: 2 tunnels per cluster, the 20 streams once
+        assert 'cluster_proxy_server_agent_tunnels{cluster="cluster1"} 2.0' in text, text
+        opened = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("cluster_proxy_server_streams_total{")
+        )
+        assert opened == sum(after), text
+        assert http_get(f"http://127.0.0.1:{hub.admin_port}/readyz") == (200, b"ready\n")
+
+        # the wrong cluster for a target is refused by that agent's egress rule
+        files = TLSFiles(pki.ca, pki.client.cert, pki.client.key)
+        async with open_tunnel(f"127.0.0.1:{hub.client_port}", files, server_hostname="localhost") as tunnel:
+            with pytest.raises(Exception, match=r"403|egress|not allowed"):
+                await tunnel.connect("cluster1", "127.0.0.1", targets["cluster2"].port)
+        nursery.cancel_scope.cancel()
+
+
+async def test_sigkill_of_a_worker_restarted_agents_return(hub: Hub, pki: PkiFiles) -> None:
+    async with trio.open_nursery() as nursery:
+        targets = {cluster: await serve_digest(nursery) for cluster in CLUSTERS}
+        for process in hub.agents.values():  # again, allowed to this test's targets
+            process.stop()
+        hub.agents.clear()
+        for cluster in CLUSTERS:
+            await hub.wait_agent(cluster, "agent-a", present=False)
+            hub.start_agent(cluster, "agent-a", "--allow", f"127.0.0.1/32:{targets[cluster].port}")
+        await every_agent_on_every_worker(hub, len(CLUSTERS))
+        listing = admin_json(hub, "/api/v1/workers")
+        victim = listing[1]
+        killed = time.monotonic()
+        os.kill(victim["pid"], signal.SIGKILL)
+        # new streams right after the kill: each lands on the live worker or waits in the dead one's
+        # queue, which the parent keeps for its successor
+        await streams_to_both_clusters(hub, pki, targets, "after-kill")
+        print(f"\n20 streams after the SIGKILL done {time.monotonic() - killed:.2f}s after it")
+        assert hub.server is not None
+        restarted = await hub.server.wait_event(
+            "worker_spawned", worker=1, worker_server_id=f"{victim['server_id']}.r1"
+        )
+        assert restarted["pid"] != victim["pid"]
+        back = await every_agent_on_every_worker(hub, len(CLUSTERS))
+        print(f"agents hold the restarted worker {time.monotonic() - killed:.2f}s after the kill")
+        assert back >= 0
+        listing = admin_json(hub, "/api/v1/workers")
+        assert listing[1]["restarts"] == 1 and listing[1]["running"], listing
+        assert count_events(hub.server, "worker_died", worker=1) == 1
+        _, metrics = http_get(f"http://127.0.0.1:{hub.admin_port}/metrics")
+        assert 'cluster_proxy_server_worker_restarts_total{worker="1"} 1.0' in metrics.decode()
+        await streams_to_both_clusters(hub, pki, targets, "after-restart")
+        nursery.cancel_scope.cancel()
+
+
+async def test_sigterm_drains_every_worker_and_exits_0(hub: Hub) -> None:
+    assert hub.server is not None
+    pids = [w["pid"] for w in admin_json(hub, "/api/v1/workers")]
+    hub.server.kill(signal.SIGTERM)
+    assert await hub.server.wait_exit(30) == 0, hub.server.tail()
+    assert not any(alive(pid) for pid in pids)
+    exits = hub.server.named("worker_exited")
+    assert sorted(e["worker"] for e in exits) == [0, 1] and {e["status"] for e in exits} == {"exit status 0"}
+    assert {r["worker"] for r in hub.server.named("server_draining")} == {0, 1}
+    assert hub.server.named("server_drained")
+
+
+def test_certificate_bootstrapped_once_for_all_workers(tmp_path: Path) -> None:
+    hub = SignedHub(None, tmp_path, signer=SignerProcess(tmp_path / "signer", tmp_path))  # type: ignore[arg-type]
+
+    async def run() -> None:
+        assert hub.signer is not None
+        await hub.signer.start()
+        await hub.start_server("--workers", "2")
+        assert hub.server is not None
+        assert count_events(hub.server, "cert_bootstrapped") == 1
+        serials = {r["certificate_serial"] for r in hub.server.named("worker_started")}
+        assert len(hub.server.named("worker_started")) == 2 and len(serials) == 1, serials
+        hub.start_agent("cluster1", "agent-a")
+        await every_agent_on_every_worker(hub, 1)
+        issued = [p.read_text() for p in (hub.signer.store_dir / "issued").glob("*.json")]
+        assert len([text for text in issued if '"proxy-server"' in text]) == 1, issued
+
+    try:
+        trio.run(run)
+    finally:
+        hub.stop()
