@@ -33,6 +33,8 @@ SYSTEMS: dict[str, Callable[[Env], System]] = {
     # konnectivity gRPC clients (CreateSingleUseGrpcTunnel per stream): our client port, and
     # upstream's proxy-server in its default --mode=grpc
     "ours-grpc": lambda env: Ours(env, frontend="konnectivity"),
+    # the server with --workers 2 (ours runs --workers 1): what a second core buys (issue 17)
+    "ours-w2": lambda env: Ours(env, workers=2),
     "upstream-grpc": lambda env: Upstream(env, mode="grpc"),
 }
 

@@ -87,6 +87,20 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def with_descendants(pid: int) -> list[int]:
+    """``pid`` and its live descendants (a proxy-server's ``--workers`` processes count as the server)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        try:
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        except OSError:
+            continue
+        todo.extend(int(child) for child in children)
+    return found
+
+
 class Proc:
     """One child process with its log file."""
 
@@ -115,10 +129,10 @@ class Proc:
         return self.popen.poll() is None
 
     def rss_kib(self) -> int:
-        return rss_kib(self.pid)
+        return sum(rss_kib(pid) for pid in with_descendants(self.pid))
 
     def cpu_seconds(self) -> float:
-        return cpu_seconds(self.pid)
+        return sum(cpu_seconds(pid) for pid in with_descendants(self.pid))
 
     def kill(self) -> None:
         """SIGKILL at once (a crash, for the restart measurements)."""

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -316,6 +317,26 @@ class Upstream(System):
         wait_port("127.0.0.1", health, 20, self.agent)
         self.wait_routable()
 
+    def wait_every_worker_held(self, timeout: float = 30.0) -> None:
+        """With workers, the agent finds each through the one agent port (a replica search): measure
+        only once it holds them all, or the first streams wait in a worker's startup grace."""
+        if self.workers == 1:
+            return
+        deadline = time.monotonic() + timeout
+        held: set[str] = set()
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{self.admin_port}/api/v1/agents", timeout=5
+                ) as r:
+                    held = {entry["server_id"] for entry in json.load(r)}
+            except OSError:
+                pass
+            if len(held) >= self.workers:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name}: the agent holds {sorted(held)}, not {self.workers} workers")
+
     def dial_args(self, proxy_port: int | None = None) -> list[str]:
         return [
             "--target",
@@ -384,8 +405,10 @@ class Ours(System):
     transports = ("tls", "websocket")
     frontends = ("connect", "konnectivity")
 
-    def __init__(self, env: Env, transport: str = "tls", frontend: str = "connect") -> None:
+    def __init__(self, env: Env, transport: str = "tls", frontend: str = "connect", workers: int = 1) -> None:
         super().__init__(env)
+        # --workers of the server (1 unless a variant says: the server's own default is one per core)
+        self.workers = workers
         if transport not in self.transports:
             raise ValueError(f"ours: unknown agent transport {transport!r}; known: {self.transports}")
         if frontend not in self.frontends:
@@ -401,6 +424,9 @@ class Ours(System):
         if frontend == "konnectivity":
             self.name = f"{self.name}-grpc"
             self.workloads = KONNECTIVITY_WORKLOADS
+        if workers != 1:
+            self.name = f"{self.name}-w{workers}"
+            self.workloads = ("bulk", "connect", "rr", "hol")
         self.server_bin = env.venv_bin / "cluster-proxy-server"
         self.agent_bin = env.venv_bin / "cluster-proxy-agent"
 
@@ -457,6 +483,8 @@ class Ours(System):
             "warning",
             "--log-format",
             "json",
+            "--workers",
+            str(self.workers),
             *websocket,
         ]
 
@@ -513,6 +541,7 @@ class Ours(System):
         )
         try:
             self.wait_routable()
+            self.wait_every_worker_held()
         except Exception as exc:
             raise RuntimeError(
                 f"{exc}\n--- server log ---\n{self.server.tail()}\n--- agent log ---\n{self.agent.tail()}"

@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,17 @@ async def every_agent_on_every_worker(hub: Hub, agents: int, timeout: float = 20
                 return time.monotonic() - started
             await trio.sleep(0.02)
     raise AssertionError(f"agents not on every worker after {timeout}s: {held} (workers {ids})")
+
+
+def search_times(hub: Hub) -> str:
+    """Per agent, from its first tunnel registered to the first on the last worker (the workers' log)."""
+    assert hub.server is not None
+    first: dict[tuple[str, str], dict[str, float]] = {}
+    for record in hub.server.named("agent_connected"):
+        at = datetime.fromisoformat(record["timestamp"]).timestamp()
+        first.setdefault((record["cluster"], record["agent_id"]), {}).setdefault(record["server_id"], at)
+    spans = [max(at.values()) - min(at.values()) for at in first.values()]
+    return "first to last worker held: " + ", ".join(f"{span:.2f}s" for span in spans)
 
 
 async def one_stream(hub: Hub, pki: PkiFiles, cluster: str, target: Target, token: str) -> None:
@@ -108,7 +120,10 @@ async def test_streams_spread_over_workers_each_agent_holds_both(hub: Hub, pki: 
         for cluster in CLUSTERS:
             hub.start_agent(cluster, "agent-a", "--allow", f"127.0.0.1/32:{targets[cluster].port}")
         found = await every_agent_on_every_worker(hub, len(CLUSTERS))
-        print(f"\nboth agents hold both workers {found:.2f}s after their start (one address)")
+        assert hub.server is not None
+        print(
+            f"\nboth agents hold both workers {found:.2f}s after their start (one address); {search_times(hub)}"
+        )
         listing = admin_json(hub, "/api/v1/workers")
         assert [w["worker"] for w in listing] == [0, 1]
         assert len({w["server_id"] for w in listing}) == 2
@@ -206,6 +221,27 @@ def test_certificate_bootstrapped_once_for_all_workers(tmp_path: Path) -> None:
         await every_agent_on_every_worker(hub, 1)
         issued = [p.read_text() for p in (hub.signer.store_dir / "issued").glob("*.json")]
         assert len([text for text in issued if '"proxy-server"' in text]) == 1, issued
+
+    try:
+        trio.run(run)
+    finally:
+        hub.stop()
+
+
+def test_a_worker_in_a_crash_loop_stops_the_pod_with_exit_1(pki: PkiFiles, tmp_path: Path) -> None:
+    hub = Hub(pki, tmp_path)
+
+    async def run() -> None:
+        await hub.start_server("--workers", "2")
+        assert hub.server is not None
+        for death in range(5):
+            spawned = await hub.server.wait_count("worker_spawned", 2 + death)
+            victim = [r for r in spawned if r["worker"] == 1][-1]
+            os.kill(victim["pid"], signal.SIGKILL)
+        assert await hub.server.wait_exit(30) == 1
+        log = hub.server.log_path.read_text()
+        assert "worker 1 died 5 times within 60s (last: killed by SIGKILL)" in log, hub.server.tail()
+        assert not any(alive(r["pid"]) for r in hub.server.named("worker_spawned"))
 
     try:
         trio.run(run)
