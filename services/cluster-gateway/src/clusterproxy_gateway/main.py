@@ -36,6 +36,7 @@ from .credentials import make_self_signed, prepare_client_certificate, register_
 from .inventory import HubInventory, RequestHeaderConfig
 from .proxy import ClusterProxy
 from .server import GatewayServer, serving_context
+from .serviceaccounts import ManagedServiceAccounts
 
 ENV_PREFIX = "CLUSTER_PROXY_GATEWAY_"
 DEFAULT_TOKEN_SECRET = "cluster-gateway"
@@ -85,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
          help="name checked on the proxy-server's certificate (default: the host of --proxy-server)")  # fmt: skip
     flag("--token-secret", default=DEFAULT_TOKEN_SECRET, metavar="NAME",
          help="each cluster's token: the hub Secret of this name in the cluster's namespace (keys token, ca.crt)")  # fmt: skip
+    flag("--managed-serviceaccounts", type=bool, default=False,
+         help="run the ManagedServiceAccount controller: each MSA's ServiceAccount made in its cluster, its token "
+         "asked for through the tunnel and kept in the hub Secret of its name (docs/managed-serviceaccount.md; the "
+         "proxy-server's --control-client must name this gateway's client certificate)")  # fmt: skip
+    flag("--serviceaccount-interval", type=parse_positive_duration, default="2s", metavar="DURATION",
+         help="with --managed-serviceaccounts: how often the ManagedServiceAccounts are looked at")  # fmt: skip
+    flag("--serviceaccount-renew-fraction", type=float, default="0.8", metavar="FRACTION",
+         help="with --managed-serviceaccounts: a rotated token is renewed after this fraction of its life")  # fmt: skip
     flag("--requestheader-client-ca", type=existing_file, metavar="FILE",
          help="CA of the aggregator's front-proxy client certificate (default: read from the hub's ConfigMap "
          "kube-system/extension-apiserver-authentication, as kube-apiserver publishes it)")  # fmt: skip
@@ -147,6 +156,11 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     """Flags that only make sense together, checked before anything starts."""
     if (args.tls_cert is None) != (args.tls_key is None):
         parser.error("--tls-cert and --tls-key go together")
+    if not 0 < args.serviceaccount_renew_fraction < 1:
+        parser.error(
+            f"--serviceaccount-renew-fraction {args.serviceaccount_renew_fraction:g} must be between 0 and 1 "
+            "(0.8: renew at 80 % of a token's life)"
+        )
     if args.tls_cert is None and not args.serving_name and not os.environ.get("POD_NAMESPACE"):
         parser.error(
             "without --tls-cert the gateway makes its serving certificate: name it with --serving-name "
@@ -203,6 +217,14 @@ async def run(args: argparse.Namespace) -> None:
             await nursery.start(renewer.run)
         proxy = ClusterProxy(inventory, tunnel, proxy_server=proxy_address)
         server = GatewayServer(inventory, proxy, requestheader, watch_interval=args.watch_interval)
+        if args.managed_serviceaccounts:
+            accounts = ManagedServiceAccounts(
+                api,
+                tunnel,
+                interval=args.serviceaccount_interval,
+                renew_fraction=args.serviceaccount_renew_fraction,
+            )
+            await nursery.start(accounts.run)
         listeners = await trio.open_tcp_listeners(port, host=host)
         bound = listeners[0].socket.getsockname()
         log.info(
