@@ -3,13 +3,21 @@ inherited spec, the workers' replica ids."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clusterproxy_server.workers import MergedMetrics, WorkerSpec, reuseport_sockets, worker_server_id
+from clusterproxy_server.workers import (
+    MergedMetrics,
+    WorkerSpec,
+    default_workers,
+    reuseport_sockets,
+    worker_server_id,
+)
 
 
 def worker_metrics(streams: int, tunnels: int, dial: float) -> str:
@@ -84,3 +92,15 @@ def test_worker_spec_round_trips_and_ids_name_worker_and_restart() -> None:
     assert spec.fds() == (7, 8, 9, 10, 11)
     assert worker_server_id("hub-1", 0) == "hub-1.w0"
     assert worker_server_id("hub-1", 1, 2) == "hub-1.w1.r2"
+
+
+def test_default_workers_is_the_affinity_capped_by_the_cgroup_quota(tmp_path: Path) -> None:
+    cores = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("max 100000\n")
+    assert default_workers(cpu_max) == cores
+    cpu_max.write_text("150000 100000\n")  # 1.5 CPUs: 2 workers (one would leave half a CPU unused)
+    assert default_workers(cpu_max) == min(cores, 2)
+    cpu_max.write_text("50000 100000\n")
+    assert default_workers(cpu_max) == 1
+    assert default_workers(tmp_path / "absent") == cores

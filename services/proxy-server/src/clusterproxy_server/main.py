@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(server id <--server-id>.w<i>, count --server-count x N), a client's stream is served by the "
         "worker that accepted its connection; the parent restarts a worker that dies, drains them all "
         "on SIGTERM, renews the certificate once and answers the admin port for all. 1: one process, "
-        'as before (docs/architecture.md, "Workers"). Default: the cores this process may use',
+        'as before (docs/architecture.md, "Workers"). Default: the cores this process may use (its CPU '
+        "affinity, capped by its cgroup's CPU quota rounded up)",
     )
     flag(
         "--server-count",

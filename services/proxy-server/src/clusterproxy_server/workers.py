@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 import socket
@@ -31,6 +32,7 @@ import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import h11
 import trio
@@ -60,9 +62,17 @@ READY_POLL = 0.05
 FILE_POLL = 2.0  # a worker notices the parent's renewal of the certificate files within this
 
 
-def default_workers() -> int:
-    """The cores this process may run on (its CPU affinity, not the machine's count)."""
-    return len(os.sched_getaffinity(0))
+def default_workers(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The cores this process may use: its CPU affinity, and no more than its cgroup's CPU quota
+    rounded up (a container limited to 2 CPUs on a 64-core node gets 2 workers, not 64)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota to read: the affinity alone
+    return cores
 
 
 def worker_server_id(base: str, index: int, restarts: int = 0) -> str:
