@@ -1059,3 +1059,94 @@ def test_moving_the_proxy_server_namespace(env: Env) -> None:
     token_id = work_token(after).split(".")[0]
     env.core.read_namespaced_secret(f"cluster-proxy-ca-token-{token_id}", moved)
     assert manifests(after)["Secret"]["data"]["ca.crt"] != manifests(before)["Secret"]["data"]["ca.crt"]
+
+
+def hub_reconciles_ok(manager: Manager) -> float:
+    """``cluster_proxy_addon_manager_reconciles_total{kind="hub",result="ok"}`` from its /metrics."""
+    with urllib.request.urlopen(f"http://{manager.admin}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        series = line.startswith("cluster_proxy_addon_manager_reconciles_total{")
+        if series and 'kind="hub"' in line and 'result="ok"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_hub_clients_bootstrap_secrets_are_kept_replaced_and_reused(env: Env) -> None:
+    """``--hub-client``: the health-collector's Secret in the proxy-server namespace and the gateway's in
+    another namespace, each with the trust bundle and an unused token bound to its client name (the
+    signer's core refuses it for another name); a bootstrap with it (as the signer does for a pod)
+    replaces it at once in its Secret; a restarted manager reuses both tokens, minting none; two
+    clients naming one Secret are refused at start."""
+    from clusterproxy_certsigner.core import SignerCore
+    from clusterproxy_certsigner.errors import SignerError
+    from clusterproxy_certsigner.kubestore import KubernetesSecretStore
+    from clusterproxy_protocol import certclient
+
+    env.create_mpc()
+    elsewhere = unique("am-gw")
+    env.create_namespace(elsewhere)
+    clients = {"health-collector": (env.name, "hc-bootstrap"), "cluster-gateway": (elsewhere, "gw-bootstrap")}
+    flags = [
+        "--hub-client=health-collector=hc-bootstrap",
+        f"--hub-client=cluster-gateway={elsewhere}/gw-bootstrap",
+    ]
+    manager = env.start_manager(*flags)
+    store = KubernetesSecretStore(namespace=env.name, prefix="cluster-proxy-ca", api=env.core)
+    core = SignerCore(store)
+
+    def secret(name: str) -> dict[str, Any] | None:
+        namespace, secret_name = clients[name]
+        try:
+            found = env.core.read_namespaced_secret(secret_name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return {
+            **{k: base64.b64decode(v).decode() for k, v in (found.data or {}).items()},
+            "labels": found.metadata.labels or {},
+        }
+
+    tokens = {}
+    for name in clients:
+        kept, _ = wait_for(lambda n=name: secret(n), timeout=LATENCY_BOUND, what=f"the Secret of {name}")
+        assert kept["labels"]["app.kubernetes.io/managed-by"] == "cluster-proxy-addon-manager", kept
+        assert kept["ca.crt"].strip() == store.read_authorities().bundle_pem().strip(), "not the trust bundle"
+        record_ = store.get_token(kept["bootstrap-token"].split(".", 1)[0])
+        assert record_ is not None and record_.used_at is None
+        assert (record_.binding.kind, record_.binding.name) == ("client", name), record_.binding
+        tokens[name] = kept["bootstrap-token"]
+
+    # a token is good for its own name only
+    with pytest.raises(SignerError):
+        core.bootstrap(
+            tokens["cluster-gateway"], certclient.client_csr(certclient.generate_key(), "someone-else")
+        )
+    for name in clients:
+        started = time.monotonic()
+        core.bootstrap(tokens[name], certclient.client_csr(certclient.generate_key(), name))
+        replaced, _ = wait_for(
+            lambda n=name: (s := secret(n)) and s["bootstrap-token"] != tokens[n] and s,
+            timeout=LATENCY_BOUND,
+            what=f"a new token for {name} after the first was used",
+        )
+        record(f"{name} token used -> a new one in its Secret", time.monotonic() - started)
+        tokens[name] = replaced["bootstrap-token"]
+
+    # a restarted manager reads them back: nothing minted
+    manager.kill()
+    restarted = env.start_manager(*flags)
+    wait_for(lambda: hub_reconciles_ok(restarted) >= 1, timeout=LATENCY_BOUND, what="a hub reconcile")
+    assert [r for r in restarted.events("token_minted") if str(r.get("group")).startswith("hub-client")] == []
+    assert {name: (secret(name) or {}).get("bootstrap-token") for name in clients} == tokens
+    restarted.stop()
+
+    # one Secret for two clients: refused at start, in words
+    refused = Manager(
+        env.tmp,
+        "manager-refused",
+        ["--hub-client=a=same", "--hub-client=b=same", f"--kubeconfig={env.hub.kubeconfig}"],
+    )
+    assert refused.process.popen.wait(30) == 2
+    assert "name the same Secret same" in refused.process.tail()

@@ -7,12 +7,15 @@ Services, and the Service as an ``ExternalName`` to localhost (the only route th
 without kube-proxy). The pod runs from the stored Deployment (tests.support.workagent.Kubelet) as its
 ServiceAccount with only the overlay's RBAC: it reads the requestheader ConfigMap, patches the
 APIService's caBundle, bootstraps its hub client certificate with the token of the Secret
-``cluster-gateway-bootstrap`` (created as docs/cluster-gateway.md says), lists the clusters and reads a
-cluster's token Secret. Then ``kubectl get clustergateway`` and ``.../proxy/healthz`` work on the hub.
+``cluster-gateway-bootstrap`` (kept by the addon-manager: ``--hub-client``, as the hub overlay runs it;
+nobody makes it by hand), lists the clusters and reads a cluster's token Secret. Then ``kubectl get
+clustergateway`` and ``.../proxy/healthz`` work on the hub, and the token the gateway used is replaced in
+the Secret for its next pod.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import subprocess
@@ -34,6 +37,7 @@ pytestmark = pytest.mark.slow
 NAMESPACE = "open-cluster-management-addon"
 DEPLOYMENT = "cluster-proxy-cluster-gateway"
 APISERVICE = "v1alpha1.cluster.core.oam.dev"
+BOOTSTRAP_SECRET = "cluster-gateway-bootstrap"
 OVERLAY = KUSTOMIZE / "overlays" / "hub-gateway"
 
 
@@ -92,7 +96,13 @@ def installed(
 ) -> Iterator[dict[str, Any]]:
     directory = tmp_path_factory.mktemp("gateway-deploy")
     hub = kube_clusters["hub"]
-    stack = AddonStack(hub, directory)
+    with hub.api_client() as admin, contextlib.suppress(client.exceptions.ApiException):
+        client.CoreV1Api(admin).create_namespace({"metadata": {"name": NAMESPACE}})
+    # the manager keeps the gateway's bootstrap Secret, as the hub overlay's manager does (there in the
+    # proxy-server namespace, the overlay's own; here the stack's namespace is another one)
+    stack = AddonStack(
+        hub, directory, manager_args=[f"--hub-client=cluster-gateway={NAMESPACE}/{BOOTSTRAP_SECRET}"]
+    )
     overlay = None
     pod: Pod | None = None
     try:
@@ -101,8 +111,6 @@ def installed(
         stack.join(name, kube_clusters["cluster1"])
         with hub.api_client() as admin:
             core = client.CoreV1Api(admin)
-            with contextlib.suppress(client.exceptions.ApiException):
-                core.create_namespace({"metadata": {"name": NAMESPACE}})
             # the cluster's token (what point 2 will write): a ServiceAccount of cluster1
             with kube_clusters["cluster1"].api_client() as managed:
                 managed_core = client.CoreV1Api(managed)
@@ -117,32 +125,12 @@ def installed(
                     "stringData": {"token": token, "ca.crt": kube_clusters["cluster1"].ca_path.read_text()},
                 },
             )
-        # the admin's step (docs/cluster-gateway.md, "Install"): the bootstrap Secret
-        signer = [f"--store={stack.store}", f"--kubeconfig={hub.kubeconfig}"]
-        bundle = directory / "bundle.crt"
-        cli = str(BIN / "cluster-proxy-cert-signer")
-        done = subprocess.run(
-            [cli, "trust-bundle", *signer, f"--out={bundle}"], capture_output=True, text=True, timeout=60
+        # no step of the admin's: the Secret is there once the manager reconciled the hub
+        secret = poll_until(
+            lambda: bootstrap_secret(hub), timeout=60, what=f"the Secret {NAMESPACE}/{BOOTSTRAP_SECRET}"
         )
-        assert done.returncode == 0, done.stderr
-        minted = subprocess.run(
-            [cli, "token", "create", *signer, "--client=cluster-gateway", "--json"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert minted.returncode == 0, minted.stderr
-        created = hub.kubectl(
-            "-n",
-            NAMESPACE,
-            "create",
-            "secret",
-            "generic",
-            "cluster-gateway-bootstrap",
-            f"--from-literal=bootstrap-token={json.loads(minted.stdout)['token']}",
-            f"--from-file=ca.crt={bundle}",
-        )
-        assert created.returncode == 0, created.stderr
+        assert secret["labels"]["app.kubernetes.io/managed-by"] == "cluster-proxy-addon-manager", secret
+        assert "BEGIN CERTIFICATE" in secret["ca.crt"]
 
         port = free_port()
         overlay = _overlay_for_this_machine(directory / "overlay", stack, port)
@@ -151,12 +139,28 @@ def installed(
         pod = stack.hub_kubelet.run(NAMESPACE, DEPLOYMENT)
         waited = hub.kubectl("wait", "--for=condition=Available", "--timeout=60s", f"apiservice/{APISERVICE}")
         assert waited.returncode == 0, f"{waited.stderr}\n--- gateway pod\n{pod.container().tail()}"
-        yield {"hub": hub, "cluster": name, "pod": pod, "stack": stack}
+        yield {
+            "hub": hub,
+            "cluster": name,
+            "pod": pod,
+            "stack": stack,
+            "first_token": secret["bootstrap-token"],
+        }
     finally:
         if overlay is not None:
             hub.kubectl("delete", "-k", str(overlay), "--wait=false")
-        hub.kubectl("-n", NAMESPACE, "delete", "secret", "cluster-gateway-bootstrap", "--ignore-not-found")
-        stack.close()
+        stack.close()  # the manager first: it would write the Secret again
+        hub.kubectl("-n", NAMESPACE, "delete", "secret", BOOTSTRAP_SECRET, "--ignore-not-found")
+
+
+def bootstrap_secret(hub: Any) -> dict[str, Any] | None:
+    """The gateway's bootstrap Secret: its keys decoded and its labels; None while it does not exist."""
+    done = hub.kubectl("-n", NAMESPACE, "get", "secret", BOOTSTRAP_SECRET, "-o", "json")
+    if done.returncode != 0:
+        return None
+    secret = json.loads(done.stdout)
+    decoded = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+    return {**decoded, "labels": secret["metadata"].get("labels") or {}}
 
 
 def test_the_gateway_runs_as_the_overlay_installs_it(installed: dict[str, Any]) -> None:
@@ -171,6 +175,29 @@ def test_the_gateway_runs_as_the_overlay_installs_it(installed: dict[str, Any]) 
     assert health.stdout.strip() == "ok"
     events = {r.get("event") for r in pod.container().events()}
     assert {"apiservice_ca_registered", "client_certificate_ready", "gateway_started"} <= events
+
+
+def test_the_token_the_gateway_used_is_replaced_for_its_next_pod(installed: dict[str, Any]) -> None:
+    """The gateway traded the manager's token; the manager, seeing it used in the signer's store, puts
+    an unused one in the Secret (a new pod reads it at start), within seconds, not at its resync."""
+    hub, stack, first = installed["hub"], installed["stack"], installed["first_token"]
+    replaced = poll_until(
+        lambda: (t := (bootstrap_secret(hub) or {}).get("bootstrap-token")) != first and t,
+        timeout=30,
+        what=f"the used token replaced in {BOOTSTRAP_SECRET}:\n{stack.manager.tail()}",
+    )
+    listed = subprocess.run(
+        [str(BIN / "cluster-proxy-cert-signer"), "token", "list", f"--store={stack.store}",
+         f"--kubeconfig={hub.kubeconfig}"], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    states = {line.split()[0]: line.split()[-1] for line in listed.stdout.splitlines()[1:] if line.split()}
+    assert states[first.split(".", 1)[0]] == "used" and states[replaced.split(".", 1)[0]] == "unused", (
+        listed.stdout
+    )
+    minted = [r for r in stack.manager.events() if r.get("event") == "token_minted"
+              and r.get("group") == "hub-client cluster-gateway"]  # fmt: skip
+    assert len(minted) >= 2 and "was used" in minted[-1]["reason"], minted
 
 
 def test_the_gateways_service_account_may_not_read_other_secrets(installed: dict[str, Any]) -> None:

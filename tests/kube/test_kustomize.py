@@ -20,10 +20,12 @@
   the clusters and get its own bootstrap Secret, nothing else; its pod, run from the stored Deployment
   (ports given by an overlay of one's own to match a configuration with ports of its own) beside the
   manager, cert-signer and proxy-server run from what the manager wrote and cluster1's agent from its
-  ManifestWork, finds the proxy-server by the headless Service and shows cluster1 installed and
-  available with probes off and the Secret to create; once the admin creates it (the real CLI, as
-  docs/health.md says) it bootstraps its client certificate without a restart and probes cluster1's
-  kube-apiserver through the tunnel: the row turns healthy.
+  ManifestWork, finds the proxy-server by the headless Service, bootstraps its client certificate with
+  the token of the Secret the manager keeps (no step of the admin's) and probes cluster1's
+  kube-apiserver through the tunnel: the row is healthy. The used token is replaced in the Secret at
+  once; a new collector pod (empty credentials) bootstraps again with it, and that one is replaced too.
+- The addon-manager's ServiceAccount: Secrets in its own namespace (the store, the bootstrap Secrets),
+  none anywhere else.
 
 These tests run on API servers of their own (a hub and cluster1: this module's ``kube_clusters``
 fixture), not on the session's shared ones: the hub overlay creates cluster-scoped and fixed-name
@@ -35,6 +37,8 @@ has never seen the CRD.
 
 from __future__ import annotations
 
+import base64
+import datetime as dt
 import json
 import shutil
 import subprocess
@@ -475,6 +479,53 @@ def test_the_collectors_service_account_may_only_read_what_it_shows(hub_installe
         )
 
 
+def bootstrap_secret(hub: KubeCluster, name: str) -> dict[str, Any] | None:
+    """The Secret's keys decoded, and its metadata; None while it does not exist."""
+    done = hub.kubectl("get", "secret", name, "-n", HUB_NAMESPACE, "-o", "json")
+    if done.returncode != 0:
+        return None
+    secret = json.loads(done.stdout)
+    decoded = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+    return {**decoded, "metadata": secret["metadata"]}
+
+
+def token_state(hub: KubeCluster, token: str) -> tuple[str, str]:
+    """What the signer's store says of ``token`` (the admin's ``cluster-proxy-cert-signer token list``):
+    its binding in words (FOR) and its STATE (used, unused, expired)."""
+    store = f"kubernetes:{HUB_NAMESPACE}/cluster-proxy-ca"
+    done = subprocess.run([executable(SIGNER), "token", "list", "--store", store, "--kubeconfig",
+                           str(hub.kubeconfig)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    token_id = token.split(".", 1)[0]
+    found = [line.split() for line in done.stdout.splitlines() if line.split()[:1] == [token_id]]
+    assert found, f"token {token_id} is not in the store:\n{done.stdout}"
+    return " ".join(found[0][1:-2]), found[0][-1]
+
+
+def wait_token_replaced(hub: KubeCluster, used: str, manager: Pod, signer: Pod, timeout: float = 30.0) -> str:
+    """The collector's Secret holds an unused token other than ``used`` within ``timeout``; that
+    token. Printed: how long after the signer issued the certificate for ``used`` the manager minted
+    the next one (their logs' timestamps)."""
+    replaced: str = poll_until(
+        lambda: (t := (bootstrap_secret(hub, COLLECTOR_SECRET) or {}).get("bootstrap-token")) != used and t,
+        timeout=timeout,
+        what=f"the used token replaced in {COLLECTOR_SECRET}:\n{manager.container().tail()}",
+        interval=0.2,
+    )
+    assert token_state(hub, replaced) == ("client 'health-collector'", "unused")
+    why = f"token {used.split('.', 1)[0]} was used"
+    minted = [r for r in events(manager.container(), "token_minted") if r.get("reason") == why]
+    assert minted and minted[0]["group"] == "hub-client health-collector", events(manager.container())[-5:]
+    token_id = used.split(".", 1)[0]
+    (issued,) = [r for r in events(signer.container(), "cert_issued") if r.get("token_id") == token_id]
+    took = dt.datetime.fromisoformat(minted[0]["timestamp"]) - dt.datetime.fromisoformat(issued["timestamp"])
+    print(
+        f"the used token replaced: the next one minted {took.total_seconds() * 1000:+.0f} ms from the signer's "
+        "cert_issued (logged after its store write)"
+    )
+    return replaced
+
+
 def with_free_listen_port(pod: Pod) -> Pod:
     """:func:`with_free_admin_port` for the collector, whose one port is ``--listen`` (named ``http``)."""
     port = free_port()
@@ -505,12 +556,13 @@ def test_the_health_collector_runs_as_the_overlay_installs_it(
       network) and an overlay of one's own on the hub that gives the collector the same ports (what
       the Deployment's comment asks for); the addon-manager, the cert-signer and the proxy-server run
       from what the manager wrote; cluster1 enables the addon and its agent runs from its ManifestWork;
-    - the collector finds the proxy-server through the headless Service (--admin-service) and reads the
-      addons: cluster1 INSTALLED and AVAILABLE True, PROBED HEALTH unknown while it has no client
-      certificate, the page's problem naming the Secret to create;
-    - the admin creates that Secret as docs/health.md says (trust bundle and a token for
-      health-collector, with the real CLI): without a restart the collector bootstraps and cluster1's
-      kube-apiserver, probed through the tunnel by the bare cluster name, makes the row healthy."""
+    - no Secret made by hand: the manager keeps cluster-proxy-health-collector-bootstrap (its
+      --hub-client in the overlay) with the trust bundle and a token bound to health-collector;
+    - the collector bootstraps with it, finds the proxy-server through the headless Service
+      (--admin-service), reads the addons and probes cluster1's kube-apiserver through the tunnel by
+      the bare cluster name: the row is healthy;
+    - the used token is replaced in the Secret (the manager watches the signer's store), a new pod with
+      an empty credentials emptyDir bootstraps with the new one, which is replaced in turn."""
     hub, cluster1 = hub_installed, kube_clusters["cluster1"]
     ports = {name: free_port() for name in ("proxyServer", "agentServer", "adminServer", "signer")}
     configuration = own_overlay(
@@ -580,7 +632,7 @@ def test_the_health_collector_runs_as_the_overlay_installs_it(
 
         for name in ("cluster-proxy-cert-signer", "cluster-proxy"):
             poll_until(lambda n=name: deployed_with_ports(n), timeout=60, what=f"{name} with the new ports")
-        hub_kubelet.run(HUB_NAMESPACE, "cluster-proxy-cert-signer").wait_ready(90)
+        signer = hub_kubelet.run(HUB_NAMESPACE, "cluster-proxy-cert-signer").wait_ready(90)
         server = hub_kubelet.run(HUB_NAMESPACE, "cluster-proxy").wait_ready(90)
 
         # cluster1 enables the addon; its agent runs from the ManifestWork the manager writes
@@ -593,51 +645,39 @@ def test_the_health_collector_runs_as_the_overlay_installs_it(
         agent = cluster_kubelet.run("cp-agent-health", "cluster-proxy-proxy-agent")
         wait_event(agent.container(), "tunnel_connected", timeout=60)
 
-        # the collector, from the stored Deployment, as its ServiceAccount; no Secret yet
+        # no step of the admin's: the manager keeps the collector's bootstrap Secret (--hub-client)
+        secret = poll_until(
+            lambda: bootstrap_secret(hub, COLLECTOR_SECRET), timeout=60, what=f"the Secret {COLLECTOR_SECRET}"
+        )
+        assert secret["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "cluster-proxy-addon-manager"
+        assert "BEGIN CERTIFICATE" in secret["ca.crt"], secret
+        first_token = secret["bootstrap-token"]
+        assert token_state(hub, first_token) == ("client 'health-collector'", "unused")
+
+        # the collector, from the stored Deployment, as its ServiceAccount
+        started = time.monotonic()
         collector = with_free_listen_port(hub_kubelet.pod(HUB_NAMESPACE, COLLECTOR)).start()
         collector.wait_ready(60)
 
-        def row(want: dict[str, Any]) -> dict[str, Any] | None:
-            if not collector.container().running:
-                raise AssertionError(f"the collector exited:\n{collector.container().tail()}")
-            document = collector_document(collector)
+        def row(pod: Pod, want: dict[str, Any]) -> dict[str, Any] | None:
+            if not pod.container().running:
+                raise AssertionError(f"the collector exited:\n{pod.container().tail()}")
+            document = collector_document(pod)
             found = [c for c in document["clusters"] if c["name"] == "cluster1"]
             if found and all(found[0][k] == v for k, v in want.items()):
                 return {**found[0], "problems": document["problems"], "servers": document["proxy_servers"]}
             return None
 
-        waiting = poll_until(
-            lambda: row({"installed": True, "available": True, "probed": None}),
-            timeout=60,
-            what="cluster1 installed and available, probes off",
-            interval=0.5,
-        )
-        assert [s["reachable"] for s in waiting["servers"]] == [True], waiting["servers"]
-        assert any(f"{HUB_NAMESPACE}/{COLLECTOR_SECRET} exists" in p for p in waiting["problems"]), waiting
-
-        # the admin's steps (docs/health.md, "In Kubernetes")
-        store = f"kubernetes:{HUB_NAMESPACE}/cluster-proxy-ca"
-        signer_cli = [executable(SIGNER), "--store", store, "--kubeconfig", str(hub.kubeconfig)]
-        bundle = tmp_path / "ca.crt"
-        made = subprocess.run([signer_cli[0], "trust-bundle", *signer_cli[1:], "--out", str(bundle)],
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert made.returncode == 0, made.stderr
-        made = subprocess.run([signer_cli[0], "token", "create", *signer_cli[1:], "--client", "health-collector",
-                               "--ttl", "1h"], capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert made.returncode == 0, made.stderr
-        kubectl_ok(hub, "-n", HUB_NAMESPACE, "create", "secret", "generic", COLLECTOR_SECRET,
-                   f"--from-file=ca.crt={bundle}", f"--from-literal=bootstrap-token={made.stdout.strip()}")  # fmt: skip
-
-        created = time.monotonic()
         healthy = poll_until(
-            lambda: row({"installed": True, "available": True, "probed": True}),
+            lambda: row(collector, {"installed": True, "available": True, "probed": True}),
             timeout=90,
-            what="cluster1 healthy once the Secret exists",
+            what="cluster1 healthy with the manager's token",
             interval=0.5,
         )
         assert healthy["problems"] == [] and healthy["latency_ms"] > 0, healthy
+        assert [s["reachable"] for s in healthy["servers"]] == [True], healthy["servers"]
         print(
-            f"\nthe collector's Secret created -> cluster1 healthy after {time.monotonic() - created:.1f}s "
+            f"\nthe collector started -> cluster1 healthy after {time.monotonic() - started:.1f}s "
             f"(kube-apiserver /healthz through the tunnel: {healthy['latency_ms']} ms)"
         )
         logged = events(collector.container())
@@ -651,6 +691,31 @@ def test_the_health_collector_runs_as_the_overlay_installs_it(
             timeout=10,
             what="the proxy-server's stream_closed for cluster1:443 from health-collector",
         )  # fmt: skip
+
+        # the used token is replaced at once (the manager watches the signer's store), long before
+        # its resync (10 min)
+        assert token_state(hub, first_token)[1] == "used"
+        second_token = wait_token_replaced(hub, first_token, manager, signer)
+
+        # a new pod (its credentials emptyDir starts empty) finds that token and bootstraps again
+        collector.stop(grace=10)
+        started = time.monotonic()
+        renewed = with_free_listen_port(hub_kubelet.pod(HUB_NAMESPACE, COLLECTOR)).start()
+        renewed.wait_ready(60)
+        healthy = poll_until(
+            lambda: row(renewed, {"installed": True, "available": True, "probed": True}),
+            timeout=90,
+            what="cluster1 healthy from a new collector pod",
+            interval=0.5,
+        )
+        assert healthy["problems"] == [], healthy
+        bootstrapped = events(renewed.container(), "cert_bootstrapped")
+        assert bootstrapped, renewed.container().tail()
+        print(
+            f"a new collector pod -> bootstrapped, cluster1 healthy after {time.monotonic() - started:.1f}s"
+        )
+        assert token_state(hub, second_token)[1] == "used"
+        wait_token_replaced(hub, second_token, manager, signer)
     finally:
         if work_agent is not None:
             work_agent.close()

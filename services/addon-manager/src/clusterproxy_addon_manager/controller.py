@@ -72,6 +72,7 @@ from .kube import (
     SERVICE_ACCOUNT,
     Conflict,
     Kube,
+    KubeError,
     Resource,
 )
 from .metrics import ManagerMetrics
@@ -655,32 +656,53 @@ class Controller:
     ) -> list[tuple[str, str]]:
         """One usable token per hub client in its Secret, with the CA bundle (docs/addon-manager.md,
         "Identities"): replaced when used, expiring or bound otherwise, as the proxy-servers' one.
-        Returns the (namespace, name) of every Secret kept."""
+        Returns the (namespace, name) of every Secret kept. A Secret in another namespace that cannot
+        be written (no such namespace, no Role there) is logged with what to do, and does not stop the
+        rest of the hub's reconcile; the resync tries it again."""
         kept = []
         for hub_client in self.options.hub_clients:
             namespace, name = hub_client.where(cfg.namespace)
-            current = self._hub_client_secret(hub, namespace, name)
-            token = self.credentials.ensure_token(
-                cfg.namespace,
-                hub_client.group,
-                client_binding(hub_client.name),
-                render.token_from_secret(current),
-            )
-            if token.minted:
-                self.metrics.tokens_minted.labels("hub-client").inc()
-                self.log.info(
-                    "token_minted", group=hub_client.group, secret=f"{namespace}/{name}", reason=token.reason
+            try:
+                self._reconcile_hub_client(cfg, hub, bundle, hub_client)
+            except KubeError as exc:
+                if namespace == cfg.namespace:
+                    raise
+                self.log.warning(
+                    "hub_client_secret_failed",
+                    client=hub_client.name,
+                    secret=f"{namespace}/{name}",
+                    error=str(exc),
+                    fix=f"create namespace {namespace} and bind the manager's Role there "
+                    "(deploy/kustomize/base/addon-manager/rbac.yaml), or drop the namespace from --hub-client",
                 )
-            desired = render.hub_client_secret(cfg, hub_client, ca_bundle_pem=bundle, token=token.token)
-            if current is None or not contains(current, desired):
-                written = self.kube.apply(SECRET, desired)
-                self._remember(SECRET, written)
-                self.metrics.writes.labels("Secret", "apply").inc()
-                self.log.info(
-                    "object_applied", kind="Secret", name=name, namespace=namespace, created=current is None
-                )
+                continue
             kept.append((namespace, name))
         return kept
+
+    def _reconcile_hub_client(
+        self, cfg: ProxyConfig, hub: HubInformers, bundle: str, hub_client: render.HubClient
+    ) -> None:
+        namespace, name = hub_client.where(cfg.namespace)
+        current = self._hub_client_secret(hub, namespace, name)
+        token = self.credentials.ensure_token(
+            cfg.namespace,
+            hub_client.group,
+            client_binding(hub_client.name),
+            render.token_from_secret(current),
+        )
+        if token.minted:
+            self.metrics.tokens_minted.labels("hub-client").inc()
+            self.log.info(
+                "token_minted", group=hub_client.group, secret=f"{namespace}/{name}", reason=token.reason
+            )
+        desired = render.hub_client_secret(cfg, hub_client, ca_bundle_pem=bundle, token=token.token)
+        if current is None or not contains(current, desired):
+            written = self.kube.apply(SECRET, desired)
+            self._remember(SECRET, written)
+            self.metrics.writes.labels("Secret", "apply").inc()
+            self.log.info(
+                "object_applied", kind="Secret", name=name, namespace=namespace, created=current is None
+            )
 
     def _server_certificate(self, hub: HubInformers) -> IssuedRecord | None:
         """The newest live proxy-server certificate the signer issued, from the store's records of
@@ -926,7 +948,12 @@ class Controller:
             keep.add(server_token.split(".", 1)[0])
         for hub_client in self.options.hub_clients:
             namespace, name = hub_client.where(cfg.namespace)
-            client_token = render.token_from_secret(self._hub_client_secret(self._hub, namespace, name))
+            try:
+                client_token = render.token_from_secret(self._hub_client_secret(self._hub, namespace, name))
+            except KubeError as exc:
+                # a token nobody can see may still be the one a client's Secret holds: prune nothing
+                self.log.warning("tokens_not_pruned", reason=f"cannot read Secret {namespace}/{name}: {exc}")
+                return []
             if client_token:
                 keep.add(client_token.split(".", 1)[0])
         deleted = self.credentials.prune_tokens(cfg.namespace, keep, grace=self.options.token_prune_grace)
