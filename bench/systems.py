@@ -317,26 +317,6 @@ class Upstream(System):
         wait_port("127.0.0.1", health, 20, self.agent)
         self.wait_routable()
 
-    def wait_every_worker_held(self, timeout: float = 30.0) -> None:
-        """With workers, the agent finds each through the one agent port (a replica search): measure
-        only once it holds them all, or the first streams wait in a worker's startup grace."""
-        if self.workers == 1:
-            return
-        deadline = time.monotonic() + timeout
-        held: set[str] = set()
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(
-                    f"http://127.0.0.1:{self.admin_port}/api/v1/agents", timeout=5
-                ) as r:
-                    held = {entry["server_id"] for entry in json.load(r)}
-            except OSError:
-                pass
-            if len(held) >= self.workers:
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"{self.name}: the agent holds {sorted(held)}, not {self.workers} workers")
-
     def dial_args(self, proxy_port: int | None = None) -> list[str]:
         return [
             "--target",
@@ -559,6 +539,26 @@ class Ours(System):
 
     def _protocol_args(self) -> list[str]:
         return ["--konnectivity"] if self.frontend == "konnectivity" else []
+
+    def wait_every_worker_held(self, timeout: float = 30.0) -> None:
+        """With workers, the agent finds each through the one agent port (a replica search): measure
+        only once it holds them all, or the first streams wait in a worker's startup grace."""
+        if self.workers == 1:
+            return
+        deadline = time.monotonic() + timeout
+        held: set[str] = set()
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{self.admin_port}/api/v1/agents", timeout=5
+                ) as r:
+                    held = {entry["server_id"] for entry in json.load(r)}
+            except OSError:
+                pass
+            if len(held) >= self.workers:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name}: the agent holds {sorted(held)}, not {self.workers} workers")
 
     def replica_argv(self, place: Place, server_id: str, count: int, drain_timeout: float) -> list[str]:
         return [
