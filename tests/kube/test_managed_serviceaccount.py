@@ -186,6 +186,23 @@ def _signer_cli(stack: AddonStack, hub: KubeCluster, *command: str) -> subproces
     return done
 
 
+def _delete_every_msa(stack: Stack) -> None:
+    """While the gateway and the agent still run: every MSA of the test's cluster deleted and gone, so
+    that nothing of this module is left in cluster1 (its ServiceAccounts) or waits on a finalizer."""
+    with stack.hub.api_client() as admin:
+        custom = client.CustomObjectsApi(admin)
+        for item in custom.list_namespaced_custom_object(GROUP, VERSION, stack.cluster, PLURAL)["items"]:
+            with contextlib.suppress(client.exceptions.ApiException):
+                custom.delete_namespaced_custom_object(
+                    GROUP, VERSION, stack.cluster, PLURAL, item["metadata"]["name"]
+                )
+        poll_until(
+            lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, stack.cluster, PLURAL)["items"],
+            timeout=30,
+            what=f"the ManagedServiceAccounts of {stack.cluster} finalized",
+        )
+
+
 @pytest.fixture(scope="module")
 def msa_stack(kube_clusters: KubeClusters, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     directory = tmp_path_factory.mktemp("msa")
@@ -241,7 +258,9 @@ def msa_stack(kube_clusters: KubeClusters, tmp_path_factory: pytest.TempPathFact
         )
         waited = hub.kubectl("wait", "--for=condition=Available", "--timeout=60s", f"apiservice/{APISERVICE}")
         assert waited.returncode == 0, f"{waited.stderr}\n--- gateway\n{gateway.tail()}"
-        yield Stack(stack, hub, kube_clusters["cluster1"], cluster, gateway, directory)
+        running = Stack(stack, hub, kube_clusters["cluster1"], cluster, gateway, directory)
+        yield running
+        _delete_every_msa(running)
     finally:
         if registered:
             with hub.api_client() as admin, contextlib.suppress(client.exceptions.ApiException):
@@ -512,6 +531,7 @@ def test_rotation_changes_the_token_and_no_request_or_watch_fails_across_it(msa_
         assert msa_stack.review(token)["authenticated"] is True
 
 
+@pytest.mark.timeout(900)  # TokenRequest's shortest token lives 10 minutes
 def test_a_rotated_out_token_stops_working_in_cluster1_when_it_expires(msa_stack: Stack) -> None:
     """Takes up to the token's 10 minutes: TokenRequest makes no shorter token."""
     rotated = msa_stack.rotated_out

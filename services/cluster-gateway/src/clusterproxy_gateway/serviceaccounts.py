@@ -378,6 +378,9 @@ class ManagedServiceAccounts:
         meta = msa.get("metadata") or {}
         cluster, name = meta.get("namespace", ""), meta.get("name", "")
         finalizers = list(meta.get("finalizers") or [])
+        failure = self._failures.get((cluster, name))
+        if failure is not None and trio.current_time() - failure.at < RETRY_AFTER_FAILURE:
+            return RETRY_AFTER_FAILURE - (trio.current_time() - failure.at)
         if meta.get("deletionTimestamp"):
             if FINALIZER in finalizers:
                 await self._finalize(msa, cluster, name, finalizers)
@@ -396,9 +399,6 @@ class ManagedServiceAccounts:
             return math.inf
         if due > now:
             return (due - now).total_seconds()
-        failure = self._failures.get((cluster, name))
-        if failure is not None and trio.current_time() - failure.at < RETRY_AFTER_FAILURE:
-            return RETRY_AFTER_FAILURE - (trio.current_time() - failure.at)
         await self._issue(msa, cluster, name)
         return 0.0
 
@@ -486,10 +486,11 @@ class ManagedServiceAccounts:
             deleted = await delete_serviceaccount(self.tunnel, cluster, name)
         except TokenFetchError as exc:
             if not await trio.to_thread.run_sync(self._cluster_gone, cluster):
+                self._failures[(cluster, name)] = _Failure(trio.current_time(), str(exc))
                 self.log.warning(
                     "managedserviceaccount_delete_failed", cluster=cluster, name=name, error=str(exc)
                 )
-                return  # the finalizer stays; asked again at the next look
+                return  # the finalizer stays; asked again after RETRY_AFTER_FAILURE
             deleted = False  # no such managed cluster any more: nothing left to delete there
         await trio.to_thread.run_sync(self._delete_secret, cluster, name)
         remaining = [f for f in finalizers if f != FINALIZER]
