@@ -19,6 +19,10 @@ from typing import Any, TypeVar
 
 __all__ = [
     "ADDON_NAME",
+    "IDENTITY_ANNOTATION",
+    "IDENTITY_CALLER",
+    "IDENTITY_MODES",
+    "IDENTITY_SERVICE_ACCOUNT",
     "ClusterEntry",
     "ClusterToken",
     "HubInventory",
@@ -31,6 +35,11 @@ CLUSTER_GROUP, CLUSTER_VERSION = "cluster.open-cluster-management.io", "v1"
 ADDON_GROUP, ADDON_VERSION = "addon.open-cluster-management.io", "v1alpha1"
 AUTHENTICATION_CONFIGMAP = ("kube-system", "extension-apiserver-authentication")
 DEFAULT_SERVER_NAME = "kubernetes.default.svc"  # on every kube-apiserver's serving certificate
+# Per cluster, whose identity the managed cluster sees (docs/cluster-gateway.md, "Whose identity"):
+# the cluster's service account (seed 004, the default) or the hub caller's, impersonated.
+IDENTITY_ANNOTATION = "cluster-gateway.open-cluster-management.io/identity"
+IDENTITY_SERVICE_ACCOUNT, IDENTITY_CALLER = "service-account", "caller"
+IDENTITY_MODES = (IDENTITY_SERVICE_ACCOUNT, IDENTITY_CALLER)
 
 T = TypeVar("T")
 
@@ -45,6 +54,9 @@ class ClusterEntry:
     resource_version: int  # the newer of the ManagedCluster's and the addon's
     addon_available: bool
     addon_reason: str
+    # the ManagedCluster's IDENTITY_ANNOTATION as written (IDENTITY_SERVICE_ACCOUNT when absent); a
+    # value outside IDENTITY_MODES is kept so that a request can be refused naming it
+    identity: str = IDENTITY_SERVICE_ACCOUNT
 
 
 @dataclass(frozen=True)
@@ -148,6 +160,10 @@ class HubInventory:
                     addon_reason=(available or {}).get("message")
                     or (available or {}).get("reason")
                     or "the addon reports no Available condition yet",
+                    identity=(cluster["metadata"].get("annotations") or {})
+                    .get(IDENTITY_ANNOTATION, "")
+                    .strip()
+                    or IDENTITY_SERVICE_ACCOUNT,
                 )
             )
         entries.sort(key=lambda e: e.name)

@@ -34,12 +34,14 @@ from clusterproxy_sdk import TLSFiles, open_shared_tunnel
 
 from .credentials import make_self_signed, prepare_client_certificate, register_ca_bundle
 from .inventory import HubInventory, RequestHeaderConfig
+from .profiles import ProfilePublisher
 from .proxy import ClusterProxy
 from .server import GatewayServer, serving_context
 from .serviceaccounts import ManagedServiceAccounts
 
 ENV_PREFIX = "CLUSTER_PROXY_GATEWAY_"
 DEFAULT_TOKEN_SECRET = "cluster-gateway"
+DEFAULT_PROFILE_NAMESPACE = "open-cluster-management"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
          help="how long a read of the hub (clusters, token Secrets) is reused")  # fmt: skip
     flag("--watch-interval", type=parse_positive_duration, default="1s", metavar="DURATION",
          help="a watch of clustergateways looks at the hub this often")  # fmt: skip
+    flag("--cluster-profile-namespace", default=DEFAULT_PROFILE_NAMESPACE, metavar="NAMESPACE",
+         help="publish a ClusterProfile (multicluster.x-k8s.io, the Cluster Inventory API) per cluster in this "
+         "hub namespace, its access provider cluster-proxy pointing at the gateway; '' publishes none")  # fmt: skip
+    flag("--cluster-profile-interval", type=parse_positive_duration, default="5s", metavar="DURATION",
+         help="how often the ClusterProfiles are made to match the clusters")  # fmt: skip
+    flag("--hub-url", metavar="URL",
+         help="the hub kube-apiserver's URL in the ClusterProfiles (default: the server of the gateway's own "
+         "hub connection)")  # fmt: skip
+    flag("--hub-ca", type=existing_file, metavar="FILE",
+         help="the CA of the hub kube-apiserver's serving certificate, in the ClusterProfiles (default: the "
+         "one the gateway's own hub connection trusts)")  # fmt: skip
     flag("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     flag("--log-format", default="auto", choices=["auto", "json", "console"],
          help="auto: JSON unless stderr is a terminal")  # fmt: skip
@@ -150,6 +163,27 @@ def _requestheader(args: argparse.Namespace, inventory: HubInventory) -> Request
             f"cannot read ConfigMap kube-system/extension-apiserver-authentication from the hub ({exc}); grant "
             "the gateway the Role extension-apiserver-authentication-reader, or pass --requestheader-client-ca"
         ) from None
+
+
+def profile_publisher(args: argparse.Namespace, inventory: HubInventory) -> ProfilePublisher | None:
+    """The ClusterProfile publisher, with the hub's URL and CA from the flags or the gateway's own hub
+    connection; None when --cluster-profile-namespace is empty."""
+    if not args.cluster_profile_namespace:
+        return None
+    configuration = inventory.api.configuration
+    if args.hub_ca is not None:
+        ca: bytes | None = Path(args.hub_ca).read_bytes()
+    elif configuration.ssl_ca_cert:
+        ca = Path(configuration.ssl_ca_cert).read_bytes()
+    else:
+        ca = None  # a hub certificate of a public CA: consumers use their system roots
+    return ProfilePublisher(
+        inventory,
+        namespace=args.cluster_profile_namespace,
+        hub_url=args.hub_url or configuration.host,
+        hub_ca_pem=ca,
+        interval=args.cluster_profile_interval,
+    )
 
 
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -215,6 +249,9 @@ async def run(args: argparse.Namespace) -> None:
     ):
         if renewer is not None:
             await nursery.start(renewer.run)
+        publisher = profile_publisher(args, inventory)
+        if publisher is not None:
+            nursery.start_soon(publisher.run)
         proxy = ClusterProxy(inventory, tunnel, proxy_server=proxy_address)
         server = GatewayServer(inventory, proxy, requestheader, watch_interval=args.watch_interval)
         if args.managed_serviceaccounts:
@@ -232,6 +269,7 @@ async def run(args: argparse.Namespace) -> None:
             listen=f"{bound[0]}:{bound[1]}",
             proxy_server=proxy_address,
             token_secret=args.token_secret,
+            cluster_profiles=f"{publisher.namespace} ({publisher.hub_url})" if publisher else "none",
             requestheader_allowed_names=list(requestheader.allowed_names),
         )
         await server.serve(listeners, context)

@@ -5,12 +5,20 @@ on NAME's kube-apiserver: a CONNECT to the bare cluster name through the proxy-s
 agent maps it to its own API server), TLS checked against the cluster's CA, the cluster's token as the
 bearer. The answer streams back as it comes (a watch, ``logs -f``), status and body unchanged: the managed
 cluster's own 403 reaches the caller as it was written there.
+
+Whose identity the managed cluster sees: the cluster's service account (the token's, seed 004), or, in
+**caller** mode, the hub user the aggregator named, sent as ``Impersonate-User``/``-Group``/``-Extra-*``
+with that token, so that the managed cluster's RBAC decides per hub user. Caller mode is the cluster's
+(the ManagedCluster's annotation ``IDENTITY_ANNOTATION: caller``) or the request's (the header
+``X-Cluster-Gateway-Identity: caller``, consumed here). A request may only narrow: it can ask for the
+caller's identity on a service-account cluster, never for the service account on a caller cluster.
 """
 
 from __future__ import annotations
 
 import ssl
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import unquote
 
 import h11
 import trio
@@ -27,15 +35,26 @@ from clusterproxy_protocol.logs import get_logger
 
 from . import objects
 from .http import HTTPConnection, IncomingRequest, ProtocolFailure, cancel_when_closed
-from .inventory import ClusterToken, HubInventory, TokenNotReady
+from .inventory import (
+    IDENTITY_ANNOTATION,
+    IDENTITY_CALLER,
+    IDENTITY_MODES,
+    IDENTITY_SERVICE_ACCOUNT,
+    ClusterEntry,
+    ClusterToken,
+    HubInventory,
+    TokenNotReady,
+)
 
 if TYPE_CHECKING:
     from .server import Identity
 
-__all__ = ["ClusterProxy", "StreamOpener"]
+__all__ = ["IDENTITY_HEADER", "ClusterProxy", "StreamOpener", "choose_identity", "impersonation_headers"]
 
-# Not forwarded: hop-by-hop headers, the caller's credentials and the aggregator's identity headers
-# (the managed cluster sees the gateway's token; impersonation, point 4, adds its own headers).
+IDENTITY_HEADER = "X-Cluster-Gateway-Identity"
+# Not forwarded: hop-by-hop headers, the caller's credentials, the aggregator's identity headers and the
+# gateway's own request header (the managed cluster sees the gateway's token, and in caller mode the
+# Impersonate-* headers the gateway writes from the aggregator's identity, never a client's).
 DROPPED_REQUEST_HEADERS = frozenset(
     {
         "connection",
@@ -52,11 +71,58 @@ DROPPED_REQUEST_HEADERS = frozenset(
         "expect",
     }
 )
-DROPPED_REQUEST_PREFIXES = ("x-remote-", "impersonate-")
+DROPPED_REQUEST_PREFIXES = ("x-remote-", "impersonate-", "x-cluster-gateway-")
+HUB_CREDENTIAL_EXTRAS = "authentication.kubernetes.io/"
 DROPPED_RESPONSE_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "trailer", "upgrade"})
 KUBE_APISERVER_PORT = 443
 TLS_HANDSHAKE_TIMEOUT = 15.0
 RESPONSE_HEAD_TIMEOUT = 60.0
+
+
+def choose_identity(entry: ClusterEntry, asked: str) -> str | tuple[int, str]:
+    """IDENTITY_CALLER or IDENTITY_SERVICE_ACCOUNT for one request to ``entry``, or the (status,
+    message) that refuses it. ``asked`` is the request's IDENTITY_HEADER ("" when absent)."""
+    cluster = entry.name
+    if entry.identity not in IDENTITY_MODES:
+        return (
+            500,
+            f"ManagedCluster {cluster!r} has annotation {IDENTITY_ANNOTATION}={entry.identity!r}; the "
+            f"cluster-gateway knows {' and '.join(repr(m) for m in IDENTITY_MODES)} (kubectl annotate "
+            f"managedcluster {cluster} --overwrite {IDENTITY_ANNOTATION}={IDENTITY_CALLER})",
+        )
+    asked = asked.strip().lower()
+    if not asked:
+        return entry.identity
+    if asked not in IDENTITY_MODES:
+        return (
+            400,
+            f"header {IDENTITY_HEADER}: {asked!r} is not one of {', '.join(repr(m) for m in IDENTITY_MODES)}",
+        )
+    if asked == IDENTITY_SERVICE_ACCOUNT and entry.identity == IDENTITY_CALLER:
+        return (
+            403,
+            f"cluster {cluster!r} is reached with the caller's identity only (its ManagedCluster's "
+            f"annotation {IDENTITY_ANNOTATION}={IDENTITY_CALLER}); {IDENTITY_HEADER}: "
+            f"{IDENTITY_SERVICE_ACCOUNT} may not widen that to the cluster's service account",
+        )
+    return asked
+
+
+def impersonation_headers(identity: Identity) -> list[tuple[bytes, bytes]]:
+    """The hub caller as Kubernetes impersonation headers. Groups go as they came, system:authenticated
+    included: kube-apiserver adds that group by itself only when no group is impersonated. Extra keys
+    arrive from the aggregator already percent-encoded, as Impersonate-Extra-* wants them; the ones under
+    ``authentication.kubernetes.io/`` are left out: the hub's authenticators put them there to describe
+    the hub credential (credential-id: the hash of a client certificate or a token's JTI; the pod and
+    node a service-account token is bound to), which means nothing in the managed cluster, and carrying
+    them would need an impersonate grant per key there."""
+    headers = [(b"Impersonate-User", identity.user.encode("latin-1"))]
+    headers += [(b"Impersonate-Group", group.encode("latin-1")) for group in identity.groups]
+    for key, values in sorted(identity.extra.items()):
+        if unquote(key).lower().startswith(HUB_CREDENTIAL_EXTRAS):
+            continue
+        headers += [(f"Impersonate-Extra-{key}".encode("latin-1"), v.encode("latin-1")) for v in values]
+    return headers
 
 
 class StreamOpener(Protocol):
@@ -98,6 +164,10 @@ class ClusterProxy:
         entry = await trio.to_thread.run_sync(self.inventory.cluster, cluster)
         if entry is None:
             return await fail(404, objects.not_found_message(cluster))
+        mode = choose_identity(entry, request.header(IDENTITY_HEADER))
+        if isinstance(mode, tuple):
+            return await fail(*mode)
+        impersonate = impersonation_headers(identity) if mode == IDENTITY_CALLER else []
         try:
             token = await trio.to_thread.run_sync(self.inventory.token, cluster)
         except TokenNotReady as exc:
@@ -138,7 +208,7 @@ class ClusterProxy:
                     f"(its CA is 'ca.crt' of Secret {cluster}/{self.inventory.token_secret} on the hub; the "
                     f"name checked is {token.server_name!r})",
                 )
-            return await self._exchange(http, request, cluster, path, token, tls, fail)
+            return await self._exchange(http, request, cluster, path, token, tls, fail, impersonate)
         finally:
             await trio.aclose_forcefully(tls)
 
@@ -151,6 +221,7 @@ class ClusterProxy:
         token: ClusterToken,
         tls: trio.SSLStream[Any],
         fail: Any,
+        impersonate: list[tuple[bytes, bytes]],
     ) -> int:
         upstream = HTTPConnection(tls, h11.CLIENT)
         headers = [
@@ -163,6 +234,7 @@ class ClusterProxy:
             (b"Host", token.server_name.encode()),
             (b"Authorization", f"Bearer {token.token}".encode()),
             (b"Connection", b"close"),
+            *impersonate,
         ]
         if request.body or request.method in ("POST", "PUT", "PATCH"):
             headers.append((b"Content-Length", str(len(request.body)).encode()))
