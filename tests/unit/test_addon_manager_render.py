@@ -100,6 +100,9 @@ def container(deployment: dict[str, Any], name: str | None = None) -> dict[str, 
     return containers[0] if name is None else next(c for c in containers if c["name"] == name)
 
 
+SERVICEACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
 class Pod:
     """A pod's volumes as folders: Secret volumes hold their keys as files, emptyDirs start empty,
     and the init containers' copy has run (it is a shell one-liner: done here the way it would be)."""
@@ -132,6 +135,8 @@ class Pod:
                 return self.dirs[mount["name"]]
             if path.startswith(root + "/"):
                 return self.dirs[mount["name"]] / path[len(root) + 1 :]
+        if self.spec.get("automountServiceAccountToken") and path.startswith(SERVICEACCOUNT_MOUNT + "/"):
+            return self.root / "serviceaccount" / path[len(SERVICEACCOUNT_MOUNT) + 1 :]  # the kubelet's mount
         raise AssertionError(f"{path} is on no volume of container {c['name']}")
 
     def argv(self, c: dict[str, Any]) -> list[str]:
@@ -283,9 +288,13 @@ def test_manifest_work_holds_the_agent(ca_pem: str) -> None:
         ("Namespace", "open-cluster-management-cluster-proxy"),
         ("ServiceAccount", "cluster-proxy"),
         ("Secret", "cluster-proxy-agent-bootstrap"),
+        # the managed service accounts' namespace and the agent's rights there
+        ("Namespace", render.SERVICEACCOUNT_NAMESPACE),
+        ("Role", render.SERVICEACCOUNT_ROLE),
+        ("RoleBinding", render.SERVICEACCOUNT_ROLE),
         ("Deployment", "cluster-proxy-proxy-agent"),
     ]
-    for manifest in manifests[1:]:
+    for manifest in manifests[1:3] + manifests[-1:]:
         assert manifest["metadata"]["namespace"] == "open-cluster-management-cluster-proxy"
     assert render.token_from_manifest_work(mw) == TOKEN
     secret = manifests[2]
@@ -318,7 +327,10 @@ def test_agent_command_line_is_accepted_by_the_agent(ca_pem: str, tmp_path: Path
     assert settings.ca.read_text() == ca_pem
     assert settings.proxy.proxy is None
     spec_pod = deployment["spec"]["template"]["spec"]
-    assert spec_pod["automountServiceAccountToken"] is False
+    # its own token: the managed service accounts' control endpoint (docs/managed-serviceaccount.md)
+    assert spec_pod["automountServiceAccountToken"] is True
+    assert settings.serviceaccounts is not None
+    assert settings.serviceaccounts.namespace == render.SERVICEACCOUNT_NAMESPACE
     assert spec_pod["serviceAccountName"] == "cluster-proxy"
 
 
@@ -362,7 +374,7 @@ def test_agent_namespace_is_the_one_given(ca_pem: str) -> None:
         "kind": "Namespace",
         "metadata": {"name": "custom-agents", "labels": render.labels("proxy-agent")},
     }
-    assert {m["metadata"].get("namespace") for m in manifests[1:]} == {"custom-agents"}
+    assert {m["metadata"].get("namespace") for m in manifests[1:3] + manifests[-1:]} == {"custom-agents"}
 
 
 def test_ipv6_entrypoint_is_bracketed(ca_pem: str, tmp_path: Path) -> None:

@@ -373,7 +373,7 @@ def test_no_overlay_holds_an_object_of_a_crd_it_installs(
 
 def test_the_hub_installs_the_crd_and_the_configuration_needs_it() -> None:
     hub = render(KUSTOMIZE / "overlays" / "hub")
-    crd = only(hub, "CustomResourceDefinition")
+    crd = only(hub, "CustomResourceDefinition", "managedproxyconfigurations.proxy.open-cluster-management.io")
     configuration = render(KUSTOMIZE / "overlays" / "hub-configuration")
     assert [o["kind"] for o in configuration] == ["ManagedProxyConfiguration"]
     assert crd["spec"]["names"]["kind"] == "ManagedProxyConfiguration"

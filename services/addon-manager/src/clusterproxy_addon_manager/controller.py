@@ -77,6 +77,16 @@ from .kube import (
 )
 from .metrics import ManagerMetrics
 
+# the cluster-gateway's ManagedServiceAccounts (docs/managed-serviceaccount.md)
+MANAGED_SERVICE_ACCOUNT = Resource(
+    "authentication.open-cluster-management.io",
+    "v1beta1",
+    "managedserviceaccounts",
+    "ManagedServiceAccount",
+    True,
+    "deploy/kustomize/base/crds",
+)
+
 __all__ = ["CMA_KEY", "HUB_KEY", "Controller", "ManagerOptions", "NotReady", "cluster_key"]
 
 HUB_KEY = "hub"
@@ -783,6 +793,7 @@ class Controller:
                 self.metrics.writes.labels("ManifestWork", "delete").inc()
                 why = "cluster" if cluster is None or _deleting(cluster) else "addon"
                 self.log.info("work_deleted", cluster=name, reason=f"the {why} is gone")
+                self._delete_gateway_serviceaccount(name)
                 if cfg is not None and self.credentials.forget_token(
                     cfg.namespace, render.token_from_manifest_work(work)
                 ):
@@ -871,7 +882,29 @@ class Controller:
                 generation=_generation(written),
             )
             work = written
+        self._ensure_gateway_serviceaccount(name, str(addon["metadata"].get("uid") or ""))
         self._set_addon_status(addon, [_manifest_applied(work), self._available(name)], agent_ns)
+
+    def _ensure_gateway_serviceaccount(self, cluster: str, addon_uid: str) -> None:
+        """The cluster-gateway's ManagedServiceAccount in the cluster's namespace, created when missing. A
+        hub without its CRD (no gateway) or a refused write is logged, never the addon's failure."""
+        try:
+            if self.kube.get_or_none(MANAGED_SERVICE_ACCOUNT, render.GATEWAY_SERVICEACCOUNT, cluster) is None:
+                self.kube.create(
+                    MANAGED_SERVICE_ACCOUNT, render.gateway_managed_serviceaccount(cluster, addon_uid)
+                )
+                self.log.info(
+                    "gateway_serviceaccount_created", cluster=cluster, name=render.GATEWAY_SERVICEACCOUNT
+                )
+        except KubeError as exc:
+            if exc.status != 409:
+                self.log.warning("gateway_serviceaccount_failed", cluster=cluster, error=str(exc))
+
+    def _delete_gateway_serviceaccount(self, cluster: str) -> None:
+        try:
+            self.kube.delete(MANAGED_SERVICE_ACCOUNT, render.GATEWAY_SERVICEACCOUNT, cluster)
+        except KubeError as exc:
+            self.log.warning("gateway_serviceaccount_failed", cluster=cluster, error=str(exc))
 
     def _available(self, cluster: str) -> Condition:
         if self.availability is None:

@@ -88,6 +88,11 @@ AGENT_DEPLOYMENT = "cluster-proxy-proxy-agent"
 AGENT_SERVICE_ACCOUNT = "cluster-proxy"
 AGENT_BOOTSTRAP_SECRET = "cluster-proxy-agent-bootstrap"
 AGENT_ADMIN_PORT = 8093
+# The managed service accounts (docs/managed-serviceaccount.md): their ServiceAccounts live in this
+# namespace of the managed cluster (upstream's), where the agent may manage them and nothing else.
+SERVICEACCOUNT_NAMESPACE = "open-cluster-management-managed-serviceaccount"
+SERVICEACCOUNT_ROLE = "cluster-proxy-agent-serviceaccounts"
+POD_SERVICEACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 TOKEN_KEY = "bootstrap-token"
 CA_KEY = "ca.crt"
@@ -601,6 +606,9 @@ def agent_deployment(inputs: AgentInputs) -> dict[str, Any]:
         f"--key={CREDENTIALS_DIR}/tls.key",
         f"--admin-listen=0.0.0.0:{AGENT_ADMIN_PORT}",
         "--log-format=json",
+        f"--serviceaccount-namespace={SERVICEACCOUNT_NAMESPACE}",
+        f"--kube-token-file={POD_SERVICEACCOUNT_DIR}/token",
+        f"--kube-ca-file={POD_SERVICEACCOUNT_DIR}/ca.crt",
         *([f"--proxy-ca-file={BOOTSTRAP_DIR}/{PROXY_CA_KEY}"] if inputs.proxy.ca_bundle_pem else []),
         *cfg.agent_args,
     ]
@@ -609,8 +617,9 @@ def agent_deployment(inputs: AgentInputs) -> dict[str, Any]:
         mounts.append({"name": "bootstrap", "mountPath": BOOTSTRAP_DIR, "readOnly": True})
     pod_spec: dict[str, Any] = {
         "serviceAccountName": AGENT_SERVICE_ACCOUNT,
-        # The agent dials TCP targets and never calls the Kubernetes API as itself.
-        "automountServiceAccountToken": False,
+        # The agent calls the Kubernetes API as itself for the managed service accounts only (the Role
+        # below: ServiceAccounts and their tokens in SERVICEACCOUNT_NAMESPACE).
+        "automountServiceAccountToken": True,
         "terminationGracePeriodSeconds": 40,
         "securityContext": _pod_security(),
         "initContainers": [_seed_ca_container(image)],
@@ -662,7 +671,43 @@ def agent_manifests(inputs: AgentInputs) -> list[dict[str, Any]]:
             "type": "Opaque",
             "data": data,
         },
+        *serviceaccount_manifests(ns),
         agent_deployment(inputs),
+    ]
+
+
+def serviceaccount_manifests(agent_namespace: str) -> list[dict[str, Any]]:
+    """The namespace of the managed service accounts and the agent's rights there: exactly what its control
+    endpoint does (read, make and delete a ServiceAccount, ask TokenRequest for its token), nothing else."""
+    meta = {
+        "name": SERVICEACCOUNT_ROLE,
+        "namespace": SERVICEACCOUNT_NAMESPACE,
+        "labels": labels("proxy-agent"),
+    }
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": SERVICEACCOUNT_NAMESPACE, "labels": labels("proxy-agent")},
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta,
+            "rules": [
+                {"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": ["get", "create", "delete"]},
+                {"apiGroups": [""], "resources": ["serviceaccounts/token"], "verbs": ["create"]},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": SERVICEACCOUNT_ROLE},
+            "subjects": [
+                {"kind": "ServiceAccount", "name": AGENT_SERVICE_ACCOUNT, "namespace": agent_namespace}
+            ],
+        },
     ]
 
 
@@ -683,6 +728,34 @@ def agent_manifest_work(inputs: AgentInputs) -> dict[str, Any]:
             ),
         },
         "spec": {"workload": {"manifests": agent_manifests(inputs)}},
+    }
+
+
+# The cluster-gateway's own ManagedServiceAccount per cluster: its token Secret is the gateway's
+# --token-secret (docs/managed-serviceaccount.md).
+GATEWAY_SERVICEACCOUNT = "cluster-gateway"
+
+
+def gateway_managed_serviceaccount(cluster: str, addon_uid: str) -> dict[str, Any]:
+    """Created once with the addon (never overwritten: an admin may change its rotation), owned by the
+    ManagedClusterAddOn so that a hub's garbage collector removes it with the addon."""
+    return {
+        "apiVersion": "authentication.open-cluster-management.io/v1beta1",
+        "kind": "ManagedServiceAccount",
+        "metadata": {
+            "name": GATEWAY_SERVICEACCOUNT,
+            "namespace": cluster,
+            "labels": {"app.kubernetes.io/part-of": PART_OF, "app.kubernetes.io/managed-by": MANAGED_BY},
+            "ownerReferences": [
+                {
+                    "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+                    "kind": "ManagedClusterAddOn",
+                    "name": ADDON_NAME,
+                    "uid": addon_uid,
+                }
+            ],
+        },
+        "spec": {"rotation": {"enabled": True}},
     }
 
 
