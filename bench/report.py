@@ -45,6 +45,8 @@ METRICS: dict[tuple[str, str], tuple[str, str, bool]] = {
     ("failover", "slowest_s"): ("slowest new stream begun after the signal", "s", False),
     ("failover", "successor_slowest_s"): ("slowest new stream begun after the successor started", "s", False),
     ("failover", "successor_failed"): ("new streams failed after the successor started", "streams", False),
+    ("gateway", "p50_ms"): ("GET /healthz of cluster1's kube-apiserver p50", "ms", False),
+    ("gateway", "p99_ms"): ("GET /healthz of cluster1's kube-apiserver p99", "ms", False),
 }
 
 WORKLOAD_TITLES = {
@@ -55,6 +57,7 @@ WORKLOAD_TITLES = {
     "fanin": "Fan-in: many agents on one server (variant: agents)",
     "hol": "Head-of-line blocking (variant: direction of the stalled stream)",
     "failover": "Failover: 3 replicas behind haproxy, one stopped (variant: the signal)",
+    "gateway": "Cluster gateway: direct = cluster1's kube-apiserver, ours = through the hub and the gateway",
 }
 
 
@@ -167,6 +170,8 @@ def markdown(results: dict) -> str:
             ]
         if w == "failover":
             lines += failover_details(results["records"], results.get("settings", {}).get("failover", {}))
+        if w == "gateway":
+            lines += gateway_details(summary[w])
     if meta.get("commands"):
         lines += ["## How the systems were started", ""]
         for name, roles in meta["commands"].items():
@@ -298,6 +303,23 @@ def failover_details(records: list[dict], settings: dict) -> list[str]:
         lines += [f"- {system} {variant}: `{e}`" for system, variant, e in errors]
     lines.append("")
     return lines
+
+
+def gateway_details(summary: dict) -> list[str]:
+    """ours/direct per variant: what the hub, the aggregator, the gateway and the tunnel add."""
+    lines = []
+    for variant, metrics in sorted(summary.items()):
+        parts = []
+        for metric in ("p50_ms", "p99_ms"):
+            vals = metrics.get(metric, {})
+            if vals.get("direct") and vals.get("ours") is not None:
+                parts.append(
+                    f"{metric[:3]} {vals['ours']:.1f} ms against {vals['direct']:.1f} "
+                    f"(+{vals['ours'] - vals['direct']:.1f} ms, x{vals['ours'] / vals['direct']:.1f})"
+                )
+        if parts:
+            lines.append(f"- {variant}: through the hub and the gateway {'; '.join(parts)}")
+    return [*lines, ""] if lines else []
 
 
 def _shell_word(arg: str) -> str:

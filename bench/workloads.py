@@ -15,7 +15,7 @@ from bench.failover import FailoverSettings, ReplicaFleet, loadavg
 from bench.procs import Proc
 from bench.systems import Env, System, Unavailable
 
-WORKLOADS = ("bulk", "connect", "rr", "idle", "fanin", "hol", "failover")
+WORKLOADS = ("bulk", "connect", "rr", "idle", "fanin", "hol", "failover", "gateway")
 # variant -> (signal, the successor starts late: while the client goes on)
 FAILOVER_VARIANTS = {
     "sigkill": (signal.SIGKILL, False),
@@ -47,6 +47,9 @@ class Settings:
     idle_max_time: float
     failover_repeats: int
     failover: FailoverSettings
+    gateway_requests: int  # per variant, path and repeat (bench/gateway.py)
+    gateway_repeats: int
+    gateway_time_limit: float
 
     @classmethod
     def make(cls, quick: bool) -> Settings:
@@ -83,6 +86,9 @@ class Settings:
                     drain_timeout=3.0,
                     converge_timeout=30.0,
                 ),
+                gateway_requests=50,
+                gateway_repeats=1,
+                gateway_time_limit=300.0,
             )
         return cls(
             quick=False,
@@ -116,6 +122,9 @@ class Settings:
                 drain_timeout=3.0,
                 converge_timeout=30.0,
             ),
+            gateway_requests=200,
+            gateway_repeats=3,
+            gateway_time_limit=600.0,
         )
 
 
@@ -517,3 +526,33 @@ class Runner:
         finally:
             for fleet in fleets:
                 fleet.stop()
+
+    def gateway(self) -> None:
+        """seed 004's ``get --raw .../clustergateways/cluster1/proxy/healthz`` through the hub and the
+        cluster-gateway (ours) against cluster1's kube-apiserver straight (direct), on real API servers
+        (bench/gateway.py); the other systems do not take part."""
+        from bench.gateway import run_gateway_workload
+
+        st = self.settings
+        names = {"direct": _Named("direct"), "ours": _Named("ours")}
+        try:
+            commands = run_gateway_workload(
+                self.env.run_dir / "gateway",
+                count=st.gateway_requests,
+                repeats=st.gateway_repeats,
+                time_limit=st.gateway_time_limit,
+                record=lambda variant, system, rep, m: self.record("gateway", variant, names[system], rep, m),
+                failed=lambda variant, system, rep, e: self.failed("gateway", variant, names[system], rep, e),
+                log=log,
+            )
+            self.commands["ours (gateway)"] = commands
+        except Exception as exc:
+            self.skipped["gateway"] = f"failed to start: {type(exc).__name__}: {exc}"
+            log(f"gateway: failed to start: {exc}")
+
+
+@dataclass(frozen=True)
+class _Named:
+    """A row name of the report for a path that is not one of the System objects."""
+
+    name: str
