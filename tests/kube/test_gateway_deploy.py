@@ -139,6 +139,19 @@ def installed(
         pod = stack.hub_kubelet.run(NAMESPACE, DEPLOYMENT)
         waited = hub.kubectl("wait", "--for=condition=Available", "--timeout=60s", f"apiservice/{APISERVICE}")
         assert waited.returncode == 0, f"{waited.stderr}\n--- gateway pod\n{pod.container().tail()}"
+        # Available is not yet discoverable: the hub adds the group to its aggregated discovery (/apis)
+        # after it fetched the gateway's discovery document (a run's `get clustergateway` right after
+        # the wait said "doesn't have a resource type"). kubectl reads that, so wait for it there.
+        poll_until(
+            lambda: (
+                "clustergateways.cluster.core.oam.dev"
+                in hub.kubectl(
+                    "api-resources", "--api-group=cluster.core.oam.dev", "-o", "name"
+                ).stdout.split()
+            ),
+            timeout=30,
+            what=f"clustergateways in the hub's discovery:\n{pod.container().tail()}",
+        )
         yield {
             "hub": hub,
             "cluster": name,

@@ -9,9 +9,9 @@ with the hub's kubeconfig (``--kubernetes``): INSTALLED and AVAILABLE come from 
 ManagedClusterAddOn; PROBED HEALTH is ``GET /healthz`` of the cluster's REAL kube-apiserver, reached
 through the tunnel by the bare cluster name (``https://<cluster>:443/healthz``), its certificate
 checked against the clusters' CA (``--probe-ca``) under ``kubernetes.default.svc``. Its hub client
-certificate comes from the cert-signer the manager deployed: the admin makes a token for it
-(``cluster-proxy-cert-signer token create --client health-collector``) and the collector trades it
-itself (``--signer``, ``--bootstrap-token``).
+certificate comes from the cert-signer the manager deployed, with the token of the Secret the manager
+keeps for it (``--hub-client``, as the hub overlay runs it): the collector reads it through the API
+(``--bootstrap-secret``) and trades it itself (``--signer``); nobody makes a token by hand.
 
 - both clusters True/True/True with a latency; a wrong ``--probe-ca`` fails the probe on TLS (the
   check is real);
@@ -42,6 +42,7 @@ pytestmark = pytest.mark.slow
 
 DEADLINE = 15.0  # the issue's bound for a row to follow an agent's death and its return
 CLIENT_NAME = "health-collector"
+BOOTSTRAP_SECRET = "cluster-proxy-health-collector-bootstrap"
 ADDON_GROUP, ADDON_VERSION = "addon.open-cluster-management.io", "v1alpha1"
 
 
@@ -72,20 +73,17 @@ def signer_cli(stack: AddonStack, *args: str) -> str:
 
 
 def collector_flags(stack: AddonStack, directory: Path, probe_ca: Path) -> list[str]:
-    """The admin's steps for the collector's client certificate, then its flags: the trust bundle and a
-    token bound to ``health-collector`` from the signer's store; the collector bootstraps with them."""
+    """The collector's flags: its client certificate from the signer with the token of the Secret the
+    manager keeps (``--bootstrap-secret``; its ``ca.crt`` seeds ``--ca``)."""
     directory.mkdir(parents=True, exist_ok=True)
-    ca = directory / "ca.crt"
-    signer_cli(stack, "trust-bundle", f"--out={ca}")
-    token = json.loads(signer_cli(stack, "token", "create", f"--client={CLIENT_NAME}", "--json"))["token"]
     return [
         "--kubernetes",
         f"--kubeconfig={stack.hub.kubeconfig}",
         f"--admin-url={stack.admin_url}",
         f"--proxy=127.0.0.1:{stack.ports.client}",
         f"--signer=https://127.0.0.1:{stack.ports.signer}",
-        f"--bootstrap-token={token}",
-        f"--ca={ca}",
+        f"--bootstrap-secret={stack.namespace}/{BOOTSTRAP_SECRET}",
+        f"--ca={directory / 'ca.crt'}",
         f"--cert={directory / 'tls.crt'}",
         f"--key={directory / 'tls.key'}",
         f"--probe-ca={probe_ca}",
@@ -96,7 +94,11 @@ def collector_flags(stack: AddonStack, directory: Path, probe_ca: Path) -> list[
 @pytest.fixture(scope="module")
 def health(kube_clusters: KubeClusters, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Health]:
     directory = tmp_path_factory.mktemp("health-kube")
-    stack = AddonStack(kube_clusters["hub"], directory, manager_args=["--availability-poll=2s"])
+    stack = AddonStack(
+        kube_clusters["hub"],
+        directory,
+        manager_args=["--availability-poll=2s", f"--hub-client={CLIENT_NAME}={BOOTSTRAP_SECRET}"],
+    )
     collector = None
     try:
         stack.start()
@@ -176,8 +178,19 @@ def test_both_clusters_are_true_probed_at_their_real_kube_apiserver(health: Heal
         row = health.collector.cluster(name)
         assert row is not None and row["addon"]["available"] is True, row
         assert [a["agent_id"] for a in row["agents"]], row  # the agent the work agent's Deployment runs
-    # the collector bootstrapped its own client certificate with the admin's token
+    # the collector bootstrapped its own client certificate with the manager's token
     assert [r for r in health.collector.process.events() if r.get("event") == "cert_bootstrapped"]
+    # ... and the manager put an unused one in its place (for the collector's next pod)
+    states = poll_until(
+        lambda: (
+            (rows := [line.split()[-1] for line in signer_cli(health.stack, "token", "list").splitlines()
+                      if f"client '{CLIENT_NAME}'" in line])
+            and "unused" in rows and rows
+        ),
+        timeout=10,
+        what=f"an unused {CLIENT_NAME} token beside the used one",
+    )  # fmt: skip
+    assert "used" in states, states
     # the proxy-server routed the probes as "<cluster>:443" (the bare cluster name)
     server = health.stack.server
     assert server is not None
@@ -198,7 +211,7 @@ def test_a_probe_with_the_wrong_ca_fails_on_tls(health: Health) -> None:
     """The probe checks the kube-apiserver's certificate: with the hub's cluster-proxy CA in
     ``--probe-ca`` (which did not sign it) one round of the collector's own command reports PROBED
     HEALTH False for a TLS failure."""
-    flags = [f for f in health.collector.extra if not f.startswith(("--probe-ca=", "--bootstrap-token="))]
+    flags = [f for f in health.collector.extra if not f.startswith(("--probe-ca=", "--bootstrap-secret="))]
     wrong_ca = next(f for f in flags if f.startswith("--ca=")).split("=", 1)[1]
     done = subprocess.run(
         [str(BIN / "cluster-proxy-health-collector"), *flags, f"--probe-ca={wrong_ca}", "--once"],
