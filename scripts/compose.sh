@@ -44,14 +44,16 @@ BASE_RECIPE_VERSION="1"
 BASE_LABEL="io.cluster-proxy.base-recipe"
 HOST_CA_DIR=/usr/local/share/ca-certificates
 
-# image name -> Dockerfile (the build context is the repository root: see .dockerignore)
+# image name -> Dockerfile (the build context is the repository root: see .dockerignore); a service
+# image (one of services/) is deploy/images/Dockerfile with --build-arg SERVICE=NAME
+SERVICE_DOCKERFILE=deploy/images/Dockerfile
 declare -A DOCKERFILES=(
-    [proxy-server]=services/proxy-server/Dockerfile
-    [proxy-agent]=services/proxy-agent/Dockerfile
-    [cert-signer]=services/cert-signer/Dockerfile
-    [addon-manager]=services/addon-manager/Dockerfile
-    [health-collector]=services/health-collector/Dockerfile
-    [cluster-gateway]=services/cluster-gateway/Dockerfile
+    [proxy-server]=$SERVICE_DOCKERFILE
+    [proxy-agent]=$SERVICE_DOCKERFILE
+    [cert-signer]=$SERVICE_DOCKERFILE
+    [addon-manager]=$SERVICE_DOCKERFILE
+    [health-collector]=$SERVICE_DOCKERFILE
+    [cluster-gateway]=$SERVICE_DOCKERFILE
     [toolbox]=deploy/compose/toolbox/Dockerfile
     [network-peers]=deploy/compose/network-peers/Dockerfile
 )
@@ -244,9 +246,10 @@ cmd_base() {
 build_image() {
     # $1: image name, then docker build flags. The legacy builder (no buildx here): a deprecation
     # notice on stderr, nothing else.
-    local name="$1" log="$CACHE/docker/build-$1.log"
+    local name="$1" log="$CACHE/docker/build-$1.log" service=()
     shift
-    if ! DOCKER_BUILDKIT=0 docker build --quiet --build-arg "PYTHON_BASE=$BASE" \
+    [[ "${DOCKERFILES[$name]}" == "$SERVICE_DOCKERFILE" ]] && service=(--build-arg "SERVICE=$name")
+    if ! DOCKER_BUILDKIT=0 docker build --quiet --build-arg "PYTHON_BASE=$BASE" "${service[@]}" \
         -f "${DOCKERFILES[$name]}" "$@" . >/dev/null 2>>"$log"; then
         tail -n 30 "$log" >&2
         die "docker build of cluster-proxy/$name failed (above; whole log $log)"

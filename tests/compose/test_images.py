@@ -52,9 +52,13 @@ def run(client: Any, name: str, command: list[str], entrypoint: list[str] | str 
 def test_help_runs_as_non_root(docker_client: Any, name: str) -> None:
     config = docker_client.images.get(image(name)).attrs["Config"]
     assert config["User"] == "65532:65532"
-    assert config["Entrypoint"] == [CONSOLE_SCRIPT[name]]
-    if name != "toolbox":
+    if name == "toolbox":
+        assert config["Entrypoint"] == [CONSOLE_SCRIPT[name]]
+    else:  # deploy/images/Dockerfile: its entrypoint runs the COMMAND of the service's image.conf
+        assert config["Entrypoint"] == ["/opt/cluster-proxy/libexec/entrypoint"]
         assert config["Healthcheck"]["Test"], f"{name} has no HEALTHCHECK"
+        conf = run(docker_client, name, ["/opt/cluster-proxy/image.conf"], "cat")
+        assert f"COMMAND={CONSOLE_SCRIPT[name]}\n" in conf, conf
 
     usage = run(docker_client, name, ["--help"])
     assert usage.startswith(f"usage: {CONSOLE_SCRIPT[name]} "), usage[:300]
