@@ -5,7 +5,8 @@ The hub side is a plain ``open_mux(..., Role.OPENER)``: what the proxy-server do
 The 504 case needs a target that neither accepts nor refuses. On Linux a listener whose accept queue
 is full drops incoming SYNs (the SYN-cookie path does not apply to a full *accept* queue), so a
 ``listen(0)`` socket with one connection queued and never accepted is a reliable loopback blackhole:
-see :class:`Blackhole`, which waits (with a deadline, via ``TCP_INFO``) until the queue is full.
+see :class:`tests.support.targets.Blackhole`, which waits (with a deadline, via ``TCP_INFO``) until
+the queue is full.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import hashlib
 import ipaddress
 import json
 import os
-import socket
-import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -35,7 +34,7 @@ from clusterproxy_protocol.errors import (
     TargetUnreachable,
 )
 from clusterproxy_protocol.wire import REASON_HEADER
-from tests.support.targets import serve_echo
+from tests.support.targets import Blackhole, closed_port, serve_echo
 
 
 def dials(agent: Agent, result: str) -> float | None:
@@ -95,43 +94,6 @@ async def round_trip(stream: trio.abc.HalfCloseableStream, size: int) -> None:
     await stream.aclose()
     assert len(received) == size
     assert hashlib.sha256(received).hexdigest() == hashlib.sha256(payload).hexdigest()
-
-
-def closed_port() -> int:
-    """A loopback port with no listener (bound, then closed; nobody else takes it this quickly)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Blackhole:
-    """127.0.0.1:port where a connect hangs: a ``listen(0)`` socket whose accept queue is full."""
-
-    def __init__(self) -> None:
-        self.listener = socket.socket()
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(0)
-        self.port = self.listener.getsockname()[1]
-        self.filler = socket.socket()
-
-    def queued(self) -> int:
-        # struct tcp_info: 8 one-byte fields, then u32 rto, ato, snd_mss, rcv_mss, unacked, sacked.
-        # For a listener, tcpi_unacked is the accept queue length and tcpi_sacked its limit.
-        info = self.listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 32)
-        unacked, _limit = struct.unpack_from("II", info, 24)
-        return unacked
-
-    async def __aenter__(self) -> Blackhole:
-        self.filler.setblocking(False)
-        self.filler.connect_ex(("127.0.0.1", self.port))
-        with trio.fail_after(5):
-            while self.queued() < 1:
-                await trio.sleep(0.005)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.filler.close()
-        self.listener.close()
 
 
 # --- (a) data round trip --------------------------------------------------------------------------------
@@ -231,12 +193,13 @@ async def test_unresolvable_name_is_502() -> None:
 
 async def test_blackholed_target_is_504_after_the_dial_timeout() -> None:
     agent = make_agent(dial_timeout=0.5)
-    async with Blackhole() as hole, hub_side(agent) as hub:
-        started = trio.current_time()
-        with trio.fail_after(5), pytest.raises(DialTimeout) as info:
-            await hub.open_connect(f"127.0.0.1:{hole.port}")
-        elapsed = trio.current_time() - started
-        assert hole.queued() == 1  # the agent's SYN was dropped, never queued
+    with Blackhole() as hole:
+        async with hub_side(agent) as hub:
+            started = trio.current_time()
+            with trio.fail_after(5), pytest.raises(DialTimeout) as info:
+                await hub.open_connect(f"127.0.0.1:{hole.port}")
+            elapsed = trio.current_time() - started
+            assert hole.queued() == 1  # the agent's SYN was dropped, never queued
     assert info.value.status == 504
     assert info.value.reason == f"dial to 127.0.0.1:{hole.port} timed out after 0.5s (connecting)"
     assert 0.5 <= elapsed < 3

@@ -203,3 +203,9 @@ class Blackhole:
     def close(self) -> None:
         for sock in [*self._fillers, self._listener]:
             sock.close()
+
+    def __enter__(self) -> Blackhole:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
