@@ -45,7 +45,7 @@ from clusterproxy_protocol.pki import DevCA
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from tests.support.pki import PkiFiles, make_pki
 from tests.support.procs import AGENT_FLAGS, ANY_PORT, POLL, Process, http_get
-from tests.support.proxies import binary
+from tests.support.proxies import accepts, binary
 from tests.support.traffic import BYE
 
 HAPROXY_MISSING = "haproxy (Debian package haproxy; scripts/bootstrap.sh installs it)"
@@ -77,14 +77,6 @@ def allocate_places(count: int) -> list[Place]:
     ephemeral range: see :func:`tests.support.proxies.free_port`)."""
     ports = iter(free_ports(3 * count))
     return [Place(f"place{i}", next(ports), next(ports), next(ports)) for i in range(count)]
-
-
-def _accepts(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
-            return True
-    except OSError:
-        return False
 
 
 @dataclass
@@ -190,9 +182,9 @@ async def start_haproxy(
     try:
         with trio.fail_after(STARTUP_TIMEOUT):
             while not (
-                await trio.to_thread.run_sync(_accepts, client_port)
+                await trio.to_thread.run_sync(accepts, client_port)
                 and proxy.stats_socket.exists()
-                and await trio.to_thread.run_sync(_accepts, agent_port)
+                and await trio.to_thread.run_sync(accepts, agent_port)
             ):
                 if process.popen.poll() is not None:
                     raise AssertionError(f"haproxy exited ({process.popen.returncode}):\n{process.tail()}")
