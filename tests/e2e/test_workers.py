@@ -206,8 +206,9 @@ async def test_sigterm_drains_every_worker_and_exits_0(hub: Hub) -> None:
     assert hub.server.named("server_drained")
 
 
-def test_certificate_bootstrapped_once_for_all_workers(tmp_path: Path) -> None:
-    hub = SignedHub(None, tmp_path, signer=SignerProcess(tmp_path / "signer", tmp_path))  # type: ignore[arg-type]
+def test_certificate_bootstrapped_once_renewed_once_for_all_workers(tmp_path: Path) -> None:
+    signer = SignerProcess(tmp_path / "signer", tmp_path, "--cert-ttl", "12s")
+    hub = SignedHub(None, tmp_path, signer=signer)  # type: ignore[arg-type]
 
     async def run() -> None:
         assert hub.signer is not None
@@ -221,6 +222,14 @@ def test_certificate_bootstrapped_once_for_all_workers(tmp_path: Path) -> None:
         await every_agent_on_every_worker(hub, 1)
         issued = [p.read_text() for p in (hub.signer.store_dir / "issued").glob("*.json")]
         assert len([text for text in issued if '"proxy-server"' in text]) == 1, issued
+        # one renewer (the parent's) at ~80 % of the 12 s; each worker loads what it wrote
+        renewed = await hub.server.wait_event("cert_renewed", timeout=30)
+        for worker in (0, 1):
+            reloaded = await hub.server.wait_event("certificate_reloaded", timeout=15, worker=worker)
+            assert reloaded["serial"] == renewed["serial"], (reloaded, renewed)
+        assert count_events(hub.server, "cert_renewed") == 1
+        issued = [p.read_text() for p in (hub.signer.store_dir / "issued").glob("*.json")]
+        assert len([text for text in issued if '"proxy-server"' in text]) == 2, issued
 
     try:
         trio.run(run)
