@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from clusterproxy_addon_manager import render
+from clusterproxy_addon_manager.config import Endpoints, ProxySettings, parse_mpc
 from clusterproxy_agent.control import ControlEndpoint, is_control_target
 from clusterproxy_gateway.serviceaccounts import parse_go_duration, renewal_due
 from clusterproxy_protocol.agent_control import CONTROL_AUTHORITY, CONTROL_CLIENT_HEADER
@@ -132,3 +133,36 @@ def test_the_gateways_own_msa_is_owned_by_the_addon() -> None:
     assert (msa["metadata"]["name"], msa["metadata"]["namespace"]) == ("cluster-gateway", "c1")
     assert msa["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     assert msa["spec"] == {"rotation": {"enabled": True}}
+
+
+def test_the_serviceaccount_namespace_outlives_the_addons_work() -> None:
+    """Its ServiceAccounts belong to the hub's MSAs: the work agent leaves the namespace in place when the
+    work goes (OCM's SelectivelyOrphan) and deletes the agent's Role and RoleBinding with the rest."""
+    cfg = parse_mpc(
+        {
+            "apiVersion": "proxy.open-cluster-management.io/v1alpha1",
+            "kind": "ManagedProxyConfiguration",
+            "metadata": {"name": "cluster-proxy", "uid": "u"},
+            "spec": {"proxyServer": {"entrypoint": {"type": "Hostname", "hostname": {"value": "hub"}}}},
+        },
+        default_namespace="ns",
+    )
+    inputs = render.AgentInputs(
+        cfg=cfg,
+        cluster="c1",
+        namespace="agents",
+        endpoints=Endpoints("hub", 8091, "hub", 8443),
+        ca_bundle_pem="",
+        token="t",
+        proxy=ProxySettings(),
+        addon_uid="a",
+    )
+    option = render.agent_manifest_work(inputs)["spec"]["deleteOption"]
+    assert option == {
+        "propagationPolicy": "SelectivelyOrphan",
+        "selectivelyOrphans": {
+            "orphaningRules": [
+                {"group": "", "resource": "namespaces", "name": render.SERVICEACCOUNT_NAMESPACE}
+            ]
+        },
+    }

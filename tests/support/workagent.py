@@ -11,7 +11,8 @@ and ``Available`` (``ResourcesAvailable`` / ``ResourcesNotAvailable``) with the 
 name, namespace, and each manifest's own ``Applied``/``Available``). A manifest the API server refuses
 is reported there, never raised away. Call :meth:`WorkAgent.apply` once, or :meth:`WorkAgent.start` a
 thread that applies each new generation within ``interval`` and, when a ManifestWork disappears,
-deletes what it applied (the real agent does that behind a finalizer on the ManifestWork; this stand-in
+deletes what it applied, except what the work's ``spec.deleteOption`` orphans (``Orphan``, or
+``SelectivelyOrphan`` rules) (the real agent does that behind a finalizer on the ManifestWork; this stand-in
 adds none, so nothing hangs when a test stops it).
 
 :class:`Kubelet` runs the pod of a ``Deployment`` as local processes, as a kubelet would run it:
@@ -190,6 +191,25 @@ class AppliedObject:
     namespace: str  # "" when cluster-scoped
 
 
+def _orphaned(work: Mapping[str, Any], group: str, resource: str, name: str, namespace: str) -> bool:
+    """Whether the work's ``spec.deleteOption`` leaves this object in place when the work goes (``Orphan``,
+    or ``SelectivelyOrphan`` with a rule naming it), as OCM's work agent does: it is never deleted."""
+    option = (work.get("spec") or {}).get("deleteOption") or {}
+    policy = option.get("propagationPolicy")
+    if policy == "Orphan":
+        return True
+    if policy != "SelectivelyOrphan":
+        return False
+    rules = (option.get("selectivelyOrphans") or {}).get("orphaningRules") or []
+    return any(
+        rule.get("group", "") == group
+        and rule.get("resource") == resource
+        and rule.get("name") == name
+        and rule.get("namespace", "") == namespace
+        for rule in rules
+    )
+
+
 @dataclass
 class AppliedWork:
     """What one apply of a ManifestWork did."""
@@ -345,7 +365,8 @@ class WorkAgent:
             except Exception as exc:
                 item.error = f"Failed to apply manifest: {_api_error(exc)}"
                 continue
-            result.applied_objects.append(AppliedObject(api_version, kind, name, namespace))
+            if not _orphaned(work, group, resource.name, name, namespace):
+                result.applied_objects.append(AppliedObject(api_version, kind, name, namespace))
             try:
                 self._dyn().get(resource, name=name, namespace=namespace or None)
                 item.available = True

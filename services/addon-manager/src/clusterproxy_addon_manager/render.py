@@ -727,7 +727,19 @@ def agent_manifest_work(inputs: AgentInputs) -> dict[str, Any]:
                 inputs.addon_api_version, "ManagedClusterAddOn", ADDON_NAME, inputs.addon_uid
             ),
         },
-        "spec": {"workload": {"manifests": agent_manifests(inputs)}},
+        "spec": {
+            "workload": {"manifests": agent_manifests(inputs)},
+            # The managed service accounts' namespace outlives the addon: its ServiceAccounts belong to
+            # the hub's ManagedServiceAccounts (their finalizer deletes them), not to this work.
+            "deleteOption": {
+                "propagationPolicy": "SelectivelyOrphan",
+                "selectivelyOrphans": {
+                    "orphaningRules": [
+                        {"group": "", "resource": "namespaces", "name": SERVICEACCOUNT_NAMESPACE}
+                    ]
+                },
+            },
+        },
     }
 
 
