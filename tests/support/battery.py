@@ -1,7 +1,9 @@
 """The bad-input battery's harness: one hostile input (a :class:`BadInput`) run against a real
 proxy-server while normal traffic goes on beside it, with the three checks every case gets:
 
-1. the hostile connection is answered or closed within the case's ``bound`` (the attack returns how);
+1. the hostile connection is answered or closed, the way its class must be (the attack returns how),
+   within ``bound`` + ``HANG_GUARD`` seconds: the time taken is printed beside the case's ``bound``
+   (what an idle machine shows), never asserted, since a loaded machine only delays the reaction;
 2. the server's RSS comes back within the case's ``rss_margin_kib`` of its warm baseline;
 3. traffic beside it is intact: one SDK stream that is mid-transfer for the whole attack (sha256 of
    both directions), and fresh transfers on new connections, HTTP/2 and HTTP/1.1 alternating, that
@@ -35,6 +37,7 @@ CLUSTER = "cluster1"  # the hub must have an agent of it
 BESIDE_DOWN = 8 << 20  # the long stream beside the attack: bytes from the target
 BESIDE_UP = 1 << 20  # and toward it
 FRESH_AFTER = 2  # fresh transfers that must complete after the attack started
+HANG_GUARD = 30.0  # beyond a case's bound: only a server that never reacts fails on time
 LONG_STREAM_DEADLINE = 60.0  # seconds for the whole long stream, attack included
 TRICKLE = 1 << 10  # the long stream's upload during the attack: this many bytes ...
 TRICKLE_INTERVAL = 0.1  # ... every this many seconds
@@ -76,7 +79,7 @@ class BadInput:
     # it did, never before (one that holds a connection open waits for the server to cut it); raises
     # when the server's answer is wrong.
     attack: Attack
-    bound: float = 5.0  # seconds until the hostile connection is answered or closed
+    bound: float = 5.0  # seconds the server should take to answer or close it (printed, not asserted)
     rss_margin_kib: int = 16 << 10  # the server's RSS after the case: at most this above the baseline
     rss_timeout: float = 10.0  # seconds for the RSS to come back
 
@@ -86,6 +89,7 @@ class CaseResult:
     name: str
     outcome: str
     seconds: float  # the attack, until answered or closed
+    bound: float  # the case's
     baseline_kib: int
     peak_kib: int
     after_kib: int
@@ -94,7 +98,7 @@ class CaseResult:
 
     def line(self) -> str:
         return (
-            f"{self.name}: {self.outcome} in {self.seconds:.3f}s; server RSS KiB baseline {self.baseline_kib}, "
+            f"{self.name}: {self.outcome} in {self.seconds:.3f}s (bound {self.bound:g}s); server RSS KiB baseline {self.baseline_kib}, "
             f"peak {self.peak_kib}, after {self.after_kib}; {self.fresh_transfers} fresh transfers and "
             f"{self.beside_bytes} bytes on the long stream beside, all sha256-checked"
         )
@@ -184,10 +188,12 @@ async def run_case(case: BadInput, hub: Hub, pki: PkiFiles, nursery: trio.Nurser
             fresh_before = sum(traffic.ok.values())
             started = trio.current_time()
             try:
-                with trio.fail_after(case.bound):
+                with trio.fail_after(case.bound + HANG_GUARD):
                     outcome = await case.attack(context)
             except trio.TooSlowError:
-                raise AssertionError(f"{case.name}: not answered or closed within {case.bound:g}s") from None
+                raise AssertionError(
+                    f"{case.name}: not answered or closed within {case.bound + HANG_GUARD:g}s"
+                ) from None
             seconds = trio.current_time() - started
             long_stream.attack_over.set()
             await wait_until(
@@ -206,6 +212,7 @@ async def run_case(case: BadInput, hub: Hub, pki: PkiFiles, nursery: trio.Nurser
         name=case.name,
         outcome=outcome,
         seconds=seconds,
+        bound=case.bound,
         baseline_kib=watch.baseline_kib,
         peak_kib=watch.peak_kib,
         after_kib=after,

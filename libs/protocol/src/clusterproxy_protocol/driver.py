@@ -39,7 +39,7 @@ from clusterproxy_protocol.core import (
 )
 from clusterproxy_protocol.errors import TunnelClosed, TunnelError, refusal
 from clusterproxy_protocol.logs import get_logger
-from clusterproxy_protocol.transport import receive_batch
+from clusterproxy_protocol.transport import input_waiting, receive_batch
 from clusterproxy_protocol.wire import REASON_HEADER
 
 _log = get_logger("tunnel")
@@ -48,6 +48,7 @@ RECEIVE_SIZE = 256 << 10
 MAX_CONTROL_BODY = 1 << 20
 MAX_REASON_BODY = 4096
 CLOSE_GRACE = 1.0  # seconds the peer gets to read our GOAWAY and close first
+STUCK_FRAME_RECHECK = 0.05  # seconds between looks while a late frame's rest waits unread
 
 RequestHandler = Callable[["IncomingRequest"], Awaitable[None]]
 LimitHandler = Callable[[ev.LimitExceeded, bool], None]  # (what tripped, first time on this connection)
@@ -657,6 +658,11 @@ class Mux:
                 continue
             if trio.current_time() < since + timeout:
                 await trio.sleep_until(since + timeout)
+                continue
+            if input_waiting(self.transport):
+                # The rest may be here, unread while this process was busy: let the reader catch up
+                # (its frame's start time stays, so a peer that really stopped is cut at the next look).
+                await trio.sleep(STUCK_FRAME_RECHECK)
                 continue
             detail = f"a frame started arriving and did not finish within {timeout:g}s"
             self.report_limit(ev.LimitExceeded("frame_timeout", detail))

@@ -1,13 +1,18 @@
-"""Reading from transports in batches.
+"""Reading from transports in batches, and knowing whether input waits unread.
 
 ``trio.SSLStream.receive_some`` decrypts at most one TLS record (16 KiB) per call even when the
 socket read brought in several, so a bulk transfer costs one trip through the whole receive path per
 16 KiB. :func:`receive_batch` returns, after that first record, everything already decrypted-able
 without touching the socket again.
+
+:func:`input_waiting` tells a deadline on the peer ("a frame started and did not finish") apart from
+a reader that is behind: in a process busy elsewhere (an attack on another connection, a loaded
+machine) the rest of a frame can sit in the socket unread for longer than the deadline.
 """
 
 from __future__ import annotations
 
+import select
 import ssl
 
 import trio
@@ -34,3 +39,18 @@ async def receive_batch(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes
         parts.append(more)
         total += len(more)
     return data if len(parts) == 1 else b"".join(parts)
+
+
+def input_waiting(stream: object) -> bool:
+    """Whether bytes the peer sent wait unread in ``stream``: decrypted in a ``trio.SSLStream``'s TLS
+    object or in the kernel's buffer of the socket under it. False for a transport it cannot look
+    into (a WebSocket carrier, memory streams): a deadline then counts as before."""
+    while isinstance(stream, trio.SSLStream):
+        if ssl_object_of(stream).pending():
+            return True
+        stream = stream.transport_stream
+    if isinstance(stream, trio.SocketStream):
+        poller = select.poll()
+        poller.register(stream.socket.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    return False
