@@ -118,7 +118,7 @@ def run_gateway_workload(
             f"gateway: API servers ready after {time.monotonic() - started:.0f} s; the addon's stack and the gateway"
         )
         with running_gateway(clusters, directory / "gateway", ("cluster1",), log_level="info") as gw:
-            from tests.kube.test_gateway import _set_reader
+            from tests.kube.gateway_rig import _set_reader
 
             _set_reader(gw.clusters["cluster1"].api, True)
             hub, cluster1 = gw.hub, gw.clusters["cluster1"].api

@@ -1,10 +1,12 @@
-"""A cluster-gateway behind the hub's aggregator, as tests/kube/test_gateway.py's ``gateway`` fixture
-builds it, for other modules and the bench: :func:`running_gateway`.
+"""A cluster-gateway behind the hub's aggregator, for the gateway's test modules and the bench:
+:func:`running_gateway`, and what they share (the APIService, the token Secret a test projects, the
+reader role of the gateway's ServiceAccount).
 
-The ManagedClusters are named ``<api server>-<stack tag>`` (``cluster1-3f2a1c``), not ``cluster1``: a
-cluster's namespace on the hub stays Terminating once deleted (no controller-manager runs), so only one
-module of a session may use a name, and test_gateway.py has ``cluster1`` and ``cluster2``. Which API
-server answered is still proved by a namespace that exists only there (``Managed.only_here``).
+The ManagedClusters are named ``<api server>-<stack tag>`` (``cluster1-3f2a1c``) unless ``tagged`` is
+False: a cluster's namespace on the hub stays Terminating once deleted (no controller-manager runs), so
+only one module of a session may use a name, and test_gateway.py has ``cluster1`` and ``cluster2``
+(untagged, as a user sees them). Which API server answered is proved by a namespace that exists only
+there (``Managed.only_here``).
 """
 
 from __future__ import annotations
@@ -13,23 +15,138 @@ import contextlib
 import json
 import subprocess
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kubernetes import client
 
-from tests.kube.test_gateway import (
-    APISERVICE,
-    Gateway,
-    Managed,
-    _project_token,
-    _register,
-    _set_reader,
-)
-from tests.support.kubeapi import KubeClusters, free_port
+from tests.support.kubeapi import KubeCluster, KubeClusters, free_port
 from tests.support.procs import BIN, Process
 from tests.support.workagent import AddonStack, poll_until
 
-__all__ = ["running_gateway"]
+__all__ = ["APISERVICE", "SA_NAME", "SA_NAMESPACE", "SA_USER", "Gateway", "Managed", "running_gateway"]
+
+GROUP_PATH = "/apis/cluster.core.oam.dev/v1alpha1"
+APISERVICE = "v1alpha1.cluster.core.oam.dev"
+SA_NAMESPACE = "open-cluster-management-managed-serviceaccount"
+SA_NAME = "cluster-gateway"
+SA_USER = f"system:serviceaccount:{SA_NAMESPACE}:{SA_NAME}"
+TOKEN_SECRET = "cluster-gateway"
+READER = "cluster-gateway-test-reader"
+
+
+@dataclass
+class Managed:
+    name: str  # the ManagedCluster
+    api: KubeCluster
+    only_here: str  # a namespace that exists on this cluster's API server alone
+
+
+@dataclass
+class Gateway:
+    stack: AddonStack
+    hub: KubeCluster
+    process: Process
+    port: int
+    clusters: dict[str, Managed]
+    directory: Path
+    kube_clusters: KubeClusters
+
+    def proxy_path(self, cluster: str, rest: str) -> str:
+        return f"{GROUP_PATH}/clustergateways/{cluster}/proxy{rest}"
+
+
+def _ignore_conflict(call: Any) -> None:
+    try:
+        call()
+    except client.exceptions.ApiException as exc:
+        if exc.status != 409:
+            raise
+
+
+def _project_token(hub: KubeCluster, managed: Managed) -> None:
+    """What point 2 will do: a ServiceAccount in the managed cluster, its token in a hub Secret."""
+    with managed.api.api_client() as admin:
+        core = client.CoreV1Api(admin)
+        _ignore_conflict(lambda: core.create_namespace({"metadata": {"name": SA_NAMESPACE}}))
+        _ignore_conflict(
+            lambda: core.create_namespaced_service_account(SA_NAMESPACE, {"metadata": {"name": SA_NAME}})
+        )
+        token = core.create_namespaced_service_account_token(
+            SA_NAME, SA_NAMESPACE, {"spec": {"expirationSeconds": 3600}}
+        ).status.token
+    with hub.api_client() as admin:
+        client.CoreV1Api(admin).create_namespaced_secret(
+            managed.name,
+            {
+                "metadata": {"name": TOKEN_SECRET},
+                "stringData": {"token": token, "ca.crt": managed.api.ca_path.read_text()},
+            },
+        )
+
+
+def _set_reader(api: KubeCluster, allowed: bool) -> None:
+    """Whether the gateway's ServiceAccount may read namespaces and manage ConfigMaps in ``api``."""
+    with api.api_client() as admin:
+        rbac = client.RbacAuthorizationV1Api(admin)
+        if not allowed:
+            with contextlib.suppress(client.exceptions.ApiException):
+                rbac.delete_cluster_role_binding(READER)
+            return
+        _ignore_conflict(
+            lambda: rbac.create_cluster_role(
+                {
+                    "metadata": {"name": READER},
+                    "rules": [
+                        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
+                        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["*"]},
+                    ],
+                }
+            )
+        )
+        _ignore_conflict(
+            lambda: rbac.create_cluster_role_binding(
+                {
+                    "metadata": {"name": READER},
+                    "roleRef": {
+                        "apiGroup": "rbac.authorization.k8s.io",
+                        "kind": "ClusterRole",
+                        "name": READER,
+                    },
+                    "subjects": [{"kind": "ServiceAccount", "name": SA_NAME, "namespace": SA_NAMESPACE}],
+                }
+            )
+        )
+
+
+def _register(hub: KubeCluster, namespace: str, port: int) -> None:
+    """The APIService (as deploy/kustomize's overlay ships it: no caBundle, the gateway writes its
+    serving CA there) with an ExternalName Service."""
+    with hub.api_client() as admin:
+        client.CoreV1Api(admin).create_namespaced_service(
+            namespace,
+            {
+                "metadata": {"name": "cluster-gateway"},
+                "spec": {
+                    "type": "ExternalName",
+                    "externalName": "localhost",
+                    "ports": [{"name": "https", "port": port, "targetPort": port}],
+                },
+            },
+        )
+        client.ApiregistrationV1Api(admin).create_api_service(
+            {
+                "metadata": {"name": APISERVICE},
+                "spec": {
+                    "group": "cluster.core.oam.dev",
+                    "version": "v1alpha1",
+                    "service": {"namespace": namespace, "name": "cluster-gateway", "port": port},
+                    "groupPriorityMinimum": 5000,
+                    "versionPriority": 10,
+                },
+            }
+        )
 
 
 @contextlib.contextmanager
@@ -40,10 +157,12 @@ def running_gateway(
     *,
     extra_args: Sequence[str] = (),
     log_level: str = "debug",
+    tagged: bool = True,
 ) -> Iterator[Gateway]:
     """The addon's stack, the API servers ``apis`` joined (each with the token Secret of a
     ServiceAccount ``cluster-gateway`` there), the APIService and the gateway process; all removed on
-    exit. ``Gateway.clusters`` is keyed by API server name; ``Managed.name`` is the ManagedCluster."""
+    exit. ``Gateway.clusters`` is keyed by API server name; ``Managed.name`` is the ManagedCluster
+    (the API server's name itself when not ``tagged``)."""
     hub = kube_clusters["hub"]
     stack = AddonStack(hub, directory)
     process = None
@@ -53,8 +172,8 @@ def running_gateway(
         managed: dict[str, Managed] = {}
         for api_name in apis:
             api = kube_clusters[api_name]
-            name = f"{api_name}-{stack.tag}"
-            only_here = f"only-in-{name}"
+            name = f"{api_name}-{stack.tag}" if tagged else api_name
+            only_here = f"only-in-{api_name}-{stack.tag}"
             with api.api_client() as admin:
                 client.CoreV1Api(admin).create_namespace({"metadata": {"name": only_here}})
             stack.join(name, api)

@@ -21,8 +21,7 @@ import yaml
 from kubernetes import client
 
 from tests.kube import test_gateway as base
-from tests.kube.gateway_rig import running_gateway
-from tests.kube.test_gateway import Gateway
+from tests.kube.gateway_rig import Gateway, running_gateway
 from tests.support.kubeapi import KubeClusters, install_crds
 from tests.support.workagent import poll_until
 

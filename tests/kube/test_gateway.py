@@ -29,56 +29,33 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 from kubernetes import client
 
+from tests.kube.gateway_rig import (
+    APISERVICE,
+    GROUP_PATH,
+    SA_USER,
+    TOKEN_SECRET,
+    Gateway,
+    _set_reader,
+    running_gateway,
+)
 from tests.support import require
-from tests.support.kubeapi import KubeCluster, KubeClusters, free_port
-from tests.support.procs import BIN, Process
+from tests.support.kubeapi import KubeClusters
+from tests.support.procs import BIN
 from tests.support.workagent import (
     MANIFEST_WORK,
     WORK_GROUP,
     WORK_PLURAL,
     WORK_VERSION,
-    AddonStack,
     poll_until,
 )
 
 pytestmark = pytest.mark.slow
-
-GROUP_PATH = "/apis/cluster.core.oam.dev/v1alpha1"
-APISERVICE = "v1alpha1.cluster.core.oam.dev"
-SA_NAMESPACE = "open-cluster-management-managed-serviceaccount"
-SA_NAME = "cluster-gateway"
-SA_USER = f"system:serviceaccount:{SA_NAMESPACE}:{SA_NAME}"
-TOKEN_SECRET = "cluster-gateway"
-READER = "cluster-gateway-test-reader"
-
-
-@dataclass
-class Managed:
-    name: str  # the ManagedCluster
-    api: KubeCluster
-    only_here: str  # a namespace that exists on this cluster's API server alone
-
-
-@dataclass
-class Gateway:
-    stack: AddonStack
-    hub: KubeCluster
-    process: Process
-    port: int
-    clusters: dict[str, Managed]
-    directory: Path
-    kube_clusters: KubeClusters
-
-    def proxy_path(self, cluster: str, rest: str) -> str:
-        return f"{GROUP_PATH}/clustergateways/{cluster}/proxy{rest}"
 
 
 def _kubectl(kubeconfig: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -93,187 +70,16 @@ def _kubectl(kubeconfig: Path, *args: str, timeout: float = 60) -> subprocess.Co
     )
 
 
-def _ignore_conflict(call: Any) -> None:
-    try:
-        call()
-    except client.exceptions.ApiException as exc:
-        if exc.status != 409:
-            raise
-
-
-def _project_token(hub: KubeCluster, managed: Managed) -> None:
-    """What point 2 will do: a ServiceAccount in the managed cluster, its token in a hub Secret."""
-    with managed.api.api_client() as admin:
-        core = client.CoreV1Api(admin)
-        _ignore_conflict(lambda: core.create_namespace({"metadata": {"name": SA_NAMESPACE}}))
-        _ignore_conflict(
-            lambda: core.create_namespaced_service_account(SA_NAMESPACE, {"metadata": {"name": SA_NAME}})
-        )
-        token = core.create_namespaced_service_account_token(
-            SA_NAME, SA_NAMESPACE, {"spec": {"expirationSeconds": 3600}}
-        ).status.token
-    with hub.api_client() as admin:
-        client.CoreV1Api(admin).create_namespaced_secret(
-            managed.name,
-            {
-                "metadata": {"name": TOKEN_SECRET},
-                "stringData": {"token": token, "ca.crt": managed.api.ca_path.read_text()},
-            },
-        )
-
-
-def _set_reader(api: KubeCluster, allowed: bool) -> None:
-    """Whether the gateway's ServiceAccount may read namespaces and manage ConfigMaps in ``api``."""
-    with api.api_client() as admin:
-        rbac = client.RbacAuthorizationV1Api(admin)
-        if not allowed:
-            with contextlib.suppress(client.exceptions.ApiException):
-                rbac.delete_cluster_role_binding(READER)
-            return
-        _ignore_conflict(
-            lambda: rbac.create_cluster_role(
-                {
-                    "metadata": {"name": READER},
-                    "rules": [
-                        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
-                        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["*"]},
-                    ],
-                }
-            )
-        )
-        _ignore_conflict(
-            lambda: rbac.create_cluster_role_binding(
-                {
-                    "metadata": {"name": READER},
-                    "roleRef": {
-                        "apiGroup": "rbac.authorization.k8s.io",
-                        "kind": "ClusterRole",
-                        "name": READER,
-                    },
-                    "subjects": [{"kind": "ServiceAccount", "name": SA_NAME, "namespace": SA_NAMESPACE}],
-                }
-            )
-        )
-
-
-def _register(hub: KubeCluster, namespace: str, port: int) -> None:
-    """The APIService (as deploy/kustomize's overlay ships it: no caBundle, the gateway writes its
-    serving CA there) with an ExternalName Service."""
-    with hub.api_client() as admin:
-        client.CoreV1Api(admin).create_namespaced_service(
-            namespace,
-            {
-                "metadata": {"name": "cluster-gateway"},
-                "spec": {
-                    "type": "ExternalName",
-                    "externalName": "localhost",
-                    "ports": [{"name": "https", "port": port, "targetPort": port}],
-                },
-            },
-        )
-        client.ApiregistrationV1Api(admin).create_api_service(
-            {
-                "metadata": {"name": APISERVICE},
-                "spec": {
-                    "group": "cluster.core.oam.dev",
-                    "version": "v1alpha1",
-                    "service": {"namespace": namespace, "name": "cluster-gateway", "port": port},
-                    "groupPriorityMinimum": 5000,
-                    "versionPriority": 10,
-                },
-            }
-        )
-
-
 @pytest.fixture(scope="module")
 def gateway(kube_clusters: KubeClusters, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    directory = tmp_path_factory.mktemp("gateway")
-    hub = kube_clusters["hub"]
-    stack = AddonStack(hub, directory)
-    process = None
-    registered = False
-    try:
-        stack.start()
-        managed = {}
-        for name in ("cluster1", "cluster2"):
-            api = kube_clusters[name]
-            only_here = f"only-in-{name}-{stack.tag}"
-            with api.api_client() as admin:
-                client.CoreV1Api(admin).create_namespace({"metadata": {"name": only_here}})
-            stack.join(name, api)
-            managed[name] = Managed(name, api, only_here)
-            _project_token(hub, managed[name])
+    with running_gateway(
+        kube_clusters,
+        tmp_path_factory.mktemp("gateway"),
+        tagged=False,
+        extra_args=["--serving-name=127.0.0.1"],  # for the direct call of test_errors_say_what_is_wrong
+    ) as gateway:
         _set_reader(kube_clusters["cluster2"], True)
-        port = free_port()
-        _register(hub, stack.namespace, port)
-        registered = True
-        # the admin's steps for the gateway's hub client certificate: the trust bundle and a token
-        signer_cli = [
-            str(BIN / "cluster-proxy-cert-signer"),
-            f"--store={stack.store}",
-            f"--kubeconfig={hub.kubeconfig}",
-        ]
-        bundle = directory / "bootstrap-ca.crt"
-        made = subprocess.run(
-            [*signer_cli[:1], "trust-bundle", *signer_cli[1:], f"--out={bundle}"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert made.returncode == 0, made.stderr
-        minted = subprocess.run(
-            [*signer_cli[:1], "token", "create", *signer_cli[1:], "--client=cluster-gateway", "--json"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert minted.returncode == 0, minted.stderr
-        credentials = directory / "gateway-credentials"
-        process = Process(
-            "cluster-gateway",
-            [
-                str(BIN / "cluster-proxy-cluster-gateway"),
-                f"--listen=127.0.0.1:{port}",
-                f"--serving-name=cluster-gateway.{stack.namespace}.svc",
-                "--serving-name=127.0.0.1",  # for the direct call of test_errors_say_what_is_wrong
-                f"--apiservice={APISERVICE}",
-                f"--state-dir={directory / 'gateway-state'}",
-                f"--kubeconfig={hub.kubeconfig}",
-                f"--proxy-server=127.0.0.1:{stack.ports.client}",
-                f"--signer=https://127.0.0.1:{stack.ports.signer}",
-                f"--bootstrap-ca={bundle}",
-                f"--proxy-ca={credentials / 'ca.crt'}",
-                f"--proxy-cert={credentials / 'tls.crt'}",
-                f"--proxy-key={credentials / 'tls.key'}",
-                "--log-format=json",
-                "--log-level=debug",
-            ],
-            directory,
-            env={"CLUSTER_PROXY_GATEWAY_BOOTSTRAP_TOKEN": json.loads(minted.stdout)["token"]},
-        )
-        poll_until(
-            lambda: (
-                any(r.get("event") == "gateway_started" for r in process.events())
-                or (
-                    process.popen.poll() is not None and pytest.fail(f"the gateway exited:\n{process.tail()}")
-                )
-            ),
-            timeout=60,
-            what="the gateway's gateway_started",
-        )
-        waited = hub.kubectl("wait", "--for=condition=Available", "--timeout=60s", f"apiservice/{APISERVICE}")
-        assert waited.returncode == 0, f"{waited.stderr}\n--- gateway\n{process.tail()}"
-        yield Gateway(stack, hub, process, port, managed, directory, kube_clusters)
-    finally:
-        if registered:
-            with hub.api_client() as admin, contextlib.suppress(client.exceptions.ApiException):
-                client.ApiregistrationV1Api(admin).delete_api_service(APISERVICE)
-        if process is not None:
-            process.stop()
-        for name in ("cluster1", "cluster2"):
-            with contextlib.suppress(Exception):
-                _set_reader(kube_clusters[name], False)
-        stack.close()
+        yield gateway
 
 
 def _raw(gateway: Gateway, path: str, kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:

@@ -32,8 +32,7 @@ import yaml
 from kubernetes import client
 
 from tests.kube import test_gateway as base
-from tests.kube.gateway_rig import running_gateway
-from tests.kube.test_gateway import SA_NAME, SA_NAMESPACE, SA_USER, Gateway
+from tests.kube.gateway_rig import SA_NAME, SA_NAMESPACE, SA_USER, Gateway, running_gateway
 from tests.support.kubeapi import KubeClusters
 from tests.support.workagent import poll_until
 

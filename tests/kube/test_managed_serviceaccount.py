@@ -39,6 +39,7 @@ from kubernetes import client
 from clusterproxy_protocol.agent_control import CONTROL_HOST, CONTROL_PORT
 from clusterproxy_protocol.errors import ConnectRefused
 from clusterproxy_sdk import TLSFiles, open_shared_tunnel
+from tests.kube.gateway_rig import APISERVICE, GROUP_PATH, SA_NAMESPACE, _register
 from tests.support import require
 from tests.support.kubeapi import KubeCluster, KubeClusters, free_port, install_crds
 from tests.support.procs import BIN, Process
@@ -48,9 +49,6 @@ pytestmark = pytest.mark.slow
 
 GROUP, VERSION, PLURAL = "authentication.open-cluster-management.io", "v1beta1", "managedserviceaccounts"
 CRDS = Path(__file__).parent / "crds" / "authentication"
-APISERVICE = "v1alpha1.cluster.core.oam.dev"
-GROUP_PATH = "/apis/cluster.core.oam.dev/v1alpha1"
-SA_NAMESPACE = "open-cluster-management-managed-serviceaccount"
 GATEWAY_MSA = "cluster-gateway"
 RENEW_FRACTION = 0.05
 
@@ -143,33 +141,6 @@ def _create_msa(stack: Stack, name: str, validity: str | None = None) -> None:
                 "metadata": {"name": name},
                 "spec": spec,
             },
-        )
-
-
-def _register(hub: KubeCluster, namespace: str, port: int) -> None:
-    with hub.api_client() as admin:
-        client.CoreV1Api(admin).create_namespaced_service(
-            namespace,
-            {
-                "metadata": {"name": "cluster-gateway"},
-                "spec": {
-                    "type": "ExternalName",
-                    "externalName": "localhost",
-                    "ports": [{"name": "https", "port": port, "targetPort": port}],
-                },
-            },
-        )
-        client.ApiregistrationV1Api(admin).create_api_service(
-            {
-                "metadata": {"name": APISERVICE},
-                "spec": {
-                    "group": "cluster.core.oam.dev",
-                    "version": "v1alpha1",
-                    "service": {"namespace": namespace, "name": "cluster-gateway", "port": port},
-                    "groupPriorityMinimum": 5000,
-                    "versionPriority": 10,
-                },
-            }
         )
 
 
