@@ -159,10 +159,20 @@ async def test_full_ca_rotation_without_dropping_a_tunnel(nursery: trio.Nursery,
     assert all(r.renewals == 0 for r in renewers)
     assert "step 2/3" in rotate_ca(store, "activate")
     await signer.service.refresh()
-    await _until(
-        lambda: status(store, now=dt.datetime.now(dt.UTC))["ready_for_next_step"],
-        "every party to present a leaf of the new CA",
-    )
+
+    def presenting_new_leaves() -> bool:
+        # The store counts a party as moved once its new leaf is issued; the party itself installs it
+        # a moment later (files, then its context): wait for both, not just the store's view.
+        for files, ctx in ((server, server_tls), (agent, agent_tls)):
+            leaf = x509.load_pem_x509_certificate(files.cert.read_bytes())
+            if leaf.issuer != new_ca.cert.subject or ctx.presenting != format(leaf.serial_number, "x"):
+                return False
+        return (
+            all(r.renewals for r in renewers)
+            and status(store, now=dt.datetime.now(dt.UTC))["ready_for_next_step"]
+        )
+
+    await _until(presenting_new_leaves, "every party to present a leaf of the new CA")
     assert [(r.renewals, r.early_renewals) for r in renewers] == [(1, 1), (1, 1)]
     for files, ctx in ((server, server_tls), (agent, agent_tls)):
         leaf = x509.load_pem_x509_certificate(files.cert.read_bytes())
