@@ -125,11 +125,13 @@ async def test_a_child_dying_stops_everything_with_status_1(tmp_path: Path) -> N
     try:
         doc = local.description()
         pids = doc["pids"]
-        os.kill(pids["cluster2-agent"], signal.SIGKILL)
+        # an echo service has no restart policy (a replica or an agent is restarted: test_local_ha.py,
+        # test_health_local.py): its death stops everything
+        os.kill(pids["cluster2-echo"], signal.SIGKILL)
         assert await local.wait_exit() == 1
         text = local.text()
-        assert "error: cluster2-agent killed by SIGKILL" in text
-        assert "cluster2-agent.log" in text and "  | " in text  # its last log lines
+        assert "error: cluster2-echo killed by SIGKILL" in text
+        assert "cluster2-echo.log" in text and "  | " in text  # its last log lines
         assert not (local.state / "local.json").exists()
         await wait_gone([pid for name, pid in pids.items() if name != "cluster-proxy"])
     finally:
