@@ -5,7 +5,6 @@ exits 0; the certificate is bootstrapped once for the pod."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -18,11 +17,12 @@ from typing import Any
 import pytest
 import trio
 
-from clusterproxy_sdk import TLSFiles, open_tunnel
+from clusterproxy_sdk import open_tunnel
+from tests.e2e.test_data_plane import tls_files, transfer
 from tests.support.certs import SignedHub, SignerProcess, count_events
 from tests.support.pki import PkiFiles
 from tests.support.procs import Hub, alive, http_get
-from tests.support.targets import CHUNK, Target, pattern, pattern_digest, serve_digest
+from tests.support.targets import Target, serve_digest
 
 pytestmark = pytest.mark.slow
 
@@ -70,29 +70,10 @@ def search_times(hub: Hub) -> str:
 async def one_stream(hub: Hub, pki: PkiFiles, cluster: str, target: Target, token: str) -> None:
     """One stream on its own client connection (so the kernel picks a worker for it), SIZE bytes each
     way, both digests checked."""
-    files = TLSFiles(pki.ca, pki.client.cert, pki.client.key)
-    async with open_tunnel(f"127.0.0.1:{hub.client_port}", files, server_hostname="localhost") as tunnel:
-        stream = await tunnel.connect(cluster, target.host, target.port)
-        received = hashlib.sha256()
-        count = 0
-
-        async def send() -> None:
-            await stream.send_all(f"{token} {SIZE}\n".encode())
-            for chunk in pattern(token + "-up", SIZE):
-                await stream.send_all(chunk)
-            await stream.send_eof()
-
-        async def receive() -> None:
-            nonlocal count
-            while data := await stream.receive_some(CHUNK):
-                received.update(data)
-                count += len(data)
-
-        async with stream, trio.open_nursery() as nursery:
-            nursery.start_soon(send)
-            nursery.start_soon(receive)
-    assert count == SIZE and received.hexdigest() == pattern_digest(token, SIZE), f"{token}: bad download"
-    assert target.received[token] == pattern_digest(token + "-up", SIZE), f"{token}: bad upload"
+    async with open_tunnel(
+        f"127.0.0.1:{hub.client_port}", tls_files(pki), server_hostname="localhost"
+    ) as tunnel:
+        await transfer(tunnel, target, token, SIZE, SIZE, cluster)
 
 
 async def streams_to_both_clusters(hub: Hub, pki: PkiFiles, targets: dict[str, Target], prefix: str) -> None:
@@ -152,8 +133,9 @@ async def test_streams_spread_over_workers_each_agent_holds_both(hub: Hub, pki: 
         assert http_get(f"http://127.0.0.1:{hub.admin_port}/readyz") == (200, b"ready\n")
 
         # the wrong cluster for a target is refused by that agent's egress rule
-        files = TLSFiles(pki.ca, pki.client.cert, pki.client.key)
-        async with open_tunnel(f"127.0.0.1:{hub.client_port}", files, server_hostname="localhost") as tunnel:
+        async with open_tunnel(
+            f"127.0.0.1:{hub.client_port}", tls_files(pki), server_hostname="localhost"
+        ) as tunnel:
             with pytest.raises(Exception, match=r"403|egress|not allowed"):
                 await tunnel.connect("cluster1", "127.0.0.1", targets["cluster2"].port)
         nursery.cancel_scope.cancel()
