@@ -11,6 +11,7 @@ import trio
 from hyperframe.frame import GoAwayFrame
 
 from clusterproxy_protocol.core import ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR
+from tests.support.battery import HANG_GUARD
 from tests.support.clients import sdk_echo_intact
 from tests.support.h2_attacker import Attacker
 from tests.support.h2_attacks import (
@@ -27,7 +28,6 @@ from tests.support.targets import serve_echo
 pytestmark = pytest.mark.slow
 MiB = 1 << 20
 RSS_MARGIN_KIB = 24 * 1024  # the server's RSS after an attack: at most this above its warm baseline
-HANG_GUARD = 30.0  # a reaction that never comes fails; its time is printed (load only delays it)
 
 
 @pytest.fixture

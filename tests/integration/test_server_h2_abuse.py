@@ -12,6 +12,7 @@ from hyperframe.frame import DataFrame, GoAwayFrame, PingFrame, RstStreamFrame, 
 from clusterproxy_protocol.core import ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR, NO_ERROR, REFUSED_STREAM
 from clusterproxy_server.app import ProxyServer, ServerConfig
 from clusterproxy_server.config import CLIENT_TUNNEL
+from tests.support.battery import HANG_GUARD
 from tests.support.clients import sdk_echo_intact
 from tests.support.h2_attacker import Attacker
 from tests.support.h2_attacks import (
@@ -28,10 +29,6 @@ from tests.support.pki import PkiFiles
 from tests.support.rogue_agent import start_real_agent
 from tests.support.targets import serve_echo
 from tests.support.waiting import wait_until
-
-# How long a wait for the server's reaction may last before the test fails: a loaded machine only
-# delays the reaction, so the suite asserts that it comes and what it is, and prints how long it took.
-HANG_GUARD = 30.0
 
 
 async def start(nursery: trio.Nursery, pki: PkiFiles, **limits: float) -> tuple[ProxyServer, int, int]:

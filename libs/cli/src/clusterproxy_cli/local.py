@@ -254,7 +254,7 @@ async def local_up(
                     signer = await _start_signer(
                         nursery, supervisor, signer, ports, certs, clusters, ready_timeout
                     )
-                agent_restart = RestartPolicy(delay=agent_restart_delay, limit=5, window=60.0)
+                agent_restart = replace(REPLICA_RESTART, delay=agent_restart_delay)
                 hub = Hub(
                     nursery,
                     supervisor,
