@@ -37,7 +37,8 @@ CLUSTER = "cluster1"  # the hub must have an agent of it
 BESIDE_DOWN = 8 << 20  # the long stream beside the attack: bytes from the target
 BESIDE_UP = 1 << 20  # and toward it
 FRESH_AFTER = 2  # fresh transfers that must complete after the attack started
-HANG_GUARD = 30.0  # how long a wait for the server's reaction may last: load only delays it, so only none fails
+# how long a wait for the server's reaction may last: load only delays it, so only none fails
+HANG_GUARD = 30.0
 LONG_STREAM_DEADLINE = 60.0  # seconds for the whole long stream, attack included
 TRICKLE = 1 << 10  # the long stream's upload during the attack: this many bytes ...
 TRICKLE_INTERVAL = 0.1  # ... every this many seconds
