@@ -34,7 +34,7 @@ from clusterproxy_protocol.errors import (
 from clusterproxy_protocol.logs import get_logger
 
 from . import objects
-from .http import HTTPConnection, IncomingRequest, ProtocolFailure, cancel_when_closed
+from .http import RECEIVE_SIZE, HTTPConnection, IncomingRequest, ProtocolFailure, cancel_when_closed
 from .inventory import (
     IDENTITY_ANNOTATION,
     IDENTITY_CALLER,
@@ -49,7 +49,15 @@ from .inventory import (
 if TYPE_CHECKING:
     from .server import Identity
 
-__all__ = ["IDENTITY_HEADER", "ClusterProxy", "StreamOpener", "choose_identity", "impersonation_headers"]
+__all__ = [
+    "IDENTITY_HEADER",
+    "ClusterProxy",
+    "StreamOpener",
+    "choose_identity",
+    "impersonation_headers",
+    "splice",
+    "upgrade_protocol",
+]
 
 IDENTITY_HEADER = "X-Cluster-Gateway-Identity"
 # Not forwarded: hop-by-hop headers, the caller's credentials, the aggregator's identity headers and the
@@ -77,6 +85,7 @@ DROPPED_RESPONSE_HEADERS = frozenset({"connection", "keep-alive", "transfer-enco
 KUBE_APISERVER_PORT = 443
 TLS_HANDSHAKE_TIMEOUT = 15.0
 RESPONSE_HEAD_TIMEOUT = 60.0
+CLOSE_TIMEOUT = 5.0  # a graceful TLS close (close_notify) toward a peer that stopped reading
 
 
 def choose_identity(entry: ClusterEntry, asked: str) -> str | tuple[int, str]:
@@ -155,12 +164,6 @@ class ClusterProxy:
             await http.respond_json(code, objects.status(code, message, name=cluster))
             return code
 
-        if "upgrade" in request.header("connection").lower():
-            return await fail(
-                501,
-                "upgraded connections (exec, attach, port-forward) are not carried by the cluster-gateway yet; "
-                "use cluster-proxy port-forward CLUSTER CLUSTER:443 for them",
-            )
         entry = await trio.to_thread.run_sync(self.inventory.cluster, cluster)
         if entry is None:
             return await fail(404, objects.not_found_message(cluster))
@@ -233,9 +236,13 @@ class ClusterProxy:
         headers += [
             (b"Host", token.server_name.encode()),
             (b"Authorization", f"Bearer {token.token}".encode()),
-            (b"Connection", b"close"),
             *impersonate,
         ]
+        upgrade = upgrade_protocol(request)
+        if upgrade:
+            headers += [(b"Connection", b"Upgrade"), (b"Upgrade", upgrade.encode("latin-1"))]
+        else:
+            headers.append((b"Connection", b"close"))
         if request.body or request.method in ("POST", "PUT", "PATCH"):
             headers.append((b"Content-Length", str(len(request.body)).encode()))
         target = path + (f"?{request.query}" if request.query else "")
@@ -246,8 +253,12 @@ class ClusterProxy:
             await upstream.send(h11.EndOfMessage())
             with trio.fail_after(RESPONSE_HEAD_TIMEOUT):
                 head = await upstream.next_event()
+                while isinstance(head, h11.InformationalResponse) and head.status_code != 101:
+                    head = await upstream.next_event()  # 100 Continue, 103 Early Hints: not for the caller
         except (ProtocolFailure, trio.BrokenResourceError, trio.TooSlowError) as exc:
             return int(await fail(502, f"the kube-apiserver of cluster {cluster!r} did not answer: {exc}"))
+        if isinstance(head, h11.InformationalResponse):  # 101: h11 lets it through only if we asked
+            return await self._switch(http, upstream, head, cluster, upgrade)
         if not isinstance(head, h11.Response):
             return int(await fail(502, f"the kube-apiserver of cluster {cluster!r} answered {head!r}"))
         if head.status_code == 401:
@@ -279,3 +290,86 @@ class ClusterProxy:
             self.log.warning("proxy_answer_cut", cluster=cluster, reason=cut)
             raise trio.BrokenResourceError(cut)
         return head.status_code
+
+    async def _switch(
+        self,
+        http: HTTPConnection,
+        upstream: HTTPConnection,
+        head: h11.InformationalResponse,
+        cluster: str,
+        protocol: str,
+    ) -> int:
+        """The managed cluster switched protocols: its 101 goes to the caller with its headers (Upgrade,
+        Sec-WebSocket-Accept/-Protocol, X-Stream-Protocol-Version ...), then bytes flow both ways."""
+        relayed = [(k, v) for k, v in head.headers if k.lower() not in (b"connection", b"keep-alive")]
+        relayed.append((b"Connection", b"Upgrade"))
+        await http.send(h11.InformationalResponse(status_code=101, headers=relayed, reason=head.reason))
+        # bytes that arrived behind either head are the new protocol's first ones
+        from_caller, _ = http.conn.trailing_data
+        from_cluster, _ = upstream.conn.trailing_data
+        self.log.info("proxy_upgraded", cluster=cluster, protocol=protocol)
+        try:
+            if from_cluster:
+                await http.stream.send_all(from_cluster)
+            if from_caller:
+                await upstream.stream.send_all(from_caller)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return 101  # one side is gone already; the caller's finally blocks close both
+        await splice(http.stream, upstream.stream)
+        return 101
+
+
+def upgrade_protocol(request: IncomingRequest) -> str:
+    """The Upgrade header's value when the request asks to switch protocols (``Connection: Upgrade``
+    with ``Upgrade: websocket`` or ``SPDY/3.1``), else ""."""
+    connection = {token.strip().lower() for token in request.header("connection").split(",")}
+    return request.header("upgrade").strip() if "upgrade" in connection else ""
+
+
+async def _end_writing(stream: trio.abc.Stream) -> None:
+    """Tell the peer behind ``stream`` that no more bytes come: a half-close where the stream has one,
+    else (TLS: trio's SSLStream has no send_eof) a close with close_notify, bounded in time."""
+    try:
+        if isinstance(stream, trio.abc.HalfCloseableStream):
+            await stream.send_eof()
+            return
+        with trio.move_on_after(CLOSE_TIMEOUT):
+            await stream.aclose()
+            return
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    await trio.aclose_forcefully(stream)
+
+
+async def splice(a: trio.abc.Stream, b: trio.abc.Stream) -> None:
+    """Relay bytes both ways between ``a`` and ``b`` until both directions have ended.
+
+    The end of one direction (its source's EOF) is passed on to the other stream by :func:`_end_writing`
+    after every byte taken from the source went out; the other direction goes on until its own source
+    ends (a half-close) or, where the end had to be a close, until that close ends it too. A failure on
+    either side (a reset, a truncated TLS stream) closes both at once. Both streams are closed on
+    return; nothing is left running."""
+
+    async def pump(source: trio.abc.Stream, sink: trio.abc.Stream) -> None:
+        try:
+            while True:
+                try:
+                    data = await source.receive_some(RECEIVE_SIZE)
+                except trio.ClosedResourceError:
+                    data = b""  # the other direction closed this stream after its end: an end here too
+                if not data:
+                    break
+                await sink.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await trio.aclose_forcefully(source)
+            await trio.aclose_forcefully(sink)
+            return
+        await _end_writing(sink)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump, a, b)
+            nursery.start_soon(pump, b, a)
+    finally:
+        await trio.aclose_forcefully(a)
+        await trio.aclose_forcefully(b)
