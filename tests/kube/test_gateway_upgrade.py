@@ -20,26 +20,30 @@ The gateway's ServiceAccount in cluster1 may ``get``/``create`` ``pods/exec`` in
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import json
 import os
 import secrets
-from collections.abc import Iterator
+import ssl
+import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
+import trio.testing
 from kubernetes import client, config
 from kubernetes.stream import stream
 
+from clusterproxy_gateway.proxy import splice
 from tests.kube import test_gateway as base
 from tests.kube.gateway_rig import SA_NAME, SA_NAMESPACE, Gateway, running_gateway
-from tests.support.fake_kubelet import FakeKubelet, running_fake_kubelet
+from tests.support.fake_kubelet import FakeKubelet, running_fake_kubelet, self_signed_context
 from tests.support.kubeapi import KubeClusters
 from tests.support.workagent import poll_until
-
-pytestmark = pytest.mark.slow
 
 V4 = "v4.channel.k8s.io"
 STDIN_BYTES = 1 << 20
@@ -192,35 +196,52 @@ def _refused(call: Any) -> tuple[int, str, dict[str, Any]]:
     )
 
 
-def test_exec_through_the_hub_carries_a_mebibyte_of_stdin_and_the_answer(rig: ExecRig) -> None:
-    gateway = rig.gateway
-    kubeconfig = base._cluster_kubeconfig(gateway, rig.cluster)
-    stdin = os.urandom(STDIN_BYTES)
+def _digest_exec(core: client.CoreV1Api, rig: ExecRig, stdin: bytes) -> float:
+    """An exec of the fake kubelet's digest with ``stdin``, checked; the seconds it took."""
     command = ["digest", f"--marker={secrets.token_hex(4)}"]
     before = len(rig.kubelet.execs)
-    session = _exec(_core(kubeconfig), rig, command, stdin)
-
+    started = time.monotonic()
+    session = _exec(core, rig, command, stdin)
+    seconds = time.monotonic() - started
     answer = json.loads(session.read_stdout())
     assert answer == {
         "sha256": hashlib.sha256(stdin).hexdigest(),
-        "bytes": STDIN_BYTES,
+        "bytes": len(stdin),
         "command": command,
         "pod": f"{rig.namespace}/{rig.pod}/{rig.container}",
     }
     assert session.returncode == 0  # the channel-3 status Success, relayed
     assert [e.command for e in rig.kubelet.execs[before:]] == [command]
     assert not rig.kubelet.refused
-    # it went through the gateway: the 101 is in its log
-    poll_until(
-        lambda: any(
-            r.get("event") == "proxy_upgraded" and r.get("cluster") == rig.cluster
-            for r in gateway.process.events()
-        ),
-        timeout=10,
-        what="the gateway's proxy_upgraded",
+    return seconds
+
+
+@pytest.mark.slow
+def test_exec_through_the_hub_carries_a_mebibyte_of_stdin_and_the_answer(rig: ExecRig) -> None:
+    gateway = rig.gateway
+    stdin = os.urandom(STDIN_BYTES)
+    # the route to the fake kubelet itself, straight to cluster1 as its admin
+    straight = _digest_exec(_core(gateway.clusters["cluster1"].api.kubeconfig), rig, stdin)
+    through = _digest_exec(_core(base._cluster_kubeconfig(gateway, rig.cluster)), rig, stdin)
+    print(
+        f"\nexec with 1 MiB of stdin: {through:.2f}s through the hub and the gateway, {straight:.2f}s straight"
     )
 
+    def exec_request_done() -> bool:
+        # logged once forward() returned: the splice over, both of its streams closed
+        return any(
+            r.get("event") == "request"
+            and r.get("status") == 101
+            and r.get("path", "").endswith(f"/pods/{rig.pod}/exec")
+            for r in gateway.process.events()
+        )
 
+    poll_until(exec_request_done, timeout=10, what="the gateway's request record of the exec, status 101")
+    upgraded = [r for r in gateway.process.events() if r.get("event") == "proxy_upgraded"]
+    assert [(r.get("cluster"), r.get("protocol")) for r in upgraded] == [(rig.cluster, "websocket")]
+
+
+@pytest.mark.slow
 def test_exec_of_a_missing_pod_is_cluster1s_404_unchanged(rig: ExecRig) -> None:
     gateway = rig.gateway
     missing = f"missing-{secrets.token_hex(3)}"
@@ -235,6 +256,7 @@ def test_exec_of_a_missing_pod_is_cluster1s_404_unchanged(rig: ExecRig) -> None:
     assert through == straight
 
 
+@pytest.mark.slow
 def test_exec_by_a_hub_user_without_rbac_on_the_proxy_is_the_hubs_403(rig: ExecRig) -> None:
     gateway = rig.gateway
     user = f"no-proxy-{gateway.stack.tag}"
@@ -245,3 +267,115 @@ def test_exec_by_a_hub_user_without_rbac_on_the_proxy_is_the_hubs_403(rig: ExecR
     assert body["reason"] == "Forbidden"
     assert f'User "{user}" cannot' in body["message"] and "clustergateways/proxy" in body["message"], body
     assert len(rig.kubelet.execs) == before
+
+
+# --- the splice alone, on TLS and on half-closeable streams (fast) -----------------------------------------
+
+
+@dataclass
+class Spliced:
+    caller: trio.abc.Stream  # the aggregator's end
+    cluster: trio.abc.Stream  # the managed kube-apiserver's end
+    done: trio.Event  # set when splice() returned
+
+
+async def _tls_pair(directory: Path) -> tuple[trio.SSLStream[Any], trio.SSLStream[Any]]:
+    """Two ends of a TLS connection over an in-memory byte pipe (client, server)."""
+    server_context = self_signed_context(directory)
+    client_context = ssl.create_default_context(cafile=str(directory / "kubelet.crt"))
+    client_raw, server_raw = trio.testing.memory_stream_pair()
+    client_end = trio.SSLStream(client_raw, client_context, server_hostname="127.0.0.1")
+    server_end = trio.SSLStream(server_raw, server_context, server_side=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client_end.do_handshake)
+        nursery.start_soon(server_end.do_handshake)
+    return client_end, server_end
+
+
+@contextlib.asynccontextmanager
+async def _spliced(tmp_path: Path, tls: bool) -> AsyncIterator[Spliced]:
+    """splice() running between a caller and a cluster, as the gateway runs it: over TLS on both sides
+    (what the gateway has) or over half-closeable streams."""
+    if tls:
+        caller, gateway_down = await _tls_pair(tmp_path / "down")
+        gateway_up, cluster = await _tls_pair(tmp_path / "up")
+    else:
+        caller, gateway_down = trio.testing.memory_stream_pair()
+        gateway_up, cluster = trio.testing.memory_stream_pair()
+    done = trio.Event()
+
+    async def run() -> None:
+        await splice(gateway_down, gateway_up)
+        done.set()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            yield Spliced(caller, cluster, done)
+            await done.wait()  # the splice must end by itself once the test is over
+
+
+async def _read_all(stream: trio.abc.Stream) -> bytes:
+    """Everything until a clean end (b"")."""
+    received = bytearray()
+    while data := await stream.receive_some(CHUNK):
+        received += data
+    return bytes(received)
+
+
+async def test_splice_over_tls_delivers_all_of_the_callers_bytes_then_its_close(tmp_path: Path) -> None:
+    answer, upload = os.urandom(300_000), os.urandom(STDIN_BYTES)
+    async with _spliced(tmp_path, tls=True) as spliced:
+        await spliced.cluster.send_all(answer)  # the cluster speaks first (a kubelet's first frames)
+        got = bytearray()
+        while len(got) < len(answer):
+            got += await spliced.caller.receive_some(CHUNK)
+        assert bytes(got) == answer
+        await spliced.caller.send_all(upload)
+        await spliced.caller.aclose()
+        assert await _read_all(spliced.cluster) == upload  # every byte, then a clean close_notify
+        await spliced.done.wait()
+        with pytest.raises((trio.BrokenResourceError, trio.ClosedResourceError)):
+            for _ in range(100):  # the gateway closed: what the cluster still sends goes nowhere
+                await spliced.cluster.send_all(b"late")
+                await trio.sleep(0)
+        await spliced.cluster.aclose()
+
+
+async def test_splice_over_tls_delivers_all_of_the_clusters_bytes_then_its_close(tmp_path: Path) -> None:
+    download = os.urandom(STDIN_BYTES)
+    async with _spliced(tmp_path, tls=True) as spliced:
+        await spliced.cluster.send_all(download)
+        await spliced.cluster.aclose()
+        assert await _read_all(spliced.caller) == download
+        await spliced.caller.aclose()
+
+
+async def test_splice_passes_a_half_close_on_and_keeps_the_other_direction(tmp_path: Path) -> None:
+    question, answer = os.urandom(200_000), os.urandom(STDIN_BYTES)
+    async with _spliced(tmp_path, tls=False) as spliced:
+        assert isinstance(spliced.caller, trio.abc.HalfCloseableStream)
+        assert isinstance(spliced.cluster, trio.abc.HalfCloseableStream)
+        await spliced.caller.send_all(question)
+        await spliced.caller.send_eof()
+        assert await _read_all(spliced.cluster) == question
+        assert not spliced.done.is_set()
+        await spliced.cluster.send_all(answer)  # after the caller's end: still carried
+        await spliced.cluster.send_eof()
+        assert await _read_all(spliced.caller) == answer
+        await spliced.done.wait()
+        await spliced.caller.aclose()
+        await spliced.cluster.aclose()
+
+
+async def test_splice_ends_both_sides_when_one_breaks(tmp_path: Path) -> None:
+    async with _spliced(tmp_path, tls=True) as spliced:
+        await spliced.caller.send_all(b"partial")
+        assert await spliced.cluster.receive_some(CHUNK) == b"partial"
+        cluster = spliced.cluster
+        assert isinstance(cluster, trio.SSLStream)
+        await trio.aclose_forcefully(cluster.transport_stream)  # gone without close_notify: truncated
+        await spliced.done.wait()
+        with pytest.raises(trio.BrokenResourceError):  # a break, not a clean end the caller could trust
+            await _read_all(spliced.caller)
+        await spliced.caller.aclose()
