@@ -6,6 +6,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from bench import efficiency
+
 SYSTEM_ORDER = ("direct", "ours", "upstream", "ours-websocket", "ours-grpc", "upstream-grpc")
 # Quotients shown where both systems ran: (numerator, denominator). The first is this project against
 # upstream as cluster-proxy runs it; the second the same in konnectivity gRPC (the seed's own mode);
@@ -198,6 +200,7 @@ def markdown(results: dict) -> str:
         ]
         lines += cpu_rows
         lines.append("")
+    lines += efficiency.markdown(results["records"])
     return "\n".join(lines)
 
 
@@ -340,7 +343,7 @@ def _short(arg: str) -> str:
 def _cpu_rows(records: list[dict]) -> list[str]:
     acc: dict = defaultdict(lambda: defaultdict(list))
     for r in records:
-        if "cpu" in r and r["workload"] in ("bulk", "rr"):
+        if "cpu" in r and r["workload"] in ("bulk", "connect", "rr"):
             for k, v in r["cpu"].items():
                 acc[(r["workload"], r["variant"], r["system"])][k].append(v)
     rows = []

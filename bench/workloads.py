@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from bench import efficiency
 from bench.failover import FailoverSettings, ReplicaFleet, loadavg
 from bench.procs import Proc
 from bench.systems import Env, System, Unavailable
@@ -212,8 +213,11 @@ class Runner:
             k: round(100 * (after[k] - before[k]) / wall, 1) for k in before if k != "wall" and k in after
         }
 
-    def loadgen(self, system: System, mode: str, args: list[str], timeout: float) -> tuple[dict, dict]:
-        """Run one loadgen client through `system`; returns (loadgen JSON, CPU % of the processes)."""
+    def loadgen(
+        self, system: System, mode: str, args: list[str], timeout: float
+    ) -> tuple[dict, dict[str, float], dict[str, float]]:
+        """Run one loadgen client through `system`; returns (loadgen JSON, CPU % of the processes,
+        CPU-seconds each used while the client ran)."""
         before = self._cpu_snapshot(system)
         argv = [str(self.env.loadgen), mode, *system.dial_args(), *args]
         out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
@@ -223,7 +227,9 @@ class Runner:
         res = json.loads(out.stdout)
         cpu = self._cpu_percent(before, after)
         cpu["loadgen"] = res["loadgen_cpu"]["cpu_percent"]
-        return res, cpu
+        cpu_s = efficiency.cpu_deltas(before, after)
+        cpu_s["loadgen"] = res["loadgen_cpu"]["cpu_s"]
+        return res, cpu, cpu_s
 
     def _check_alive(self, system: System) -> str | None:
         dead = [f"{role} (exit {p.popen.returncode})" for role, p in system.procs().items() if not p.alive()]
@@ -254,7 +260,7 @@ class Runner:
                     def one(
                         s: System, direction=direction, streams=streams, variant=variant, rep=rep
                     ) -> None:
-                        res, cpu = self.loadgen(
+                        res, cpu, cpu_s = self.loadgen(
                             s,
                             "bulk",
                             [
@@ -269,7 +275,7 @@ class Runner:
                         )
                         r = res["result"]
                         m = {"mbit_s": r["mbit_s"], "errors": r["errors"]["count"]}
-                        self.record("bulk", variant, s, rep, m, cpu=cpu, raw=r)
+                        self.record("bulk", variant, s, rep, m, cpu=cpu, cpu_s=cpu_s, raw=r)
 
                     self.each("bulk", variant, rep, systems, one)
 
@@ -279,7 +285,7 @@ class Runner:
             for rep in range(st.repeats):
 
                 def one(s: System, rep=rep) -> None:
-                    res, cpu = self.loadgen(
+                    res, cpu, cpu_s = self.loadgen(
                         s, "connect", ["--count", str(st.connect_count), "--max-time", "60s"], timeout=120
                     )
                     r = res["result"]
@@ -291,7 +297,7 @@ class Runner:
                         "ok": r["ok"],
                         "errors": r["errors"]["count"],
                     }
-                    self.record("connect", f"seq-{st.connect_count}", s, rep, m, cpu=cpu, raw=r)
+                    self.record("connect", f"seq-{st.connect_count}", s, rep, m, cpu=cpu, cpu_s=cpu_s, raw=r)
 
                 self.each("connect", f"seq-{st.connect_count}", rep, systems, one)
 
@@ -303,7 +309,7 @@ class Runner:
                     variant = f"{rate}rps"
 
                     def one(s: System, rate=rate, variant=variant, rep=rep) -> None:
-                        res, cpu = self.loadgen(
+                        res, cpu, cpu_s = self.loadgen(
                             s,
                             "rr",
                             [
@@ -326,7 +332,7 @@ class Runner:
                             "achieved_rps": r["achieved_rps"],
                             "errors": r["errors"]["count"],
                         }
-                        self.record("rr", variant, s, rep, m, cpu=cpu, raw=r)
+                        self.record("rr", variant, s, rep, m, cpu=cpu, cpu_s=cpu_s, raw=r)
 
                     self.each("rr", variant, rep, systems, one)
 
@@ -458,7 +464,7 @@ class Runner:
                 for rep in range(st.hol_repeats):
 
                     def one(s: System, direction=direction, rep=rep) -> None:
-                        res, cpu = self.loadgen(
+                        res, cpu, cpu_s = self.loadgen(
                             s,
                             "hol",
                             [
@@ -482,7 +488,7 @@ class Runner:
                             "stalled_mbit_s": r["with_stalled_mbit_s"],
                             "new_stream_ok": 1 if r["new_stream_ok"] else 0,
                         }
-                        self.record("hol", direction, s, rep, m, cpu=cpu, raw=r)
+                        self.record("hol", direction, s, rep, m, cpu=cpu, cpu_s=cpu_s, raw=r)
 
                     self.each("hol", direction, rep, systems, one)
 
