@@ -32,13 +32,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import h11
 import pytest
 import trio
 import trio.testing
 from kubernetes import client, config
 from kubernetes.stream import stream
 
-from clusterproxy_gateway.proxy import splice
+from clusterproxy_gateway.http import HTTPConnection
+from clusterproxy_gateway.inventory import ClusterToken
+from clusterproxy_gateway.proxy import ClusterProxy, splice
+from clusterproxy_gateway.server import GatewayServer
 from tests.kube import test_gateway as base
 from tests.kube.gateway_rig import SA_NAME, SA_NAMESPACE, Gateway, running_gateway
 from tests.support.fake_kubelet import FakeKubelet, running_fake_kubelet, self_signed_context
@@ -308,7 +312,7 @@ async def _spliced(tmp_path: Path, tls: bool) -> AsyncIterator[Spliced]:
         await splice(gateway_down, gateway_up)
         done.set()
 
-    with trio.fail_after(30):
+    with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run)
             yield Spliced(caller, cluster, done)
@@ -379,3 +383,125 @@ async def test_splice_ends_both_sides_when_one_breaks(tmp_path: Path) -> None:
         with pytest.raises(trio.BrokenResourceError):  # a break, not a clean end the caller could trust
             await _read_all(spliced.caller)
         await spliced.caller.aclose()
+
+
+# --- the upgrade exchange with scripted peers: the bytes behind each head (fast) ---------------------------
+# The real exec cannot make a kube-apiserver send its first frames in the same read as its 101, nor the
+# aggregator send frames behind its request: these peers do, byte for byte.
+
+UPGRADE_REQUEST = (
+    b"GET /api/v1/namespaces/ns/pods/p/exec?command=x HTTP/1.1\r\nHost: hub\r\nConnection: Upgrade\r\n"
+    b"Upgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+    b"Sec-WebSocket-Protocol: v4.channel.k8s.io\r\nX-Remote-User: alice\r\n\r\n"
+)
+SWITCHED = (
+    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    b"Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\nSec-WebSocket-Protocol: v4.channel.k8s.io\r\n\r\n"
+)
+FORBIDDEN_BODY = b'{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"Forbidden","code":403}'
+
+
+async def _until(stream: trio.abc.Stream, buffer: bytearray, marker: bytes) -> bytes:
+    """Read into ``buffer`` until it holds ``marker``; what came up to and with it (taken out)."""
+    while marker not in buffer:
+        data = await stream.receive_some(CHUNK)
+        assert data, f"the stream ended before {marker!r}; got {bytes(buffer)!r}"
+        buffer += data
+    end = buffer.index(marker) + len(marker)
+    taken = bytes(buffer[:end])
+    del buffer[:end]
+    return taken
+
+
+@contextlib.asynccontextmanager
+async def _exchange(
+    first_from_caller: bytes,
+) -> AsyncIterator[tuple[trio.abc.Stream, trio.abc.Stream, list[int]]]:
+    """ClusterProxy._exchange between a scripted caller (which has sent ``first_from_caller``) and a
+    scripted cluster kube-apiserver; yields (caller, cluster, [the status it returns, once it did])."""
+    caller, gateway_down = trio.testing.memory_stream_pair()
+    gateway_up, cluster = trio.testing.memory_stream_pair()
+    await caller.send_all(first_from_caller)
+    http = HTTPConnection(gateway_down, h11.SERVER)
+    event = await http.next_event()
+    assert isinstance(event, h11.Request)
+    request = GatewayServer._request(event)
+    request.body = await http.read_body(1 << 20)
+    proxy = ClusterProxy(None, None, proxy_server="unused")  # type: ignore[arg-type]
+    token = ClusterToken("cluster1-token", b"", "kube.cluster1")
+    returned: list[int] = []
+
+    async def fail(code: int, message: str) -> int:
+        raise AssertionError(f"the gateway failed the request: {code} {message}")
+
+    async def run() -> None:
+        returned.append(
+            await proxy._exchange(http, request, "cluster1", request.path, token, gateway_up, fail, [])
+        )
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            yield caller, cluster, returned
+
+
+async def test_the_101_and_the_bytes_behind_each_head_reach_the_other_side() -> None:
+    async with _exchange(UPGRADE_REQUEST + b"EARLY-FROM-CALLER") as (caller, cluster, returned):
+        at_cluster = bytearray()
+        head = (await _until(cluster, at_cluster, b"\r\n\r\n")).decode()
+        assert head.startswith("GET /api/v1/namespaces/ns/pods/p/exec?command=x HTTP/1.1\r\n"), head
+        lines = set(head.lower().split("\r\n"))
+        assert {
+            "authorization: bearer cluster1-token",
+            "connection: upgrade",
+            "upgrade: websocket",
+            "sec-websocket-key: dghlihnhbxbszsbub25jzq==",
+            "sec-websocket-protocol: v4.channel.k8s.io",
+            "host: kube.cluster1",
+        } <= lines, head
+        assert "x-remote-user" not in head.lower()
+        await cluster.send_all(SWITCHED + b"EARLY-FROM-CLUSTER")  # one write: the head and the first frame
+
+        at_caller = bytearray()
+        answer = (await _until(caller, at_caller, b"\r\n\r\n")).decode()
+        assert answer.startswith("HTTP/1.1 101 "), answer
+        assert {
+            "upgrade: websocket",
+            "connection: upgrade",
+            "sec-websocket-accept: s3pplmbitxaq9kygzzhzrbk+xoo=",
+            "sec-websocket-protocol: v4.channel.k8s.io",
+        } <= set(answer.lower().split("\r\n")), answer
+        assert await _until(caller, at_caller, b"EARLY-FROM-CLUSTER") == b"EARLY-FROM-CLUSTER"
+        assert await _until(cluster, at_cluster, b"EARLY-FROM-CALLER") == b"EARLY-FROM-CALLER"
+
+        await caller.send_all(b"later")
+        assert await _until(cluster, at_cluster, b"later") == b"later"
+        await cluster.send_all(b"last words")
+        assert isinstance(cluster, trio.abc.HalfCloseableStream)
+        await cluster.send_eof()
+        assert await _read_all(caller) == b"last words"
+        assert not returned  # the caller's direction is still open
+        assert isinstance(caller, trio.abc.HalfCloseableStream)
+        await caller.send_eof()
+        assert await _read_all(cluster) == b""
+    assert returned == [101]
+
+
+async def test_a_refused_upgrade_is_passed_through_as_an_ordinary_answer() -> None:
+    async with _exchange(UPGRADE_REQUEST) as (caller, cluster, returned):
+        at_cluster = bytearray()
+        await _until(cluster, at_cluster, b"\r\n\r\n")
+        await cluster.send_all(
+            b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\nAudit-Id: 42\r\n"
+            + f"Content-Length: {len(FORBIDDEN_BODY)}\r\n\r\n".encode()
+            + FORBIDDEN_BODY
+        )
+        at_caller = bytearray()
+        answer = (await _until(caller, at_caller, b"\r\n\r\n")).decode()
+        assert answer.startswith("HTTP/1.1 403 Forbidden\r\n"), answer
+        assert {"content-type: application/json", "audit-id: 42"} <= set(answer.lower().split("\r\n")), answer
+        assert "upgrade" not in answer.lower()
+        while len(at_caller) < len(FORBIDDEN_BODY):
+            at_caller += await caller.receive_some(CHUNK)
+        assert bytes(at_caller) == FORBIDDEN_BODY
+    assert returned == [403]
