@@ -158,11 +158,16 @@ def running_gateway(
     extra_args: Sequence[str] = (),
     log_level: str = "debug",
     tagged: bool = True,
+    managed_serviceaccounts: bool = False,
 ) -> Iterator[Gateway]:
     """The addon's stack, the API servers ``apis`` joined (each with the token Secret of a
     ServiceAccount ``cluster-gateway`` there), the APIService and the gateway process; all removed on
     exit. ``Gateway.clusters`` is keyed by API server name; ``Managed.name`` is the ManagedCluster
-    (the API server's name itself when not ``tagged``)."""
+    (the API server's name itself when not ``tagged``).
+
+    With ``managed_serviceaccounts`` no token Secret is made by hand: the gateway runs with
+    ``--managed-serviceaccounts`` and writes it from the ManagedServiceAccount the addon-manager
+    creates (the hub needs that CRD first: tests/kube/crds/authentication)."""
     hub = kube_clusters["hub"]
     stack = AddonStack(hub, directory)
     process = None
@@ -178,7 +183,8 @@ def running_gateway(
                 client.CoreV1Api(admin).create_namespace({"metadata": {"name": only_here}})
             stack.join(name, api)
             managed[api_name] = Managed(name, api, only_here)
-            _project_token(hub, managed[api_name])
+            if not managed_serviceaccounts:
+                _project_token(hub, managed[api_name])
         port = free_port()
         _register(hub, stack.namespace, port)
         registered = True
@@ -218,6 +224,7 @@ def running_gateway(
                 f"--proxy-ca={credentials / 'ca.crt'}",
                 f"--proxy-cert={credentials / 'tls.crt'}",
                 f"--proxy-key={credentials / 'tls.key'}",
+                *(["--managed-serviceaccounts"] if managed_serviceaccounts else []),
                 "--log-format=json",
                 f"--log-level={log_level}",
                 *extra_args,

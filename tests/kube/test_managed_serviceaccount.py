@@ -11,7 +11,14 @@ gateway asks cluster1's agent for its token through the tunnel and writes the hu
 Rotation: TokenRequest's shortest validity is 10 minutes. The gateway here renews at 5 % of a token's
 life (``--serviceaccount-renew-fraction=0.05``: a 10-minute token every 30 s) instead of 80 %, so that
 the rotation test sees several renewals in about a minute; that the rotated-out token stops working
-when it expires takes its real 10 minutes (the last test of the module waits for it).
+when it expires takes its real 10 minutes. So that this wait overlaps the other kube tests instead of
+adding to them, this module runs first among them (``kube_early``) and the expiry test last in the
+session (``kube_last``; tests/kube/conftest.py orders them). Only one addon stack may run at a time
+(the addon-managers would fight over the ClusterManagementAddOn and every ManagedClusterAddOn, the
+gateways over the APIService), so the stack stops after the module's other tests and a fresh one is
+started for the expiry test; what crosses over is :class:`RotatedOut` (session-scoped), and the
+gateway's ManagedServiceAccount of the first stack is left in place so that cluster1's ServiceAccount,
+and with it the rotated-out token, lives on until the token expires.
 """
 
 from __future__ import annotations
@@ -39,18 +46,35 @@ from kubernetes import client
 from clusterproxy_protocol.agent_control import CONTROL_HOST, CONTROL_PORT
 from clusterproxy_protocol.errors import ConnectRefused
 from clusterproxy_sdk import TLSFiles, open_shared_tunnel
-from tests.kube.gateway_rig import APISERVICE, GROUP_PATH, SA_NAMESPACE, _register
+from tests.kube.gateway_rig import GROUP_PATH, SA_NAMESPACE, running_gateway
 from tests.support import require
-from tests.support.kubeapi import KubeCluster, KubeClusters, free_port, install_crds
+from tests.support.kubeapi import KubeCluster, KubeClusters, install_crds
 from tests.support.procs import BIN, Process
 from tests.support.workagent import AddonStack, poll_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.kube_early]
 
 GROUP, VERSION, PLURAL = "authentication.open-cluster-management.io", "v1beta1", "managedserviceaccounts"
 CRDS = Path(__file__).parent / "crds" / "authentication"
 GATEWAY_MSA = "cluster-gateway"
 RENEW_FRACTION = 0.05
+
+
+@dataclass
+class RotatedOut:
+    """The gateway's first 10-minute token, rotated out by the rotation test, for the expiry test."""
+
+    token: str
+    expires: dt.datetime
+    cluster: str  # the ManagedCluster (hub namespace) whose Secret held it
+    checked: bool = False  # the expiry test has run: the gateway's MSA may go
+
+
+@dataclass
+class Handover:
+    """What the rotation test hands to the expiry test across the session (see the module's docstring)."""
+
+    rotated_out: RotatedOut | None = None
 
 
 @dataclass
@@ -61,7 +85,7 @@ class Stack:
     cluster: str  # the ManagedCluster's name (its namespace on the hub)
     gateway: Process
     directory: Path
-    rotated_out: dict[str, Any] = field(default_factory=dict)  # from the rotation test, for the expiry one
+    handover: Handover = field(default_factory=Handover)
 
     def msa(self, name: str) -> dict[str, Any] | None:
         with self.hub.api_client() as admin:
@@ -74,10 +98,11 @@ class Stack:
                     return None
                 raise
 
-    def secret(self, name: str) -> dict[str, str] | None:
+    def secret(self, name: str, cluster: str | None = None) -> dict[str, str] | None:
+        """The hub Secret ``name`` of ``cluster`` (this stack's by default), its keys decoded."""
         with self.hub.api_client() as admin:
             try:
-                found = client.CoreV1Api(admin).read_namespaced_secret(name, self.cluster)
+                found = client.CoreV1Api(admin).read_namespaced_secret(name, cluster or self.cluster)
             except client.exceptions.ApiException as exc:
                 if exc.status == 404:
                     return None
@@ -144,101 +169,67 @@ def _create_msa(stack: Stack, name: str, validity: str | None = None) -> None:
         )
 
 
-def _signer_cli(stack: AddonStack, hub: KubeCluster, *command: str) -> subprocess.CompletedProcess[str]:
-    """``cluster-proxy-cert-signer COMMAND... --store ... --kubeconfig ...``, as an admin runs it."""
-    common = [f"--store={stack.store}", f"--kubeconfig={hub.kubeconfig}"]
-    done = subprocess.run(
-        [str(BIN / "cluster-proxy-cert-signer"), *command, *common],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return done
-
-
-def _delete_every_msa(stack: Stack) -> None:
-    """While the gateway and the agent still run: every MSA of the test's cluster deleted and gone, so
-    that nothing of this module is left in cluster1 (its ServiceAccounts) or waits on a finalizer."""
+def _delete_msas(stack: Stack, cluster: str, *, keep: frozenset[str] = frozenset()) -> None:
+    """While the gateway and the agent still run: every MSA of ``cluster`` but ``keep`` deleted and gone,
+    so that nothing of this module is left in cluster1 (its ServiceAccounts) or waits on a finalizer."""
     with stack.hub.api_client() as admin:
         custom = client.CustomObjectsApi(admin)
-        for item in custom.list_namespaced_custom_object(GROUP, VERSION, stack.cluster, PLURAL)["items"]:
+
+        def remaining() -> list[str]:
+            listed = custom.list_namespaced_custom_object(GROUP, VERSION, cluster, PLURAL)["items"]
+            return [i["metadata"]["name"] for i in listed if i["metadata"]["name"] not in keep]
+
+        for name in remaining():
             with contextlib.suppress(client.exceptions.ApiException):
-                custom.delete_namespaced_custom_object(
-                    GROUP, VERSION, stack.cluster, PLURAL, item["metadata"]["name"]
-                )
-        poll_until(
-            lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, stack.cluster, PLURAL)["items"],
-            timeout=30,
-            what=f"the ManagedServiceAccounts of {stack.cluster} finalized",
-        )
+                custom.delete_namespaced_custom_object(GROUP, VERSION, cluster, PLURAL, name)
+        try:
+            poll_until(
+                lambda: not remaining(), timeout=30, what=f"the ManagedServiceAccounts of {cluster} finalized"
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {remaining()}\n--- gateway\n{stack.gateway.tail()}") from None
+
+
+@pytest.fixture(scope="session")
+def handover() -> Handover:
+    return Handover()
 
 
 @pytest.fixture(scope="module")
-def msa_stack(kube_clusters: KubeClusters, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    directory = tmp_path_factory.mktemp("msa")
-    hub = kube_clusters["hub"]
-    install_crds(hub, CRDS)
-    stack = AddonStack(hub, directory)
-    gateway = None
-    registered = False
-    try:
-        stack.start()
-        cluster = f"{stack.tag}-msa"
-        stack.join(cluster, kube_clusters["cluster1"])
-        port = free_port()
-        _register(hub, stack.namespace, port)
-        registered = True
-        bundle = directory / "bootstrap-ca.crt"
-        _signer_cli(stack, hub, "trust-bundle", f"--out={bundle}")
-        minted = _signer_cli(stack, hub, "token", "create", "--client=cluster-gateway", "--json")
-        credentials = directory / "gateway-credentials"
-        gateway = Process(
-            "cluster-gateway",
-            [
-                str(BIN / "cluster-proxy-cluster-gateway"),
-                f"--listen=127.0.0.1:{port}",
-                f"--serving-name=cluster-gateway.{stack.namespace}.svc",
-                f"--apiservice={APISERVICE}",
-                f"--state-dir={directory / 'gateway-state'}",
-                f"--kubeconfig={hub.kubeconfig}",
-                f"--proxy-server=127.0.0.1:{stack.ports.client}",
-                f"--signer=https://127.0.0.1:{stack.ports.signer}",
-                f"--bootstrap-ca={bundle}",
-                f"--proxy-ca={credentials / 'ca.crt'}",
-                f"--proxy-cert={credentials / 'tls.crt'}",
-                f"--proxy-key={credentials / 'tls.key'}",
-                "--managed-serviceaccounts",
-                "--serviceaccount-interval=1s",
-                f"--serviceaccount-renew-fraction={RENEW_FRACTION}",
-                "--log-format=json",
-                "--log-level=debug",
-            ],
-            directory,
-            env={"CLUSTER_PROXY_GATEWAY_BOOTSTRAP_TOKEN": json.loads(minted.stdout)["token"]},
+def msa_stack(
+    kube_clusters: KubeClusters, tmp_path_factory: pytest.TempPathFactory, handover: Handover
+) -> Iterator[Stack]:
+    """The addon's stack with cluster1 joined and the gateway with ``--managed-serviceaccounts``. Set up
+    twice in a whole run (module scope, and the expiry test runs last in the session): the second stack
+    finalizes what the first left for the expiry test."""
+    install_crds(kube_clusters["hub"], CRDS)
+    with running_gateway(
+        kube_clusters,
+        tmp_path_factory.mktemp("msa"),
+        ("cluster1",),
+        managed_serviceaccounts=True,
+        extra_args=["--serviceaccount-interval=1s", f"--serviceaccount-renew-fraction={RENEW_FRACTION}"],
+    ) as gw:
+        running = Stack(
+            gw.stack,
+            gw.hub,
+            gw.clusters["cluster1"].api,
+            gw.clusters["cluster1"].name,
+            gw.process,
+            gw.directory,
+            handover,
         )
-        poll_until(
-            lambda: (
-                any(r.get("event") == "gateway_started" for r in gateway.events())
-                or (
-                    gateway.popen.poll() is not None and pytest.fail(f"the gateway exited:\n{gateway.tail()}")
-                )
-            ),
-            timeout=60,
-            what="the gateway's gateway_started",
-        )
-        waited = hub.kubectl("wait", "--for=condition=Available", "--timeout=60s", f"apiservice/{APISERVICE}")
-        assert waited.returncode == 0, f"{waited.stderr}\n--- gateway\n{gateway.tail()}"
-        running = Stack(stack, hub, kube_clusters["cluster1"], cluster, gateway, directory)
         yield running
-        _delete_every_msa(running)
-    finally:
-        if registered:
-            with hub.api_client() as admin, contextlib.suppress(client.exceptions.ApiException):
-                client.ApiregistrationV1Api(admin).delete_api_service(APISERVICE)
-        if gateway is not None:
-            gateway.stop()
-        stack.close()
+        rotated = handover.rotated_out
+        if rotated is not None and not rotated.checked:
+            # the expiry test is still to come (last in the session): cluster1's ServiceAccount of the
+            # gateway's MSA must outlive the rotated-out token, so that MSA stays (its stack stops)
+            _delete_msas(running, running.cluster, keep=frozenset({GATEWAY_MSA}))
+            return
+        if rotated is not None and rotated.cluster != running.cluster:
+            # left by the first stack: its ManagedCluster is gone, so this gateway drops the finalizer
+            _delete_msas(running, rotated.cluster)
+        _delete_msas(running, running.cluster)
 
 
 # --- an MSA's whole life -----------------------------------------------------------------------------------
@@ -433,7 +424,7 @@ def test_rotation_changes_the_token_and_no_request_or_watch_fails_across_it(msa_
     first_secret = msa_stack.secret(GATEWAY_MSA)
     assert first_secret is not None
     tokens = [first_secret["token"]]
-    msa_stack.rotated_out = {"token": tokens[0], "expires": expires}
+    msa_stack.handover.rotated_out = RotatedOut(tokens[0], expires, msa_stack.cluster)
 
     hub = msa_stack.hub
     context = ssl.create_default_context(cafile=str(hub.ca_path))
@@ -502,14 +493,20 @@ def test_rotation_changes_the_token_and_no_request_or_watch_fails_across_it(msa_
         assert msa_stack.review(token)["authenticated"] is True
 
 
+@pytest.mark.kube_last  # the token's 10 minutes run while the other kube tests do
 @pytest.mark.timeout(900)  # TokenRequest's shortest token lives 10 minutes
 def test_a_rotated_out_token_stops_working_in_cluster1_when_it_expires(msa_stack: Stack) -> None:
-    """Takes up to the token's 10 minutes: TokenRequest makes no shorter token."""
-    rotated = msa_stack.rotated_out
-    if not rotated:
+    """Waits for what is left of the token's 10 minutes: TokenRequest makes no shorter token. When
+    other modules ran since the rotation test, ``msa_stack`` is a fresh stack (the first one's
+    ManagedCluster is gone, its MSA and cluster1's ServiceAccount are not) and its gateway, reaching
+    cluster1 through the same ServiceAccount with a token of its own, is the one checked at the end."""
+    rotated = msa_stack.handover.rotated_out
+    if rotated is None:
         pytest.fail("the rotation test did not run first (it hands over the rotated-out token)")
-    token, expires = rotated["token"], rotated["expires"]
-    assert (msa_stack.secret(GATEWAY_MSA) or {}).get("token") != token  # it was rotated out
+    rotated.checked = True  # whatever happens here, its MSA may go with this stack
+    token, expires = rotated.token, rotated.expires
+    current = (msa_stack.secret(GATEWAY_MSA, rotated.cluster) or {}).get("token")
+    assert current and current != token  # it was rotated out
     remaining = (expires - dt.datetime.now(dt.UTC)).total_seconds()
     print(f"\nwaiting {remaining:.0f}s for the rotated-out token to expire")
 
@@ -526,6 +523,7 @@ def test_a_rotated_out_token_stops_working_in_cluster1_when_it_expires(msa_stack
     print(f"rejected {late:.1f}s after its expirationTimestamp")
     assert late >= -2, f"rejected {-late:.0f}s before it expired: something revoked it"
     # the gateway's current token still works
+    msa_stack.wait_reported(GATEWAY_MSA)
     done = msa_stack.hub.kubectl(
         "get", "--raw", f"{GROUP_PATH}/clustergateways/{msa_stack.cluster}/proxy/healthz"
     )
