@@ -61,6 +61,22 @@ def cpu_per_unit(workload: str, raw: dict, cpu_s: dict[str, float]) -> dict[str,
     return out
 
 
+def idle_tunnel_cost(cpu_s: dict[str, float], window_s: float, tunnels: int) -> dict[str, float]:
+    """% of one core that 1,000 idle tunnels keep busy (keepalives and timers), server and agents.
+
+    From the CPU-seconds ``cpu_s`` ({"server": .., "agents": ..}) used over ``window_s`` seconds by a
+    server holding ``tunnels`` idle tunnels and by the agents holding them.
+    """
+    if window_s <= 0 or tunnels <= 0:
+        return {}
+    scale = 100 / window_s * 1000 / tunnels
+    return {
+        f"{role}_pct_per_1k_idle_tunnels": round(cpu_s[role] * scale, 3)
+        for role in ("server", "agents")
+        if role in cpu_s
+    }
+
+
 def summarize(records: Iterable[dict]) -> dict[tuple[str, str], dict[str, dict[str, float]]]:
     """Median over repeats: {(workload, variant): {system: {role: CPU-seconds per unit}}}.
 

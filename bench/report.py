@@ -36,6 +36,8 @@ METRICS: dict[tuple[str, str], tuple[str, str, bool]] = {
         "KiB",
         False,
     ),
+    ("fanin", "server_pct_per_1k_idle_tunnels"): ("server CPU per 1,000 idle tunnels", "% of a core", False),
+    ("fanin", "agents_pct_per_1k_idle_tunnels"): ("agents' CPU per 1,000 idle tunnels", "% of a core", False),
     ("hol", "ratio"): ("4 streams' throughput with a stalled stream / without", "ratio", True),
     ("hol", "alone_mbit_s"): ("4 streams alone", "Mbit/s", True),
     ("hol", "new_stream_ok"): ("new stream opens during the stall", "1=yes", True),

@@ -126,6 +126,9 @@ class FaninHandle:
     def agents_rss_kib(self) -> int:
         return sum(p.rss_kib() for p in self.agents)
 
+    def agents_cpu_seconds(self) -> float:
+        return sum(p.cpu_seconds() for p in self.agents)
+
     def stop(self) -> None:
         for p in self.agents:
             with contextlib.suppress(Exception):

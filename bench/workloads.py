@@ -42,6 +42,7 @@ class Settings:
     fanin_levels: list[int]
     fanin_ours_max: int
     fanin_timeout: float
+    fanin_idle_hold: float  # CPU of the server and agents while every tunnel idles (keepalives only)
     hol_duration: float
     hol_rounds: int
     hol_repeats: int
@@ -70,6 +71,7 @@ class Settings:
                 fanin_levels=[20, 100],
                 fanin_ours_max=1000,
                 fanin_timeout=60.0,
+                fanin_idle_hold=3.0,
                 hol_duration=1.5,
                 hol_rounds=2,
                 hol_repeats=1,
@@ -106,6 +108,7 @@ class Settings:
             fanin_levels=[100, 500, 1000],
             fanin_ours_max=1000,
             fanin_timeout=120.0,
+            fanin_idle_hold=20.0,
             hol_duration=2.0,
             hol_rounds=3,
             hol_repeats=1,
@@ -429,6 +432,19 @@ class Runner:
             connect_all = time.monotonic() - t0
             time.sleep(1.0)
             server_rss, agents_rss = h.server.rss_kib(), h.agents_rss_kib()
+            idle_before = {
+                "wall": time.monotonic(),
+                "server": h.server.cpu_seconds(),
+                "agents": h.agents_cpu_seconds(),
+            }
+            time.sleep(st.fanin_idle_hold)  # a fixed window of idleness is what is measured
+            idle_after = {
+                "wall": time.monotonic(),
+                "server": h.server.cpu_seconds(),
+                "agents": h.agents_cpu_seconds(),
+            }
+            idle_cpu_s = efficiency.cpu_deltas(idle_before, idle_after)
+            idle_window = idle_after["wall"] - idle_before["wall"]
             h.restart_server()
             t_listen = time.monotonic()
             again = self.env.probe(s.probe_args(), h.probe_lines, st.fanin_timeout)
@@ -440,6 +456,7 @@ class Runner:
                 "reconnect_all_s": round(reconnect_all, 2) if again["ok"] == n else None,
                 "server_kib_per_tunnel": round((server_rss - server_base) / n, 1),
                 "agent_kib_per_agent": round(agents_rss / n, 1),
+                **efficiency.idle_tunnel_cost(idle_cpu_s, idle_window, n),
             }
             self.record(
                 "fanin",

@@ -125,3 +125,13 @@ def test_own_cpu_counter_moves_with_work() -> None:
     while cpu_seconds(os.getpid()) - start < 0.05 and time.monotonic() < wall_deadline:
         sum(range(10000))
     assert cpu_seconds(os.getpid()) - start >= 0.05
+
+
+def test_idle_tunnel_cost_is_percent_of_a_core_scaled_to_a_thousand_tunnels() -> None:
+    # 500 idle tunnels; over 20 s the server used 0.6 CPU-s (3 % of a core), the agents 0.2 (1 %)
+    cost = efficiency.idle_tunnel_cost({"server": 0.6, "agents": 0.2}, 20.0, 500)
+    assert cost == pytest.approx(
+        {"server_pct_per_1k_idle_tunnels": 6.0, "agents_pct_per_1k_idle_tunnels": 2.0}
+    )
+    assert efficiency.idle_tunnel_cost({"server": 0.6}, 0.0, 500) == {}
+    assert efficiency.idle_tunnel_cost({"server": 0.6}, 20.0, 0) == {}
