@@ -4,7 +4,9 @@
 on NAME's kube-apiserver: a CONNECT to the bare cluster name through the proxy-server's client port (the
 agent maps it to its own API server), TLS checked against the cluster's CA, the cluster's token as the
 bearer. The answer streams back as it comes (a watch, ``logs -f``), status and body unchanged: the managed
-cluster's own 403 reaches the caller as it was written there.
+cluster's own 403 reaches the caller as it was written there. An upgrade (``Connection: Upgrade``: a
+WebSocket or SPDY exec, attach, port-forward) goes the same way with its Upgrade header; a ``101`` goes
+back with its headers, then :func:`splice` relays bytes both ways; any other answer is an ordinary one.
 
 Whose identity the managed cluster sees: the cluster's service account (the token's, seed 004), or, in
 **caller** mode, the hub user the aggregator named, sent as ``Impersonate-User``/``-Group``/``-Extra-*``
