@@ -189,6 +189,71 @@ def markdown(costs: Costs, usable: float, profile: Profile, clusters: int) -> li
     return lines
 
 
+def per_unit_by_process(run: dict, system: str) -> dict[tuple[str, str], dict[str, float]]:
+    """Median CPU-seconds per unit of work of every process of the run (server, agent, loadgen,
+    target: they share the machine's cores), by (workload, variant)."""
+    acc: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for r in run["records"]:
+        if r["system"] != system or r.get("error") or "cpu_s" not in r:
+            continue
+        units = efficiency.work_units(r["workload"], r.get("raw", {}))
+        if units is None:
+            continue
+        row = acc.setdefault((r["workload"], r["variant"]), {})
+        for role, seconds in r["cpu_s"].items():
+            row.setdefault(role, []).append(seconds / units)
+    return {key: {role: statistics.median(v) for role, v in roles.items()} for key, roles in acc.items()}
+
+
+def two_core_prediction(
+    per_unit: dict[str, float], streams: int, workers: int, cores: int = 2
+) -> dict[str, float]:
+    """Units of work per second that ``workers`` server workers can do on a machine of ``cores`` cores
+    shared with one agent, the loadgen and the target, from each process's CPU-seconds per unit:
+
+    - pod model: the server alone, one core per worker (what the pod table assumes);
+    - machine: every process's CPU shares the cores;
+    - agent: one process, one core at most;
+    - streams: a stream is served by one worker, so no more workers than streams help.
+    """
+    limits = {
+        "pod model": workers / per_unit["server"],
+        "machine": cores
+        / sum(per_unit[role] for role in ("server", "agent", "loadgen", "target") if role in per_unit),
+        "agent": 1 / per_unit["agent"],
+        "streams": min(workers, streams) / per_unit["server"],
+    }
+    limits["predicted"] = min(limits["machine"], limits["agent"], limits["streams"])
+    return limits
+
+
+def check_lines(run: dict, system: str = "ours") -> list[str]:
+    """The model against 1 and 2 workers on this machine (bulk in Mbit/s, rr in requests/s)."""
+    lines = [
+        "| row | measured, 1 worker | predicted, 1 worker | pod model, 2 workers | predicted, 2 workers "
+        "| predicted 2/1 | limit with 2 |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    measured = report.summarize(run["records"])
+    for (workload, variant), per_unit in sorted(per_unit_by_process(run, system).items()):
+        if workload == "bulk":
+            streams = int(variant.split("-")[1].rstrip("s").removesuffix("stream"))
+            scale, got = GBIT_PER_GIB * 1000, measured["bulk"][variant]["mbit_s"].get(system)
+        elif workload == "rr":
+            streams, scale = 16, 1000.0
+            got = measured["rr"][variant]["achieved_rps"].get(system)
+        else:
+            continue  # connect runs one stream after another: its rate is its latency, not a CPU limit
+        one = two_core_prediction(per_unit, streams, workers=1)
+        two = two_core_prediction(per_unit, streams, workers=2)
+        limit = min(("machine", "agent", "streams"), key=lambda k: two[k])
+        lines.append(
+            f"| {workload} {variant} | {got:,.0f} | {one['predicted'] * scale:,.0f} | {two['pod model'] * scale:,.0f} "
+            f"| {two['predicted'] * scale:,.0f} | {two['predicted'] / one['predicted']:.2f} | {limit} |"
+        )
+    return lines
+
+
 def main(argv: list[str]) -> int:
     if len(argv) not in (2, 3):
         print(__doc__, file=sys.stderr)
@@ -199,6 +264,7 @@ def main(argv: list[str]) -> int:
     print(costs)
     profile = Profile(connects_per_s=0.1, requests_per_s=5.0, mbit_s=0.1, streams=10)
     print("\n".join(markdown(costs, usable=0.7, profile=profile, clusters=10_000)))
+    print("\n".join(check_lines(run)))
     return 0
 
 

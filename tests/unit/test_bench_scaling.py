@@ -56,3 +56,24 @@ def test_tunnels_alone_can_fill_a_worker() -> None:
     profile = scaling.Profile(connects_per_s=0.0, requests_per_s=0.0, mbit_s=0.0, streams=0.0)
     f = scaling.fleet_pods(COSTS, cores=4, usable=0.7, clusters=40_000, profile=profile)
     assert math.isinf(f["pods"])
+
+
+def test_two_workers_on_two_shared_cores_are_limited_by_the_whole_machine() -> None:
+    # CPU-s per GiB: server 4, agent 3, loadgen 0.75, target 0.25: 8 in all
+    per_unit = {"server": 4.0, "agent": 3.0, "loadgen": 0.75, "target": 0.25}
+    one = scaling.two_core_prediction(per_unit, streams=8, workers=1)
+    two = scaling.two_core_prediction(per_unit, streams=8, workers=2)
+    assert one["pod model"] == pytest.approx(0.25) and two["pod model"] == pytest.approx(0.5)
+    assert two["machine"] == pytest.approx(0.25)  # 2 cores / 8 CPU-s per GiB
+    assert two["agent"] == pytest.approx(1 / 3)
+    assert one["predicted"] == pytest.approx(0.25)  # the one worker's core and the machine coincide
+    assert two["predicted"] == pytest.approx(0.25)  # a second worker buys nothing here
+
+
+def test_one_stream_is_one_worker_however_many_there_are() -> None:
+    # a cheap rest of the run: the machine would allow more, the single stream's worker does not
+    per_unit = {"server": 4.0, "agent": 1.0, "loadgen": 0.5, "target": 0.5}
+    two = scaling.two_core_prediction(per_unit, streams=1, workers=2)
+    assert two["machine"] == pytest.approx(2 / 6)
+    assert two["streams"] == pytest.approx(0.25)
+    assert two["predicted"] == pytest.approx(0.25)
