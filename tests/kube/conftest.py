@@ -49,7 +49,7 @@ def _uses_clusters(item: pytest.Item) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "kube_early: runs before the other tests on the real API servers (it starts a long wait)"
+        "markers", "kube_early: runs first in the session (it starts a long wait a kube_last test ends)"
     )
     config.addinivalue_line(
         "markers", "kube_last: runs last in the session (it ends a wait a kube_early test started)"
@@ -59,19 +59,16 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests on the real API servers carry the ``kube`` marker (``-m kube`` selects them). ``kube_early``
-    tests move before the first of them and ``kube_last`` tests to the end of the session, each group in
-    collection order: a wait that only real time ends (a 10-minute token's expiry) then runs beside the
-    other tests instead of after them."""
+    tests move to the start of the session and ``kube_last`` tests to its end, each group in collection
+    order: a wait that only real time ends (a 10-minute token's expiry) then runs beside every other
+    test instead of after them (the API servers, session-scoped, are up from the first test then)."""
     for item in items:
         if _uses_clusters(item):
             item.add_marker(pytest.mark.kube)
     last = [item for item in items if item.get_closest_marker("kube_last")]
     early = [item for item in items if item.get_closest_marker("kube_early") and item not in last]
-    if not last and not early:
-        return
-    rest = [item for item in items if item not in last and item not in early]
-    first_kube = next((i for i, item in enumerate(rest) if _uses_clusters(item)), len(rest))
-    items[:] = [*rest[:first_kube], *early, *rest[first_kube:], *last]
+    if last or early:
+        items[:] = [*early, *(item for item in items if item not in last and item not in early), *last]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

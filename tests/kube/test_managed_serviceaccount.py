@@ -12,8 +12,8 @@ Rotation: TokenRequest's shortest validity is 10 minutes. The gateway here renew
 life (``--serviceaccount-renew-fraction=0.05``: a 10-minute token every 30 s) instead of 80 %, so that
 the rotation test sees several renewals in about a minute; that the rotated-out token stops working
 when it expires takes its real 10 minutes. So that this wait overlaps the other kube tests instead of
-adding to them, this module runs first among them (``kube_early``) and the expiry test last in the
-session (``kube_last``; tests/kube/conftest.py orders them). Only one addon stack may run at a time
+adding to them, this module runs first in the session (``kube_early``) and the expiry test last
+(``kube_last``; tests/kube/conftest.py orders them). Only one addon stack may run at a time
 (the addon-managers would fight over the ClusterManagementAddOn and every ManagedClusterAddOn, the
 gateways over the APIService), so the stack stops after the module's other tests and a fresh one is
 started for the expiry test; what crosses over is :class:`RotatedOut` (session-scoped), and the
