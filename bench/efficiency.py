@@ -117,7 +117,8 @@ def markdown(records: list[dict], a: str = "ours", b: str = "upstream") -> list[
 
     def key(item: tuple[str, str]) -> tuple:
         digits = "".join(ch for ch in item[1] if ch.isdigit())
-        return (order[item[0]], item[1].split("-")[0], int(digits) if digits else 0, item[1])
+        direction = item[1].split("-")[0] if "-" in item[1] else ""  # bulk's up/down; rr's rates alone
+        return (order[item[0]], direction, int(digits) if digits else 0, item[1])
 
     lines = [
         "## CPU-seconds per unit of work (median over repeats; lower is better)",

@@ -135,3 +135,11 @@ def test_idle_tunnel_cost_is_percent_of_a_core_scaled_to_a_thousand_tunnels() ->
     )
     assert efficiency.idle_tunnel_cost({"server": 0.6}, 0.0, 500) == {}
     assert efficiency.idle_tunnel_cost({"server": 0.6}, 20.0, 0) == {}
+
+
+def test_markdown_orders_rates_by_number_not_by_text() -> None:
+    records = [
+        record("rr", f"{rate}rps", "ours", {"completed": 1000}, 0.1, 0.1) for rate in (5000, 500, 2000)
+    ]
+    rows = [line for line in efficiency.markdown(records) if line.startswith("| rr")]
+    assert [row.split(" | ")[1] for row in rows] == ["500rps", "2000rps", "5000rps"]
