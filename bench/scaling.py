@@ -171,7 +171,7 @@ def markdown(costs: Costs, usable: float, profile: Profile, clusters: int) -> li
             f"| {cores} | {p.gbit_s_down:.1f} | {p.gbit_s_up:.1f} | {p.connects_per_s:,.0f} "
             f"| {p.requests_per_s:,.0f} | {p.streams_per_gib:,.0f} | {tunnel_gib:.1f} |"
         )
-    lines += ["", "| pod cores | pods | traffic (cores) | idle tunnels (share of each core) "]
+    lines.append("")
     lines += fleet_lines(costs, usable, profile, clusters)
     return lines
 
