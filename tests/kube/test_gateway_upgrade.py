@@ -41,8 +41,9 @@ from kubernetes.stream import stream
 
 from clusterproxy_gateway.http import HTTPConnection
 from clusterproxy_gateway.inventory import ClusterToken
-from clusterproxy_gateway.proxy import ClusterProxy, splice
+from clusterproxy_gateway.proxy import ClusterProxy
 from clusterproxy_gateway.server import GatewayServer
+from clusterproxy_protocol.relay import relay
 from tests.kube import test_gateway as base
 from tests.kube.gateway_rig import SA_NAME, SA_NAMESPACE, Gateway, running_gateway
 from tests.support.fake_kubelet import FakeKubelet, running_fake_kubelet, self_signed_context
@@ -232,7 +233,7 @@ def test_exec_through_the_hub_carries_a_mebibyte_of_stdin_and_the_answer(rig: Ex
     )
 
     def exec_request_done() -> bool:
-        # logged once forward() returned: the splice over, both of its streams closed
+        # logged once forward() returned: the relay over, both of its streams closed
         return any(
             r.get("event") == "request"
             and r.get("status") == 101
@@ -273,14 +274,14 @@ def test_exec_by_a_hub_user_without_rbac_on_the_proxy_is_the_hubs_403(rig: ExecR
     assert len(rig.kubelet.execs) == before
 
 
-# --- the splice alone, on TLS and on half-closeable streams (fast) -----------------------------------------
+# --- the relay alone, on TLS and on half-closeable streams (fast) -----------------------------------------
 
 
 @dataclass
-class Spliced:
+class Relayed:
     caller: trio.abc.Stream  # the aggregator's end
     cluster: trio.abc.Stream  # the managed kube-apiserver's end
-    done: trio.Event  # set when splice() returned
+    done: trio.Event  # set when relay() returned
 
 
 async def _tls_pair(directory: Path) -> tuple[trio.SSLStream[Any], trio.SSLStream[Any]]:
@@ -297,8 +298,8 @@ async def _tls_pair(directory: Path) -> tuple[trio.SSLStream[Any], trio.SSLStrea
 
 
 @contextlib.asynccontextmanager
-async def _spliced(tmp_path: Path, tls: bool) -> AsyncIterator[Spliced]:
-    """splice() running between a caller and a cluster, as the gateway runs it: over TLS on both sides
+async def _relayed(tmp_path: Path, tls: bool) -> AsyncIterator[Relayed]:
+    """relay() running between a caller and a cluster, as the gateway runs it: over TLS on both sides
     (what the gateway has) or over half-closeable streams."""
     if tls:
         caller, gateway_down = await _tls_pair(tmp_path / "down")
@@ -309,14 +310,14 @@ async def _spliced(tmp_path: Path, tls: bool) -> AsyncIterator[Spliced]:
     done = trio.Event()
 
     async def run() -> None:
-        await splice(gateway_down, gateway_up)
+        await relay(gateway_down, gateway_up)
         done.set()
 
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run)
-            yield Spliced(caller, cluster, done)
-            await done.wait()  # the splice must end by itself once the test is over
+            yield Relayed(caller, cluster, done)
+            await done.wait()  # the relay must end by itself once the test is over
 
 
 async def _read_all(stream: trio.abc.Stream) -> bytes:
@@ -327,62 +328,62 @@ async def _read_all(stream: trio.abc.Stream) -> bytes:
     return bytes(received)
 
 
-async def test_splice_over_tls_delivers_all_of_the_callers_bytes_then_its_close(tmp_path: Path) -> None:
+async def test_relay_over_tls_delivers_all_of_the_callers_bytes_then_its_close(tmp_path: Path) -> None:
     answer, upload = os.urandom(300_000), os.urandom(STDIN_BYTES)
-    async with _spliced(tmp_path, tls=True) as spliced:
-        await spliced.cluster.send_all(answer)  # the cluster speaks first (a kubelet's first frames)
+    async with _relayed(tmp_path, tls=True) as relayed:
+        await relayed.cluster.send_all(answer)  # the cluster speaks first (a kubelet's first frames)
         got = bytearray()
         while len(got) < len(answer):
-            got += await spliced.caller.receive_some(CHUNK)
+            got += await relayed.caller.receive_some(CHUNK)
         assert bytes(got) == answer
-        await spliced.caller.send_all(upload)
-        await spliced.caller.aclose()
-        assert await _read_all(spliced.cluster) == upload  # every byte, then a clean close_notify
-        await spliced.done.wait()
+        await relayed.caller.send_all(upload)
+        await relayed.caller.aclose()
+        assert await _read_all(relayed.cluster) == upload  # every byte, then a clean close_notify
+        await relayed.done.wait()
         with pytest.raises((trio.BrokenResourceError, trio.ClosedResourceError)):
             for _ in range(100):  # the gateway closed: what the cluster still sends goes nowhere
-                await spliced.cluster.send_all(b"late")
+                await relayed.cluster.send_all(b"late")
                 await trio.sleep(0)
-        await spliced.cluster.aclose()
+        await relayed.cluster.aclose()
 
 
-async def test_splice_over_tls_delivers_all_of_the_clusters_bytes_then_its_close(tmp_path: Path) -> None:
+async def test_relay_over_tls_delivers_all_of_the_clusters_bytes_then_its_close(tmp_path: Path) -> None:
     download = os.urandom(STDIN_BYTES)
-    async with _spliced(tmp_path, tls=True) as spliced:
-        await spliced.cluster.send_all(download)
-        await spliced.cluster.aclose()
-        assert await _read_all(spliced.caller) == download
-        await spliced.caller.aclose()
+    async with _relayed(tmp_path, tls=True) as relayed:
+        await relayed.cluster.send_all(download)
+        await relayed.cluster.aclose()
+        assert await _read_all(relayed.caller) == download
+        await relayed.caller.aclose()
 
 
-async def test_splice_passes_a_half_close_on_and_keeps_the_other_direction(tmp_path: Path) -> None:
+async def test_relay_passes_a_half_close_on_and_keeps_the_other_direction(tmp_path: Path) -> None:
     question, answer = os.urandom(200_000), os.urandom(STDIN_BYTES)
-    async with _spliced(tmp_path, tls=False) as spliced:
-        assert isinstance(spliced.caller, trio.abc.HalfCloseableStream)
-        assert isinstance(spliced.cluster, trio.abc.HalfCloseableStream)
-        await spliced.caller.send_all(question)
-        await spliced.caller.send_eof()
-        assert await _read_all(spliced.cluster) == question
-        assert not spliced.done.is_set()
-        await spliced.cluster.send_all(answer)  # after the caller's end: still carried
-        await spliced.cluster.send_eof()
-        assert await _read_all(spliced.caller) == answer
-        await spliced.done.wait()
-        await spliced.caller.aclose()
-        await spliced.cluster.aclose()
+    async with _relayed(tmp_path, tls=False) as relayed:
+        assert isinstance(relayed.caller, trio.abc.HalfCloseableStream)
+        assert isinstance(relayed.cluster, trio.abc.HalfCloseableStream)
+        await relayed.caller.send_all(question)
+        await relayed.caller.send_eof()
+        assert await _read_all(relayed.cluster) == question
+        assert not relayed.done.is_set()
+        await relayed.cluster.send_all(answer)  # after the caller's end: still carried
+        await relayed.cluster.send_eof()
+        assert await _read_all(relayed.caller) == answer
+        await relayed.done.wait()
+        await relayed.caller.aclose()
+        await relayed.cluster.aclose()
 
 
-async def test_splice_ends_both_sides_when_one_breaks(tmp_path: Path) -> None:
-    async with _spliced(tmp_path, tls=True) as spliced:
-        await spliced.caller.send_all(b"partial")
-        assert await spliced.cluster.receive_some(CHUNK) == b"partial"
-        cluster = spliced.cluster
+async def test_relay_ends_both_sides_when_one_breaks(tmp_path: Path) -> None:
+    async with _relayed(tmp_path, tls=True) as relayed:
+        await relayed.caller.send_all(b"partial")
+        assert await relayed.cluster.receive_some(CHUNK) == b"partial"
+        cluster = relayed.cluster
         assert isinstance(cluster, trio.SSLStream)
         await trio.aclose_forcefully(cluster.transport_stream)  # gone without close_notify: truncated
-        await spliced.done.wait()
+        await relayed.done.wait()
         with pytest.raises(trio.BrokenResourceError):  # a break, not a clean end the caller could trust
-            await _read_all(spliced.caller)
-        await spliced.caller.aclose()
+            await _read_all(relayed.caller)
+        await relayed.caller.aclose()
 
 
 # --- the upgrade exchange with scripted peers: the bytes behind each head (fast) ---------------------------

@@ -6,7 +6,7 @@ agent maps it to its own API server), TLS checked against the cluster's CA, the 
 bearer. The answer streams back as it comes (a watch, ``logs -f``), status and body unchanged: the managed
 cluster's own 403 reaches the caller as it was written there. An upgrade (``Connection: Upgrade``: a
 WebSocket or SPDY exec, attach, port-forward) goes the same way with its Upgrade header; a ``101`` goes
-back with its headers, then :func:`splice` relays bytes both ways; any other answer is an ordinary one.
+back with its headers, then the shared :func:`~clusterproxy_protocol.relay.relay` carries bytes both ways; any other answer is an ordinary one.
 
 Whose identity the managed cluster sees: the cluster's service account (the token's, seed 004), or, in
 **caller** mode, the hub user the aggregator named, sent as ``Impersonate-User``/``-Group``/``-Extra-*``
@@ -34,9 +34,10 @@ from clusterproxy_protocol.errors import (
     describe_exception,
 )
 from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol.relay import relay
 
 from . import objects
-from .http import RECEIVE_SIZE, HTTPConnection, IncomingRequest, ProtocolFailure, cancel_when_closed
+from .http import HTTPConnection, IncomingRequest, ProtocolFailure, cancel_when_closed
 from .inventory import (
     IDENTITY_ANNOTATION,
     IDENTITY_CALLER,
@@ -57,7 +58,6 @@ __all__ = [
     "StreamOpener",
     "choose_identity",
     "impersonation_headers",
-    "splice",
     "upgrade_protocol",
 ]
 
@@ -87,7 +87,6 @@ DROPPED_RESPONSE_HEADERS = frozenset({"connection", "keep-alive", "transfer-enco
 KUBE_APISERVER_PORT = 443
 TLS_HANDSHAKE_TIMEOUT = 15.0
 RESPONSE_HEAD_TIMEOUT = 60.0
-CLOSE_TIMEOUT = 5.0  # a graceful TLS close (close_notify) toward a peer that stopped reading
 
 
 def choose_identity(entry: ClusterEntry, asked: str) -> str | tuple[int, str]:
@@ -317,7 +316,7 @@ class ClusterProxy:
                 await upstream.stream.send_all(from_caller)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return 101  # one side is gone already; the caller's finally blocks close both
-        await splice(http.stream, upstream.stream)
+        await relay(http.stream, upstream.stream)
         return 101
 
 
@@ -326,52 +325,3 @@ def upgrade_protocol(request: IncomingRequest) -> str:
     with ``Upgrade: websocket`` or ``SPDY/3.1``), else ""."""
     connection = {token.strip().lower() for token in request.header("connection").split(",")}
     return request.header("upgrade").strip() if "upgrade" in connection else ""
-
-
-async def _end_writing(stream: trio.abc.Stream) -> None:
-    """Tell the peer behind ``stream`` that no more bytes come: a half-close where the stream has one,
-    else (TLS: trio's SSLStream has no send_eof) a close with close_notify, bounded in time."""
-    try:
-        if isinstance(stream, trio.abc.HalfCloseableStream):
-            await stream.send_eof()
-            return
-        with trio.move_on_after(CLOSE_TIMEOUT):
-            await stream.aclose()
-            return
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass
-    await trio.aclose_forcefully(stream)
-
-
-async def splice(a: trio.abc.Stream, b: trio.abc.Stream) -> None:
-    """Relay bytes both ways between ``a`` and ``b`` until both directions have ended.
-
-    The end of one direction (its source's EOF) is passed on to the other stream by :func:`_end_writing`
-    after every byte taken from the source went out; the other direction goes on until its own source
-    ends (a half-close) or, where the end had to be a close, until that close ends it too. A failure on
-    either side (a reset, a truncated TLS stream) closes both at once. Both streams are closed on
-    return; nothing is left running."""
-
-    async def pump(source: trio.abc.Stream, sink: trio.abc.Stream) -> None:
-        try:
-            while True:
-                try:
-                    data = await source.receive_some(RECEIVE_SIZE)
-                except trio.ClosedResourceError:
-                    data = b""  # the other direction closed this stream after its end: an end here too
-                if not data:
-                    break
-                await sink.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            await trio.aclose_forcefully(source)
-            await trio.aclose_forcefully(sink)
-            return
-        await _end_writing(sink)
-
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(pump, a, b)
-            nursery.start_soon(pump, b, a)
-    finally:
-        await trio.aclose_forcefully(a)
-        await trio.aclose_forcefully(b)
