@@ -67,6 +67,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--fanin-ours-max", type=int, default=0, help="largest fan-in level run for ours (process per agent)"
     )
+    p.add_argument(
+        "--fanin-levels", default="", help="comma-separated agent counts for fan-in (default: 100,500,1000)"
+    )
+    p.add_argument(
+        "--fanin-idle-hold",
+        type=float,
+        default=0.0,
+        help="seconds of idle tunnels over which fan-in measures CPU (default: 20; --quick: 3)",
+    )
     return p.parse_args(argv)
 
 
@@ -103,6 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         settings.failover_repeats = args.repeats
     if args.fanin_ours_max:
         settings.fanin_ours_max = args.fanin_ours_max
+    if args.fanin_levels:
+        try:
+            settings.fanin_levels = [int(n) for n in args.fanin_levels.split(",") if n.strip()]
+        except ValueError:
+            print(
+                f"--fanin-levels takes agent counts like 100,1000, not {args.fanin_levels!r}", file=sys.stderr
+            )
+            return 2
+    if args.fanin_idle_hold:
+        settings.fanin_idle_hold = args.fanin_idle_hold
     workloads = [w.strip() for w in args.only.split(",") if w.strip()] or list(WORKLOADS)
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad:
