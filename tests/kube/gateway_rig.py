@@ -57,7 +57,7 @@ class Gateway:
         return f"{GROUP_PATH}/clustergateways/{cluster}/proxy{rest}"
 
 
-def _ignore_conflict(call: Any) -> None:
+def ignore_conflict(call: Any) -> None:
     try:
         call()
     except client.exceptions.ApiException as exc:
@@ -69,8 +69,8 @@ def _project_token(hub: KubeCluster, managed: Managed) -> None:
     """What point 2 will do: a ServiceAccount in the managed cluster, its token in a hub Secret."""
     with managed.api.api_client() as admin:
         core = client.CoreV1Api(admin)
-        _ignore_conflict(lambda: core.create_namespace({"metadata": {"name": SA_NAMESPACE}}))
-        _ignore_conflict(
+        ignore_conflict(lambda: core.create_namespace({"metadata": {"name": SA_NAMESPACE}}))
+        ignore_conflict(
             lambda: core.create_namespaced_service_account(SA_NAMESPACE, {"metadata": {"name": SA_NAME}})
         )
         token = core.create_namespaced_service_account_token(
@@ -94,7 +94,7 @@ def _set_reader(api: KubeCluster, allowed: bool) -> None:
             with contextlib.suppress(client.exceptions.ApiException):
                 rbac.delete_cluster_role_binding(READER)
             return
-        _ignore_conflict(
+        ignore_conflict(
             lambda: rbac.create_cluster_role(
                 {
                     "metadata": {"name": READER},
@@ -105,7 +105,7 @@ def _set_reader(api: KubeCluster, allowed: bool) -> None:
                 }
             )
         )
-        _ignore_conflict(
+        ignore_conflict(
             lambda: rbac.create_cluster_role_binding(
                 {
                     "metadata": {"name": READER},

@@ -45,7 +45,7 @@ from clusterproxy_gateway.proxy import ClusterProxy
 from clusterproxy_gateway.server import GatewayServer
 from clusterproxy_protocol.relay import relay
 from tests.kube import test_gateway as base
-from tests.kube.gateway_rig import SA_NAME, SA_NAMESPACE, Gateway, running_gateway
+from tests.kube.gateway_rig import SA_NAME, SA_NAMESPACE, Gateway, ignore_conflict, running_gateway
 from tests.support.fake_kubelet import FakeKubelet, running_fake_kubelet, self_signed_context
 from tests.support.kubeapi import KubeClusters
 from tests.support.workagent import poll_until
@@ -65,14 +65,6 @@ class ExecRig:
     pod: str
     container: str
     directory: Path
-
-
-def _ignore_conflict(call: Any) -> None:
-    try:
-        call()
-    except client.exceptions.ApiException as exc:
-        if exc.status != 409:
-            raise
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +104,7 @@ def rig(kube_clusters: KubeClusters, tmp_path_factory: pytest.TempPathFactory) -
             )
             rbac = client.RbacAuthorizationV1Api(admin)
             role = "gateway-exec"
-            _ignore_conflict(
+            ignore_conflict(
                 lambda: rbac.create_namespaced_role(
                     namespace,
                     {
@@ -124,7 +116,7 @@ def rig(kube_clusters: KubeClusters, tmp_path_factory: pytest.TempPathFactory) -
                     },
                 )
             )
-            _ignore_conflict(
+            ignore_conflict(
                 lambda: rbac.create_namespaced_role_binding(
                     namespace,
                     {
