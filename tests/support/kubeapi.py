@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from clusterproxy_cli.local_plan import free_ports
 from tests.support.gopeers import _build, _go, tool_cache
 
 if TYPE_CHECKING:
@@ -288,9 +288,10 @@ class ThrowawayCA:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, below the kernel's ephemeral range: a port the kernel hands out for
+    port 0 is one any outgoing connection may take before our process binds it (five kube sessions at
+    once: a proxy-server of the addon stack failed with EADDRINUSE that way)."""
+    return free_ports(1)[0]
 
 
 def die_with_parent() -> None:
