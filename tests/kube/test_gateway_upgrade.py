@@ -46,7 +46,7 @@ from clusterproxy_gateway.server import GatewayServer
 from clusterproxy_protocol.relay import relay
 from tests.kube import test_gateway as base
 from tests.kube.gateway_rig import SA_NAME, SA_NAMESPACE, Gateway, ignore_conflict, running_gateway
-from tests.support.fake_kubelet import FakeKubelet, running_fake_kubelet, self_signed_context
+from tests.support.fake_kubelet import FakeKubelet, running_fake_kubelet, serving_context
 from tests.support.kubeapi import KubeClusters
 from tests.support.workagent import poll_until
 
@@ -278,8 +278,8 @@ class Relayed:
 
 async def _tls_pair(directory: Path) -> tuple[trio.SSLStream[Any], trio.SSLStream[Any]]:
     """Two ends of a TLS connection over an in-memory byte pipe (client, server)."""
-    server_context = self_signed_context(directory)
-    client_context = ssl.create_default_context(cafile=str(directory / "kubelet.crt"))
+    server_context, ca_pem = serving_context(directory)
+    client_context = ssl.create_default_context(cadata=ca_pem.decode())
     client_raw, server_raw = trio.testing.memory_stream_pair()
     client_end = trio.SSLStream(client_raw, client_context, server_hostname="127.0.0.1")
     server_end = trio.SSLStream(server_raw, server_context, server_side=True)

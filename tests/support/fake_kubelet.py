@@ -24,9 +24,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import hashlib
-import ipaddress
 import json
 import ssl
 import threading
@@ -36,11 +34,9 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import trio
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from trio_websocket import ConnectionClosed, WebSocketRequest, serve_websocket
+
+from clusterproxy_gateway.credentials import make_self_signed
 
 __all__ = ["STATUS_SUCCESS", "SUBPROTOCOL", "ExecRecord", "FakeKubelet", "running_fake_kubelet"]
 
@@ -66,37 +62,14 @@ class FakeKubelet:
     refused: list[str] = field(default_factory=list)  # paths or subprotocols it would not serve
 
 
-def self_signed_context(directory: Path) -> ssl.SSLContext:
-    """A server context with a fresh self-signed certificate for 127.0.0.1 (files in ``directory``)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fake-kubelet")])
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    directory.mkdir(parents=True, exist_ok=True)
-    cert_path, key_path = directory / "kubelet.crt", directory / "kubelet.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
+def serving_context(directory: Path) -> tuple[ssl.SSLContext, bytes]:
+    """A server context for 127.0.0.1 with a fresh certificate (the gateway's own self-signed CA and
+    leaf, files in ``directory``), and that CA's PEM for a client to trust."""
+    serving = make_self_signed(directory, ["127.0.0.1"])
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(str(cert_path), str(key_path))
+    context.load_cert_chain(str(serving.cert), str(serving.key))
     context.set_alpn_protocols(["http/1.1"])
-    return context
+    return context, serving.ca_pem
 
 
 async def _serve_exec(kubelet: FakeKubelet, request: WebSocketRequest) -> None:
@@ -134,7 +107,7 @@ async def _serve_exec(kubelet: FakeKubelet, request: WebSocketRequest) -> None:
 @contextlib.contextmanager
 def running_fake_kubelet(directory: Path) -> Iterator[FakeKubelet]:
     """The fake kubelet on 127.0.0.1 (a port of its own choosing), in a thread with its own trio loop."""
-    context = self_signed_context(directory)
+    context, _ = serving_context(directory)
     kubelet = FakeKubelet()
     ready = threading.Event()
     failure: list[BaseException] = []
