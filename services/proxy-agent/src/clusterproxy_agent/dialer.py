@@ -86,6 +86,11 @@ async def connect_any(
 
     Not bounded in time by itself: the caller wraps it in its dial timeout.
     """
+    if len(addresses) == 1:  # the common case (an IP, a service's cluster IP) needs no race
+        try:
+            return await connect_one(addresses[0], port)
+        except OSError as exc:
+            raise ConnectFailed([(addresses[0], exc)]) from None
     errors: list[tuple[IPAddress, OSError]] = []
     winner: trio.SocketStream | None = None
     try:
