@@ -7,7 +7,7 @@ import ssl
 import pytest
 import trio
 
-from clusterproxy_agent.tunnel import Backoff
+from clusterproxy_agent.tunnel import Backoff, nothing_listening
 from clusterproxy_protocol.errors import describe_exception
 
 
@@ -55,3 +55,17 @@ async def test_describe_exception_shows_why_every_address_failed() -> None:
     text = describe_exception(info.value)
     assert f"127.0.0.1:{port}" in text
     assert "Connection refused" in text
+
+
+async def test_nothing_listening_is_a_refusal_of_every_address_and_nothing_else() -> None:
+    with trio.socket.socket() as probe:
+        await probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(OSError) as refused:
+        await trio.open_tcp_stream("127.0.0.1", port)
+    assert nothing_listening(refused.value)
+    half = OSError("all attempts to connect failed")  # one address refused, the other timed out
+    half.__cause__ = ExceptionGroup("attempts", [ConnectionRefusedError(111, "refused"), TimeoutError()])
+    assert not nothing_listening(half)
+    assert not nothing_listening(trio.BrokenResourceError("TLS handshake failed"))
+    assert not nothing_listening(TimeoutError("connect timed out"))

@@ -267,6 +267,44 @@ async def test_a_long_search_still_finds_a_late_successor_within_the_search_ceil
     await stop(agent, replicas)
 
 
+@pytest.mark.parametrize(
+    ("failure", "dials_in_a_minute"),
+    [
+        # nothing listens (the hub restarting): costs the hub nothing, so every 2 s (the search ceiling)
+        (ConnectionRefusedError(111, "Connection refused"), range(25, 36)),
+        # anything else (a TLS failure, a timeout) may be a hub at its limit: 0.1 s doubling up to 30 s
+        (trio.BrokenResourceError("TLS handshake failed"), range(7, 11)),
+    ],
+)
+async def test_only_a_refused_connect_keeps_the_backoff_at_the_search_ceiling(
+    nursery: trio.Nursery,
+    autojump_clock: trio.testing.MockClock,
+    failure: Exception,
+    dials_in_a_minute: range,
+) -> None:
+    balancer = FakeBalancer(nursery)
+    dials = 0
+
+    async def failing_then_balanced(transport_tasks: trio.Nursery) -> trio.abc.Stream:
+        nonlocal dials
+        dials += 1
+        if not balancer.replicas:
+            raise failure
+        return await balancer.open(transport_tasks)
+
+    agent = make_agent()
+    hub = options(backoff_max=30.0, search_backoff_max=2.0)
+    replicas = await run_replica_set(nursery, agent, [(hub, failing_then_balanced)])
+    await trio.sleep(60)
+    assert dials in dials_in_a_minute
+    if isinstance(failure, ConnectionRefusedError):
+        balancer.add("r0", 3)
+        listening = trio.current_time()
+        await wait_until(lambda: holds(agent, balancer), timeout=10, what="the hub listening again")
+        assert trio.current_time() - listening <= 2.0 + 0.5
+    await stop(agent, replicas)
+
+
 async def test_an_explicit_list_holds_one_tunnel_per_address(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:

@@ -49,6 +49,9 @@ MAX_CONTROL_BODY = 1 << 20
 MAX_REASON_BODY = 4096
 CLOSE_GRACE = 1.0  # seconds the peer gets to read our GOAWAY and close first
 STUCK_FRAME_RECHECK = 0.05  # seconds between looks while a late frame's rest waits unread
+# A side that PINGs only when quiet waits this many of its intervals without a frame from the peer: a
+# peer PINGing at the same interval (the hub) is heard first however their timers are offset.
+QUIET_FACTOR = 1.5
 
 RequestHandler = Callable[["IncomingRequest"], Awaitable[None]]
 LimitHandler = Callable[[ev.LimitExceeded, bool], None]  # (what tripped, first time on this connection)
@@ -375,6 +378,7 @@ class Mux:
         self._can_open = trio.Event()  # the peer's first SETTINGS arrived (its limits), or we are dead
         self.finished = trio.Event()  # set on entering FINISHED
         self.last_rtt: float | None = None
+        self.last_heard = 0.0  # trio clock of the last bytes read from the peer
         self.peer_draining = False
         self.peer_drain_started = trio.Event()  # set when the peer first announced its drain
         self._nursery: trio.Nursery | None = None
@@ -564,6 +568,7 @@ class Mux:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.core.initiate()
+        self.last_heard = trio.current_time()
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -646,6 +651,7 @@ class Mux:
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                     self._die(f"read failed: {_describe(exc)}", peer_closed=True)
                     return
+                self.last_heard = trio.current_time()
                 self._dispatch(self.core.receive_bytes(data))
                 self.kick()
 
@@ -782,13 +788,17 @@ async def open_mux(
     settings: TunnelSettings | None = None,
     handler: RequestHandler | None = None,
     keepalive: tuple[float, float] | None = None,
+    ping_when_quiet: bool = False,
     received: bytes = b"",
     on_limit: LimitHandler | None = None,
 ) -> AsyncIterator[Mux]:
     """Run an HTTP/2 tunnel connection over ``transport`` for the duration of the block.
 
     ``keepalive`` is ``(interval, timeout)``: a PING every interval; a PING not answered within the
-    timeout declares the connection dead, which fails all its streams at once. ``received`` are bytes
+    timeout declares the connection dead, which fails all its streams at once. With
+    ``ping_when_quiet`` a PING goes out only after ``QUIET_FACTOR`` intervals without a frame from
+    the peer (the agent's side: the hub PINGs anyway, and data proves the peer alive as well).
+    ``received`` are bytes
     the caller already read from ``transport`` (to tell the protocol apart); they are processed first.
     ``on_limit`` hears of every abuse limit that trips (see the module's docstring).
     """
@@ -796,7 +806,7 @@ async def open_mux(
     async with trio.open_nursery() as nursery:
         await nursery.start(mux.run)
         if keepalive is not None:
-            nursery.start_soon(_keepalive, mux, *keepalive)
+            nursery.start_soon(_keepalive, mux, *keepalive, ping_when_quiet)
         try:
             yield mux
         finally:
@@ -807,8 +817,13 @@ async def open_mux(
             nursery.cancel_scope.cancel()
 
 
-async def _keepalive(mux: Mux, interval: float, timeout: float) -> None:
+async def _keepalive(mux: Mux, interval: float, timeout: float, ping_when_quiet: bool) -> None:
     while not mux.dead:
+        if ping_when_quiet:
+            quiet_until = mux.last_heard + QUIET_FACTOR * interval
+            if trio.current_time() < quiet_until:
+                await trio.sleep_until(quiet_until)
+                continue
         rtt = math.inf
         with trio.move_on_after(timeout):
             try:
@@ -818,4 +833,5 @@ async def _keepalive(mux: Mux, interval: float, timeout: float) -> None:
         if math.isinf(rtt):
             mux.close(f"no PING answer within {timeout:g}s", error_code=CANCEL)
             return
-        await trio.sleep(interval)
+        if not ping_when_quiet:
+            await trio.sleep(interval)

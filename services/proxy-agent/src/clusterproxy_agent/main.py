@@ -466,16 +466,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DURATION",
         type=parse_positive_duration,
         default="2s",
-        help="behind a load balancer, while a proxy-server replica is missing: the longest wait between "
-        "dials that reach replicas already held, so that the missing one (or its successor) is found "
-        "within it (one TLS handshake per wait meanwhile)",
+        help="the longest wait between dials that cost the hub no TLS handshake: dials refused with "
+        "nothing listening (a restarting proxy-server is found within it) and, behind a load balancer "
+        "while a replica is missing, dials that reach replicas already held (one handshake per wait)",
     )
     flag(
         "--keepalive-interval",
         metavar="DURATION",
         type=parse_positive_duration,
         default="10s",
-        help="PING interval on the tunnel",
+        help="PING the hub after 1.5 times this without hearing from it (its own PINGs, every "
+        "--keepalive-interval of the server, or data keep a live tunnel from needing ours)",
     )
     flag(
         "--keepalive-timeout",

@@ -95,6 +95,18 @@ class Backoff:
         self.attempt = 0
 
 
+def nothing_listening(exc: BaseException) -> bool:
+    """Whether a dial failed only because every address refused the TCP connection (RST: no listener),
+    as trio's ``open_tcp_stream`` reports it (an OSError caused by a group of the attempts' errors)."""
+    if isinstance(exc, ConnectionRefusedError):
+        return True
+    attempts = exc.__cause__
+    if not isinstance(attempts, BaseExceptionGroup):
+        return False
+    _, others = attempts.split(ConnectionRefusedError)
+    return others is None
+
+
 def check_server_role(der_cert: bytes | None) -> None:
     """Raise :class:`HandshakeError` unless the hub's certificate has the server role: an agent or
     client certificate with a forged serverAuth, or one from before roles, is not a proxy-server."""
@@ -197,6 +209,7 @@ class TunnelRunner:
         self.record: TunnelRecord | None = None
         self.opening = False  # the transport is up, the tunnel not yet recorded (see replicas.slot_state)
         self._last_duplicate = False  # the last tunnel reached a replica held by another slot
+        self._last_refused = False  # the last dial found nothing listening (the hub restarting)
 
     @property
     def stopping(self) -> bool:
@@ -218,7 +231,9 @@ class TunnelRunner:
                 if lived > self.options.stable_after:
                     self.backoff.reset()
                 delay = self.backoff.next()
-                if self._last_duplicate:
+                # Neither costs the hub a handshake: the backoff protects it from those, so here it
+                # need not grow past the search ceiling (a restarted hub is found within it).
+                if self._last_duplicate or self._last_refused:
                     delay = min(delay, self.options.search_backoff_max)
                 self.log.info(
                     "tunnel_reconnect_scheduled", delay=round(delay, 3), attempt=self.backoff.attempt
@@ -240,6 +255,7 @@ class TunnelRunner:
         timeout = self.options.connect_timeout
         error: str | None = None
         transport: trio.abc.Stream | None = None
+        self._last_refused = False
         with self._interruptible():
             try:
                 with trio.fail_after(timeout):
@@ -248,6 +264,7 @@ class TunnelRunner:
                 error = f"connect to {self.options.address} timed out after {timeout:g}s"
             except (OSError, trio.BrokenResourceError, ssl.SSLError, HandshakeError) as exc:
                 error = describe_exception(exc)
+                self._last_refused = nothing_listening(exc)
         self._wait_scope = None
         if error is not None:
             self.agent.last_error = error
@@ -283,6 +300,7 @@ class TunnelRunner:
                 settings=self.options.settings,
                 handler=self.agent.handle,
                 keepalive=self.options.keepalive,
+                ping_when_quiet=True,  # the hub PINGs every tunnel; ours only when it has gone quiet
                 on_limit=limit_reporter(self.log, self.agent.metrics.count_limit),
             ) as mux:
                 with self.agent.tunnel(mux, self.options.address) as record:
