@@ -76,6 +76,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         help="seconds of idle tunnels over which fan-in measures CPU (default: 20; --quick: 3)",
     )
+    p.add_argument(
+        "--fanin-agent-processes",
+        type=int,
+        default=0,
+        help="processes ours' fan-in agents are split over (default: 1; upstream's run in one Go process, "
+        "which uses every core)",
+    )
     return p.parse_args(argv)
 
 
@@ -122,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.fanin_idle_hold:
         settings.fanin_idle_hold = args.fanin_idle_hold
+    if args.fanin_agent_processes < 0:
+        print(
+            f"--fanin-agent-processes takes a count >= 1, not {args.fanin_agent_processes}", file=sys.stderr
+        )
+        return 2
+    if args.fanin_agent_processes:
+        settings.fanin_agent_processes = args.fanin_agent_processes
     workloads = [w.strip() for w in args.only.split(",") if w.strip()] or list(WORKLOADS)
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad:

@@ -170,7 +170,8 @@ class System:
                 p.stop()
         self.server = self.agent = None
 
-    def start_fanin(self, n: int, tag: str) -> FaninHandle:
+    def start_fanin(self, n: int, tag: str, processes: int = 1) -> FaninHandle:
+        """The server and ``n`` agents (each of its own cluster) in ``processes`` processes."""
         raise Unavailable(f"{self.name}: no fan-in")
 
     # Replicas behind a load balancer (the failover workload, bench/failover.py). Each replica runs
@@ -347,7 +348,8 @@ class Upstream(System):
         # The agent's ClientSet sets this gauge to its number of server connections (clientset.go).
         return _gauge(metrics, "konnectivity_network_proxy_agent_open_server_connections")
 
-    def start_fanin(self, n: int, tag: str) -> FaninHandle:
+    def start_fanin(self, n: int, tag: str, processes: int = 1) -> FaninHandle:
+        # One process whatever ``processes`` says: Go's runtime spreads its agents over every core.
         e = self.env
         server = self._start_server(f"fanin-{tag}")
         agent_cert = e.pki.agent("fanin", "upstream-multi")
@@ -585,8 +587,9 @@ class Ours(System):
     def probe_line(self) -> str:
         return f"{self.target_authority()}\t{CLUSTER_HEADER}: {CLUSTER}"
 
-    def start_fanin(self, n: int, tag: str) -> FaninHandle:
-        """All n agents run in one process (bench/fleet.py), as upstream's agents do in its harness."""
+    def start_fanin(self, n: int, tag: str, processes: int = 1) -> FaninHandle:
+        """The n agents run in ``processes`` processes (bench/fleet.py; upstream's in one Go process,
+        which uses every core)."""
         e = self.env
         server = self._start_server(f"fanin-{tag}")
         agents, lines = [], []
@@ -595,19 +598,21 @@ class Ours(System):
             cert = e.pki.agent(cluster, "a")
             agents.append({"cluster": cluster, "agent_id": "a", "cert": str(cert.cert), "key": str(cert.key)})
             lines.append(f"{self.target_authority()}\t{CLUSTER_HEADER}: {cluster}")
-        spec = e.log_dir / f"ours-fanin-{tag}-fleet.json"
         common = {
             "server_host": "127.0.0.1",
             "server_port": self.agent_port,
             "server_name": "localhost",
             "ca": str(e.pki.ca),
         }
-        spec.write_text(json.dumps({"common": common, "agents": agents}))
-        argv = [str(e.venv_bin / "python"), "-m", "bench.fleet", str(spec)]
-        log = e.log_dir / f"ours-fanin-{tag}-agents.log"
+        fleets = []
+        for part in range(processes):
+            spec = e.log_dir / f"ours-fanin-{tag}-fleet{part}.json"
+            spec.write_text(json.dumps({"common": common, "agents": agents[part::processes]}))
+            argv = [str(e.venv_bin / "python"), "-m", "bench.fleet", str(spec)]
+            fleets.append((argv, e.log_dir / f"ours-fanin-{tag}-agents{part}.log"))
         return FaninHandle(
             server,
-            lambda: [Proc("ours-fleet", argv, log, env={"PYTHONPATH": str(REPO)})],
+            lambda: [Proc("ours-fleet", argv, log, env={"PYTHONPATH": str(REPO)}) for argv, log in fleets],
             n,
             lines,
             lambda: self._launch_server(f"fanin-{tag}"),

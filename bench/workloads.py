@@ -43,6 +43,7 @@ class Settings:
     fanin_ours_max: int
     fanin_timeout: float
     fanin_idle_hold: float  # CPU of the server and agents while every tunnel idles (keepalives only)
+    fanin_agent_processes: int  # ours' agents split over this many processes (upstream: one Go process)
     hol_duration: float
     hol_rounds: int
     hol_repeats: int
@@ -72,6 +73,7 @@ class Settings:
                 fanin_ours_max=1000,
                 fanin_timeout=60.0,
                 fanin_idle_hold=3.0,
+                fanin_agent_processes=1,
                 hol_duration=1.5,
                 hol_rounds=2,
                 hol_repeats=1,
@@ -109,6 +111,7 @@ class Settings:
             fanin_ours_max=1000,
             fanin_timeout=120.0,
             fanin_idle_hold=20.0,
+            fanin_agent_processes=1,
             hol_duration=2.0,
             hol_rounds=3,
             hol_repeats=1,
@@ -422,7 +425,7 @@ class Runner:
 
     def _fanin_one(self, s: System, n: int) -> None:
         st = self.settings
-        h = s.start_fanin(n, f"{n}")
+        h = s.start_fanin(n, f"{n}", st.fanin_agent_processes)
         try:
             time.sleep(0.5)
             server_base = h.server.rss_kib()
