@@ -231,8 +231,8 @@ async def test_backoff_grows_and_resets_after_a_stable_tunnel(autojump_clock: tr
 
     async def opener(_transport_tasks: trio.Nursery) -> trio.abc.Stream:
         attempts.append(trio.current_time())
-        if fail:
-            raise ConnectionRefusedError(111, "Connection refused")
+        if fail:  # a listener that resets (a refusal, nothing listening, backs off less: test_replica_set)
+            raise ConnectionResetError(104, "Connection reset by peer")
         left, right = trio.testing.memory_stream_pair()
         peers.append(left)
         return right
@@ -244,7 +244,7 @@ async def test_backoff_grows_and_resets_after_a_stable_tunnel(autojump_clock: tr
         await wait_until(lambda: len(attempts) == 6, timeout=100)
         gaps = [round(b - a, 3) for a, b in itertools.pairwise(attempts)]
         assert gaps == [1.0, 2.0, 4.0, 8.0, 8.0]
-        assert agent.last_error == "Connection refused"
+        assert agent.last_error == "Connection reset by peer"
         assert agent.metrics.registry.get_sample_value("cluster_proxy_agent_tunnel_reconnects_total") == 5
 
         fail = False

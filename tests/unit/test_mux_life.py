@@ -107,3 +107,28 @@ async def test_a_peer_that_never_reads_holds_the_close_two_graces_at_most(
     assert trio.current_time() - start == pytest.approx(CLOSE_GRACE)
     await mux.finished.wait()
     assert trio.current_time() - start == pytest.approx(2 * CLOSE_GRACE)
+
+
+class TaskSteps(trio.abc.Instrument):
+    """Counts every step of every task, by the task's name."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, int] = {}
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps[task.name] = self.steps.get(task.name, 0) + 1
+
+
+async def test_an_idle_connection_wakes_none_of_its_tasks(autojump_clock: trio.testing.MockClock) -> None:
+    """Thousands of idle tunnels per worker: without keepalives (their own test) nothing of a tunnel
+    runs while nothing arrives; the frame-timeout watch waits for a frame to start, it does not poll."""
+    left, right = trio.testing.memory_stream_pair()
+    async with open_mux(left, Role.OPENER), open_mux(right, Role.ACCEPTOR):
+        await trio.sleep(1)  # the SETTINGS exchange is over
+        steps = TaskSteps()
+        trio.lowlevel.add_instrument(steps)
+        try:
+            await trio.sleep(600)
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+    assert {name: n for name, n in steps.steps.items() if ".driver." in name} == {}

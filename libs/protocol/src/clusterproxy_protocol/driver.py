@@ -371,6 +371,7 @@ class Mux:
         self._drained_lot = trio.lowlevel.ParkingLot()
         self._idle_lot = trio.lowlevel.ParkingLot()
         self._busy_lot = trio.lowlevel.ParkingLot()
+        self._frame_started_lot = trio.lowlevel.ParkingLot()  # a read ended inside a frame
         self._pings: dict[bytes, trio.Event] = {}
         self.state = MuxState.OPEN
         self.dead_reason = ""  # why it left OPEN
@@ -555,6 +556,7 @@ class Mux:
                 event.set()
             self._drained_lot.unpark_all()
             self._idle_lot.unpark_all()
+            self._frame_started_lot.unpark_all()
             self._reader_scope.cancel()
             # The writer sends what is queued (a GOAWAY, resets) and stops, given this long to do it.
             self._writer_scope.deadline = trio.current_time() + CLOSE_GRACE
@@ -644,6 +646,7 @@ class Mux:
             if self._received:
                 self._dispatch(self.core.receive_bytes(self._received))
                 self._received = b""
+                self._watch_partial_frame()
                 self.kick()
             while not self.dead:
                 try:
@@ -653,14 +656,21 @@ class Mux:
                     return
                 self.last_heard = trio.current_time()
                 self._dispatch(self.core.receive_bytes(data))
+                self._watch_partial_frame()
                 self.kick()
+
+    def _watch_partial_frame(self) -> None:
+        if self._frame_started_lot and self.core.partial_frame_since is not None:
+            self._frame_started_lot.unpark_all()
 
     async def _close_on_stuck_frame(self, timeout: float) -> None:
         # A task of its own rather than a deadline on every read: reads are the hot path.
         while not self.dead:
             since = self.core.partial_frame_since
             if since is None:
-                await trio.sleep(timeout / 4)  # a frame starting now is seen by since + timeout
+                # Parked, not polling: an idle tunnel wakes nobody (the reader unparks this when a
+                # read ends inside a frame).
+                await self._frame_started_lot.park()
                 continue
             if trio.current_time() < since + timeout:
                 await trio.sleep_until(since + timeout)
