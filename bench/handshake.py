@@ -1,0 +1,92 @@
+"""What one TLS 1.3 handshake costs the server, in CPython's ``ssl`` (OpenSSL) alone.
+
+    python -m bench.handshake [--count 300]
+
+Both ends run in this process over memory BIOs (no sockets, no event loop), with the bench's
+certificates (ECDSA P-256); only the server's calls are timed. Three server set-ups: OpenSSL's
+default (two session tickets after the handshake), no tickets (what our servers use since issue 17),
+and no tickets without asking for a client certificate (what the client certificate's verification
+costs). Prints the mean milliseconds per handshake of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ssl
+import tempfile
+import time
+from pathlib import Path
+
+from bench.pki import BenchPKI
+
+ROUNDS = 10  # flights back and forth: a TLS 1.3 handshake needs 2, the tickets and data one more
+
+
+def _contexts(pki: BenchPKI, *, tickets: bool, verify_client: bool) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    server_cert, client_cert = pki.server(), pki.client()
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.minimum_version = ssl.TLSVersion.TLSv1_3
+    server.load_cert_chain(server_cert.cert, server_cert.key)
+    server.load_verify_locations(pki.ca)
+    server.verify_mode = ssl.CERT_REQUIRED if verify_client else ssl.CERT_NONE
+    if not tickets:
+        server.num_tickets = 0
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.minimum_version = ssl.TLSVersion.TLSv1_3
+    client.load_cert_chain(client_cert.cert, client_cert.key)
+    client.load_verify_locations(pki.ca)
+    client.check_hostname = False
+    return server, client
+
+
+def server_seconds(server_ctx: ssl.SSLContext, client_ctx: ssl.SSLContext) -> float:
+    """One handshake and one byte of data; the seconds spent in the server's TLS calls."""
+    to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
+    server_out, client_in = ssl.MemoryBIO(), ssl.MemoryBIO()
+    server = server_ctx.wrap_bio(to_server, server_out, server_side=True)
+    client = client_ctx.wrap_bio(client_in, to_client, server_hostname="localhost")
+    spent = 0.0
+    for _ in range(ROUNDS):
+        for step in (client.do_handshake, server.do_handshake):
+            start = time.perf_counter()
+            try:
+                step()
+            except ssl.SSLWantReadError:
+                pass
+            if step == server.do_handshake:
+                spent += time.perf_counter() - start
+            to_server.write(to_client.read())
+            client_in.write(server_out.read())
+    client.write(b"x")
+    to_server.write(to_client.read())
+    start = time.perf_counter()
+    if server.read(1) != b"x":
+        raise RuntimeError("the byte after the handshake did not arrive")
+    spent += time.perf_counter() - start
+    return spent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--count", type=int, default=300, help="handshakes per set-up")
+    args = parser.parse_args()
+    if args.count < 1:
+        parser.error("--count must be at least 1")
+    with tempfile.TemporaryDirectory() as folder:
+        pki = BenchPKI(Path(folder))
+        print(f"{ssl.OPENSSL_VERSION}; ECDSA P-256; mean server CPU per handshake over {args.count}")
+        for label, tickets, verify in (
+            ("OpenSSL's default (2 tickets), client certificate verified", True, True),
+            ("no tickets (ours), client certificate verified", False, True),
+            ("no tickets, no client certificate asked", False, False),
+        ):
+            server_ctx, client_ctx = _contexts(pki, tickets=tickets, verify_client=verify)
+            server_seconds(server_ctx, client_ctx)  # warm-up
+            total = sum(server_seconds(server_ctx, client_ctx) for _ in range(args.count))
+            print(f"{1000 * total / args.count:6.3f} ms  {label}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""bench.handshake: each of its three server set-ups completes a real TLS 1.3 handshake."""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+
+import pytest
+
+from bench.handshake import _contexts, server_seconds
+from bench.pki import BenchPKI
+
+
+@pytest.mark.parametrize(("tickets", "verify"), [(True, True), (False, True), (False, False)])
+def test_each_setup_handshakes_and_is_what_it_says(tmp_path: Path, tickets: bool, verify: bool) -> None:
+    server, client = _contexts(BenchPKI(tmp_path), tickets=tickets, verify_client=verify)
+    assert server.num_tickets == (2 if tickets else 0)
+    assert server.verify_mode == (ssl.CERT_REQUIRED if verify else ssl.CERT_NONE)
+    assert server_seconds(server, client) > 0
+
+
+def test_a_client_without_the_ca_fails_instead_of_being_timed(tmp_path: Path) -> None:
+    server, _ = _contexts(BenchPKI(tmp_path / "a"), tickets=False, verify_client=True)
+    _, stranger = _contexts(BenchPKI(tmp_path / "b"), tickets=False, verify_client=True)
+    with pytest.raises(ssl.SSLError):
+        server_seconds(server, stranger)
