@@ -808,8 +808,8 @@ async def open_mux(
     timeout declares the connection dead, which fails all its streams at once. With
     ``ping_when_quiet`` a PING goes out only after ``QUIET_FACTOR`` intervals without a frame from
     the peer (the agent's side: the hub PINGs anyway, and data proves the peer alive as well).
-    ``received`` are bytes
-    the caller already read from ``transport`` (to tell the protocol apart); they are processed first.
+    ``received`` are bytes the caller already read from ``transport`` (to tell the protocol apart);
+    they are processed first.
     ``on_limit`` hears of every abuse limit that trips (see the module's docstring).
     """
     mux = Mux(transport, role, settings, handler, received, on_limit)
