@@ -46,24 +46,26 @@ def test_describe_exception_for_certificate_verification() -> None:
     assert text == "TLS handshake failed: certificate verify failed: unable to get local issuer certificate"
 
 
-async def test_describe_exception_shows_why_every_address_failed() -> None:
+async def dial_a_closed_port() -> tuple[int, OSError]:
+    """The port, and what trio's open_tcp_stream raises when nothing listens there."""
     with trio.socket.socket() as probe:
         await probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with pytest.raises(OSError) as info:
         await trio.open_tcp_stream("127.0.0.1", port)
-    text = describe_exception(info.value)
+    return port, info.value
+
+
+async def test_describe_exception_shows_why_every_address_failed() -> None:
+    port, refused = await dial_a_closed_port()
+    text = describe_exception(refused)
     assert f"127.0.0.1:{port}" in text
     assert "Connection refused" in text
 
 
 async def test_nothing_listening_is_a_refusal_of_every_address_and_nothing_else() -> None:
-    with trio.socket.socket() as probe:
-        await probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with pytest.raises(OSError) as refused:
-        await trio.open_tcp_stream("127.0.0.1", port)
-    assert nothing_listening(refused.value)
+    _, refused = await dial_a_closed_port()
+    assert nothing_listening(refused)
     half = OSError("all attempts to connect failed")  # one address refused, the other timed out
     half.__cause__ = ExceptionGroup("attempts", [ConnectionRefusedError(111, "refused"), TimeoutError()])
     assert not nothing_listening(half)
