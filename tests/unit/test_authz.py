@@ -129,10 +129,8 @@ def test_identity_from_a_real_certificate(tmp_path: Path) -> None:
     ca = DevCA.create_or_load(tmp_path / "ca")
     pair = ca.issue_client("alice", tmp_path, organization="ops")
     from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
 
-    der = x509.load_pem_x509_certificate(pair.cert.read_bytes()).public_bytes(serialization.Encoding.DER)
-    who = ClientIdentity.from_der(der)
+    who = ClientIdentity.from_cert(x509.load_pem_x509_certificate(pair.cert.read_bytes()))
     assert who.name == "alice"
     assert who.describe() == "O=ops,CN=alice"
     policy = parse_policy({"rules": [{"subject": "CN=alice,O=ops", "clusters": ["c1"]}]})

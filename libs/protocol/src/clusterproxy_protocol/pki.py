@@ -207,15 +207,15 @@ def _san_strings(cert: x509.Certificate) -> list[str]:
     return out
 
 
-def peer_identity(der_cert: bytes) -> dict[str, object]:
-    """A summary of a peer certificate (e.g. ``SSLObject.getpeercert(binary_form=True)``).
+def peer_identity(der_cert: bytes | x509.Certificate) -> dict[str, object]:
+    """A summary of a peer certificate (e.g. ``SSLObject.getpeercert(binary_form=True)``, or parsed).
 
     Keys: ``subject`` (RFC 4514 string), ``common_name`` (str or None), ``organizations`` (list),
     ``sans`` (``["DNS:host", "IP:1.2.3.4", "URI:..."]``), ``agent`` (``{"cluster", "agent_id"}`` for an
     agent certificate, else None) and ``role`` (``server``, ``agent``, ``client`` or ``none``: see
     :func:`certificate_role`).
     """
-    cert = x509.load_der_x509_certificate(der_cert)
+    cert = der_cert if isinstance(der_cert, x509.Certificate) else x509.load_der_x509_certificate(der_cert)
     cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     orgs = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)
     agent = agent_identity_from_cert(cert)

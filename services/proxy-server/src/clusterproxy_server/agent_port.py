@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import structlog
 import trio
-from cryptography import x509
 
 from clusterproxy_protocol.core import CANCEL, Role, TunnelSettings
 from clusterproxy_protocol.driver import Mux, limit_reporter, open_mux
@@ -66,7 +65,7 @@ class AgentPort:
     async def serve_transport(self, transport: trio.abc.Stream, peer: str, port: str) -> None:
         """An agent's tunnel on ``transport`` (TCP, or a WebSocket's byte stream from
         :mod:`.agent_websocket`, whose ``port`` label its refusals are counted under)."""
-        stream = await accept_tls(
+        peer_tls = await accept_tls(
             transport,
             self._context(),
             port,
@@ -76,11 +75,10 @@ class AgentPort:
             accepted=CertRole.AGENT,
             peer=peer,
         )
-        if stream is None:
+        if peer_tls is None:
             return
-        identity = agent_identity_from_cert(
-            x509.load_der_x509_certificate(stream.getpeercert(binary_form=True))
-        )
+        stream = peer_tls.stream
+        identity = agent_identity_from_cert(peer_tls.cert)
         assert identity is not None  # accept_tls admits agent-role certificates only, which carry it
         on_limit = limit_reporter(
             self.log, self.metrics.count_limit("agent"), port="agent", peer=peer, identity=identity

@@ -325,7 +325,7 @@ class ProxyServer:
     async def _serve_client(self, tcp: trio.SocketStream) -> None:
         cfg = self.config
         peer = format_address(tcp.socket.getpeername())
-        stream = await accept_tls(
+        peer_tls = await accept_tls(
             tcp,
             self._client_tls.context,
             "client",
@@ -335,9 +335,9 @@ class ProxyServer:
             accepted=CertRole.CLIENT,
             peer=peer,
         )
-        if stream is None:
+        if peer_tls is None:
             return
-        client = ClientIdentity.from_der(stream.getpeercert(binary_form=True))
+        stream, client = peer_tls.stream, ClientIdentity.from_cert(peer_tls.cert)
         try:
             with trio.fail_after(cfg.handshake_timeout):
                 protocol, received = await client_protocol(stream)

@@ -59,10 +59,9 @@ class ClientIdentity:
     attributes: frozenset[tuple[str, str]]  # (OID dotted string, value) of every subject attribute
 
     @classmethod
-    def from_der(cls, der: bytes) -> ClientIdentity:
-        cert = x509.load_der_x509_certificate(der)
+    def from_cert(cls, cert: x509.Certificate) -> ClientIdentity:
         attributes = frozenset((a.oid.dotted_string, str(a.value)) for a in cert.subject)
-        return cls(peer_identity(der), attributes)
+        return cls(peer_identity(cert), attributes)
 
     @property
     def name(self) -> str:

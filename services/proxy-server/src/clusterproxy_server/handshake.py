@@ -5,6 +5,7 @@ accepts: agent certificates on the agent port, client certificates on the client
 from __future__ import annotations
 
 import ssl
+from typing import NamedTuple
 
 import structlog
 import trio
@@ -22,6 +23,13 @@ def role_refusal(check: RoleCheck, port: str, accepted: CertRole) -> str | None:
     return f"a certificate with {found} is refused on the {port} port, which accepts {accepted} certificates only"
 
 
+class Peer(NamedTuple):
+    """A peer through the handshake: its stream and its certificate, parsed once."""
+
+    stream: trio.SSLStream
+    cert: x509.Certificate
+
+
 async def accept_tls(
     transport: trio.abc.Stream,
     context: ssl.SSLContext,
@@ -31,8 +39,8 @@ async def accept_tls(
     log: structlog.stdlib.BoundLogger,
     accepted: CertRole,
     peer: str,
-) -> trio.SSLStream | None:
-    """The mutually authenticated stream of a peer whose certificate has the ``accepted`` role, or
+) -> Peer | None:
+    """The mutually authenticated peer whose certificate has the ``accepted`` role, or
     None (counted, logged, connection closed) on failure. ``transport``: TCP, or a WebSocket's byte
     stream; ``peer`` names it in the logs."""
     stream = trio.SSLStream(transport, context, server_side=True, https_compatible=True)
@@ -50,7 +58,7 @@ async def accept_tls(
     check = certificate_role(cert)
     refusal = role_refusal(check, port, accepted)
     if refusal is None:
-        return stream
+        return Peer(stream, cert)
     metrics.rejected.labels(port, "certificate_role").inc()
     log.warning(
         "tls_peer_refused",
