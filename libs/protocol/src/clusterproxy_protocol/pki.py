@@ -207,7 +207,7 @@ def _san_strings(cert: x509.Certificate) -> list[str]:
     return out
 
 
-def peer_identity(der_cert: bytes | x509.Certificate) -> dict[str, object]:
+def peer_identity(peer_cert: bytes | x509.Certificate) -> dict[str, object]:
     """A summary of a peer certificate (e.g. ``SSLObject.getpeercert(binary_form=True)``, or parsed).
 
     Keys: ``subject`` (RFC 4514 string), ``common_name`` (str or None), ``organizations`` (list),
@@ -215,7 +215,7 @@ def peer_identity(der_cert: bytes | x509.Certificate) -> dict[str, object]:
     agent certificate, else None) and ``role`` (``server``, ``agent``, ``client`` or ``none``: see
     :func:`certificate_role`).
     """
-    cert = der_cert if isinstance(der_cert, x509.Certificate) else x509.load_der_x509_certificate(der_cert)
+    cert = peer_cert if isinstance(peer_cert, x509.Certificate) else x509.load_der_x509_certificate(peer_cert)
     cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     orgs = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)
     agent = agent_identity_from_cert(cert)
