@@ -3,6 +3,7 @@ the installed (pinned) versions; a change fails loudly, naming the library, vers
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import ssl
 import subprocess
@@ -10,6 +11,8 @@ import sys
 from collections.abc import Callable, Iterator
 
 import h2.connection
+import h2.events
+import h2.stream
 import hyperframe.frame
 import pytest
 import trio
@@ -22,6 +25,7 @@ from clusterproxy_protocol.workarounds import InternalChanged
 CHECKS: dict[str, Callable[[], None]] = {
     "hyperframe": workarounds.check_hyperframe_body_repr,
     "h2": workarounds.check_h2_open_streams,
+    "h2-data": workarounds.check_h2_data_frames,
     "trio": workarounds.check_trio_ssl_object,
 }
 
@@ -35,9 +39,9 @@ def test_the_installed_version_has_the_internal_with_the_expected_shape(library:
 
 @pytest.fixture
 def h2_check_not_cached() -> Iterator[None]:
-    workarounds._check_h2_open_streams_once.cache_clear()
+    workarounds._check_h2_once.cache_clear()
     yield
-    workarounds._check_h2_open_streams_once.cache_clear()
+    workarounds._check_h2_once.cache_clear()
 
 
 @pytest.fixture
@@ -170,3 +174,44 @@ def test_h2_taking_headers_without_its_stream_limit_check_fails_loudly(
     with pytest.raises(InternalChanged) as info:
         workarounds.check_h2_open_streams()
     _assert_names(info.value, "h2", "H2Connection._receive_headers_frame")
+
+
+def test_h2_charging_its_windows_another_way_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """send_data_frames charges h2's windows itself: an h2 that charges differently is refused."""
+    original = h2.stream.H2Stream.send_data
+
+    def send_data(self: h2.stream.H2Stream, *args: object, **kwargs: object) -> list[object]:
+        frames = original(self, *args, **kwargs)
+        self.outbound_flow_control_window -= 1
+        return frames
+
+    monkeypatch.setattr(h2.stream.H2Stream, "send_data", send_data)
+    with pytest.raises(InternalChanged) as info:
+        workarounds.check_h2_data_frames()
+    _assert_names(info.value, "h2", "H2Connection.send_data")
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray])
+def test_data_frames_are_h2s_frames_and_a_mutable_buffer_is_copied(kind: type) -> None:
+    payload = kind(bytes(range(256)) * 300)
+    expected = bytes(payload)
+    connection = workarounds.TunnelH2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    connection.send_headers(1, [(":method", "CONNECT"), (":authority", "x:1")])
+    connection.send_data_frames(1, memoryview(payload)[:40000])
+    connection.ping(b"12345678")  # a control frame queued after the DATA stays after it
+    if isinstance(payload, bytearray):
+        payload[:] = bytes(len(payload))  # the caller reuses its buffer before the writer sends
+    queued = connection.queued_output
+    wire = connection.data_to_send()
+    assert len(wire) == queued and connection.queued_output == 0
+    peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    peer.initiate_connection()
+    received = b""
+    pinged = False
+    for event in peer.receive_data(wire):
+        if isinstance(event, h2.events.DataReceived):
+            assert not pinged
+            received += event.data
+        pinged = pinged or isinstance(event, h2.events.PingReceived)
+    assert hashlib.sha256(received).digest() == hashlib.sha256(expected[:40000]).digest() and pinged

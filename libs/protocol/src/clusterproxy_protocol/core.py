@@ -294,10 +294,8 @@ class TunnelCore:
         """Queue as much of ``data`` as the windows allow; returns how many bytes were taken."""
         state = self._streams[stream_id]
         count = min(len(data), self.send_window(stream_id))
-        frame = self._conn.max_outbound_frame_size
-        view = memoryview(data)[:count]
-        for offset in range(0, count, frame):
-            self._conn.send_data(stream_id, view[offset : offset + frame])
+        if count:
+            self._conn.send_data_frames(stream_id, memoryview(data)[:count])
         state.bytes_out += count
         self.bytes_out += count
         self._pending_out += count
