@@ -30,7 +30,7 @@ from pathlib import Path
 
 import trio
 
-from clusterproxy_protocol import workarounds
+from clusterproxy_protocol import allocator, workarounds
 from clusterproxy_protocol.config import (
     ConfigError,
     InvalidValue,
@@ -316,6 +316,7 @@ def _certs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     workarounds.apply()
+    allocator.tune()
     args = parse_args_or_exit(build_parser(), argv)
     raise SystemExit(args.run(args, args.subparser))
 

@@ -57,6 +57,9 @@ H2_DEFAULT_WINDOW = 65535
 RESET_BUDGET_WINDOW = 10.0  # seconds: reset_budget resets per this long, refilled evenly
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FRAME_HEADER = 9
+DATA = 0x0
+SMALL_PIECE = 1024  # received pieces shorter than this join the previous one while it is below
+MERGED_PIECE = 16384
 HEADERS_TYPES = (0x1, 0x5)  # HEADERS, PUSH_PROMISE: may start a header block
 CONTINUATION = 0x9
 END_HEADERS = 0x4
@@ -141,6 +144,8 @@ class TunnelCore:
         self._preface_left = len(PREFACE) if role is Role.ACCEPTOR else 0
         self._frame_head = b""
         self._frame_left = 0
+        self._data_stream = 0  # the stream whose DATA frame is arriving past h2, 0 when none
+        self._to_h2: list[bytes] = []
         self._header_block_since: float | None = None
         self._frame_since: float | None = None
         self.partial_frame_since: float | None = None
@@ -405,7 +410,16 @@ class TunnelCore:
             self.closed = True
             self._close_all_streams()
             return [ev.ConnectionEnded(NO_ERROR, "peer closed the connection")]
-        oversized = self._follow_frames(data)
+        if not isinstance(data, bytes):
+            data = bytes(data)  # its pieces are kept in stream buffers: nobody may change them
+        out: list[ev.Event] = []
+        try:
+            oversized = self._take_frames(data, out)
+        except h2.exceptions.ProtocolError as exc:
+            # h2 has already queued a GOAWAY naming the violation.
+            self.closed = True
+            self._close_all_streams()
+            return [ev.ConnectionEnded(h2.errors.ErrorCodes.PROTOCOL_ERROR, f"protocol error: {exc}")]
         if oversized:
             limit = self.settings.max_frame_size
             return self._give_up(
@@ -413,18 +427,8 @@ class TunnelCore:
                 f"peer announced a frame of {oversized} bytes (limit {limit})",
                 FRAME_SIZE_ERROR,
             )
-        try:
-            h2_events = self._conn.receive_data(data)
-        except h2.exceptions.ProtocolError as exc:
-            # h2 has already queued a GOAWAY naming the violation.
-            self.closed = True
-            self._close_all_streams()
-            return [ev.ConnectionEnded(h2.errors.ErrorCodes.PROTOCOL_ERROR, f"protocol error: {exc}")]
-        out: list[ev.Event] = []
-        for event in h2_events:
-            self._translate(event, out)
-            if self.closed:
-                return out  # a limit ended the connection: the rest of this read is not acted on
+        if self.closed:
+            return out  # a limit ended the connection: the rest of this read was not acted on
         cap = self.settings.max_reply_backlog
         if cap:
             # What h2 holds beyond the DATA we queued is replies (SETTINGS and PING ACKs, RST_STREAMs,
@@ -442,26 +446,38 @@ class TunnelCore:
         self._close_all_streams()
         return [ev.LimitExceeded(limit, reason), ev.ConnectionEnded(error_code, reason)]
 
-    def _follow_frames(self, data: bytes) -> int:
-        """Follow frame boundaries through ``data``; the length of an oversized frame, else 0.
+    def _take_frames(self, data: bytes, out: list[ev.Event]) -> int:
+        """Split ``data`` at frame boundaries: a plain DATA frame on an open stream goes straight into
+        the stream's buffer, piece by piece as it arrives (h2 would copy it three times and wait for
+        the whole frame); every other frame goes through h2. Returns the length of an oversized
+        frame, else 0; stops early when a limit closes the connection.
 
         Also keeps :attr:`partial_frame_since`: when the frame (or header block) that has started but
         not finished arriving began, None when the input ends on a boundary."""
         pos, end = 0, len(data)
-        if self._preface_left:
+        to_h2 = self._to_h2
+        if self._preface_left > 0:
             done = len(PREFACE) - self._preface_left
             take = min(self._preface_left, end)
             if data[:take] != PREFACE[done : done + take]:
                 self._preface_left = -1  # not HTTP/2: h2 says so with a protocol error
-                return 0
-            self._preface_left -= take
-            pos = take
-        elif self._preface_left < 0:
+            else:
+                self._preface_left -= take
+                to_h2.append(data[:take])
+                pos = take
+        if self._preface_left < 0:
+            to_h2.append(data[pos:] if pos else data)
+            self._feed_h2(out)
             return 0
         started_here = False
         while pos < end:
             if self._frame_left:
                 step = min(self._frame_left, end - pos)
+                piece = data[pos : pos + step] if step < end or pos else data
+                if self._data_stream:
+                    self._on_data(self._data_stream, piece, step, out)
+                else:
+                    to_h2.append(piece)
                 pos += step
                 self._frame_left -= step
                 continue
@@ -477,11 +493,22 @@ class TunnelCore:
             if length > self.settings.max_frame_size:
                 return length
             frame_type, flags = head[3], head[4]
-            if frame_type in HEADERS_TYPES and not flags & END_HEADERS:
-                self._header_block_since = self._clock()
-            elif frame_type == CONTINUATION and flags & END_HEADERS:
-                self._header_block_since = None
+            self._data_stream = 0
+            if frame_type == DATA and not flags and length and self._header_block_since is None:
+                self._feed_h2(out)  # what came before may open, end or reset the stream
+                if self.closed:
+                    return 0
+                stream_id = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
+                if self._conn.take_data_frame(stream_id, length):
+                    self._data_stream = stream_id
+            if not self._data_stream:
+                if frame_type in HEADERS_TYPES and not flags & END_HEADERS:
+                    self._header_block_since = self._clock()
+                elif frame_type == CONTINUATION and flags & END_HEADERS:
+                    self._header_block_since = None
+                to_h2.append(head)
             self._frame_left = length
+        self._feed_h2(out)
         if self._frame_left or self._frame_head:
             if started_here or self._frame_since is None:
                 self._frame_since = self._clock()
@@ -493,8 +520,24 @@ class TunnelCore:
         self.partial_frame_since = since
         return 0
 
+    def _feed_h2(self, out: list[ev.Event]) -> None:
+        """Hand h2 the bytes gathered for it and translate what it makes of them."""
+        to_h2 = self._to_h2
+        if not to_h2:
+            return
+        chunk = to_h2[0] if len(to_h2) == 1 else b"".join(to_h2)
+        to_h2.clear()
+        for event in self._conn.receive_data(chunk):
+            self._translate(event, out)
+            if self.closed:
+                return
+
     def goodbye_received(self, data: bytes) -> bool:
         """After our own close: does ``data`` hold the peer's GOAWAY (so it is closing too)?"""
+        if self._data_stream and self._frame_left:  # the rest of a DATA frame h2 never saw the start of
+            skip = min(self._frame_left, len(data))
+            self._frame_left -= skip
+            data = data[skip:]
         try:
             h2_events = self._conn.receive_data(data)
         except h2.exceptions.ProtocolError:
@@ -604,7 +647,11 @@ class TunnelCore:
         if length > len(data):
             self._ack_stream(state, length - len(data))  # padding is never read by anyone
         if data:
-            state.chunks.append(data)
+            chunks = state.chunks
+            if len(data) < SMALL_PIECE and chunks and len(chunks[-1]) < MERGED_PIECE:
+                chunks[-1] += data  # a peer trickling bytes costs us its bytes, not an object per piece
+            else:
+                chunks.append(data)
             state.buffered += len(data)
             state.bytes_in += len(data)
             self.bytes_in += len(data)

@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 import h2.config
 import h2.connection
+import h2.events
 import h2.stream
 import hyperframe.frame
 
@@ -174,6 +175,25 @@ class TunnelH2Connection(h2.connection.H2Connection):
         stream.outbound_flow_control_window -= len(data)
         self.outbound_flow_control_window -= len(data)
 
+    def take_data_frame(self, stream_id: int, length: int) -> bool:
+        """A DATA frame without flags announced on ``stream_id``: when h2 would take it as plain data
+        on an open stream, charge h2's inbound windows as its receive path does and return True (the
+        caller delivers the payload itself); otherwise False, and the frame must go through h2."""
+        stream = self.streams.get(stream_id)
+        if (
+            stream is None
+            or stream.state_machine.state not in _RECEIVING_STREAM_STATES
+            or not stream.state_machine.headers_received
+            or stream._expected_content_length is not None
+            or self.state_machine.state not in _OPEN_CONNECTION_STATES
+            or length > self._inbound_flow_control_window_manager.current_window_size
+            or length > stream._inbound_window_manager.current_window_size
+        ):
+            return False
+        self._inbound_flow_control_window_manager.window_consumed(length)
+        stream._inbound_window_manager.window_consumed(length)
+        return True
+
     def data_to_send(self, amount: int | None = None) -> bytes:
         if not self._frames:
             return super().data_to_send(amount)
@@ -264,6 +284,7 @@ def check_h2_open_streams() -> None:
 FRAME_HEADER_SIZE = 9
 _DATA_HEADER = struct.Struct(">IBI")  # 24-bit length and type 0 (DATA) in one word, flags, stream id
 _SENDING_STREAM_STATES = (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_REMOTE)
+_RECEIVING_STREAM_STATES = (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL)
 _OPEN_CONNECTION_STATES = (
     h2.connection.ConnectionState.CLIENT_OPEN,
     h2.connection.ConnectionState.SERVER_OPEN,
@@ -272,7 +293,8 @@ _OPEN_CONNECTION_STATES = (
 
 def check_h2_data_frames() -> None:
     """The DATA frames :meth:`TunnelH2Connection.send_data_frames` builds are byte for byte h2's,
-    and leave h2's windows where its ``send_data`` leaves them."""
+    and leave h2's windows where its ``send_data`` leaves them; the same for the frames
+    :meth:`TunnelH2Connection.take_data_frame` takes past h2's receive path."""
     for name in ("outbound_flow_control_window", "state_machine"):
         if not hasattr(h2.stream.H2Stream(1, h2.config.H2Configuration(), 65535, 65535), name):
             raise InternalChanged("h2", f"H2Stream.{name}", "is missing")
@@ -296,6 +318,39 @@ def check_h2_data_frames() -> None:
             "h2",
             "H2Connection.send_data",
             "frames DATA or charges its windows another way than send_data_frames",
+        )
+    _check_h2_taking_data()
+
+
+def _check_h2_taking_data() -> None:
+    """A frame taken by :meth:`TunnelH2Connection.take_data_frame` leaves h2's inbound windows where
+    h2's own receive path leaves them, for a frame h2 takes as plain data."""
+    peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    peer.initiate_connection()
+    peer.send_headers(1, [(":method", "CONNECT"), (":authority", "x:1")])
+    opening = peer.data_to_send()
+    payload = bytes(range(256)) * 40
+    peer.send_data(1, payload)
+    data_frame = peer.data_to_send()
+    windows = []
+    for fast in (False, True):
+        connection = TunnelH2Connection(h2.config.H2Configuration(client_side=False), check=False)
+        connection.initiate_connection()
+        events = connection.receive_data(opening if fast else opening + data_frame)
+        if fast:
+            try:
+                taken = connection.take_data_frame(1, len(payload))
+            except AttributeError as exc:
+                raise InternalChanged("h2", f"H2Stream.{exc.name}", "is missing") from exc
+            if not taken:
+                raise InternalChanged("h2", "H2Connection.receive_data", "no longer takes plain DATA here")
+        elif b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived)) != payload:
+            raise InternalChanged("h2", "H2Connection.receive_data", "no longer delivers plain DATA")
+        stream_window = connection.streams[1].inbound_flow_control_window
+        windows.append((stream_window, connection._inbound_flow_control_window_manager.current_window_size))
+    if windows[0] != windows[1]:
+        raise InternalChanged(
+            "h2", "H2Connection.receive_data", "charges its inbound windows another way than take_data_frame"
         )
 
 

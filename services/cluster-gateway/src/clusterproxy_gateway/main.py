@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from clusterproxy_protocol import workarounds
+from clusterproxy_protocol import allocator, workarounds
 from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.config import (
     ConfigError,
@@ -277,6 +277,7 @@ async def run(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> None:
     workarounds.apply()
+    allocator.tune()
     parser = build_parser()
     args = parse_args_or_exit(parser, argv, environ=environ)
     check_args(args, parser)

@@ -22,7 +22,7 @@ from clusterproxy_agent.control import ControlEndpoint, ServiceAccountSettings
 from clusterproxy_agent.egress import EgressPolicy, Rule, parse_rule
 from clusterproxy_agent.replicas import ReplicaSet
 from clusterproxy_agent.tunnel import Opener, TunnelOptions, tls_opener, websocket_carrier
-from clusterproxy_protocol import certclient, workarounds
+from clusterproxy_protocol import allocator, certclient, workarounds
 from clusterproxy_protocol.admin import Response, metrics_response, serve_admin
 from clusterproxy_protocol.bootstrap import bootstrap_with_retry
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
@@ -817,6 +817,7 @@ async def serve(
 
 def main(argv: Sequence[str] | None = None) -> None:
     workarounds.apply()  # the third-party speed-ups; services only, never on import
+    allocator.tune()
     settings = parse_settings(argv)
     json_logs = {"auto": None, "json": True, "console": False}[settings.log_format]
     configure_logging(settings.log_level, json=json_logs)

@@ -14,7 +14,7 @@ from pathlib import Path
 import structlog
 import trio
 
-from clusterproxy_protocol import certclient, workarounds
+from clusterproxy_protocol import allocator, certclient, workarounds
 from clusterproxy_protocol.bootstrap import bootstrap_with_retry
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
 from clusterproxy_protocol.config import (
@@ -515,6 +515,7 @@ async def serve(config: ServerConfig, worker: WorkerSpec | None = None, follow_f
 
 def main(argv: Sequence[str] | None = None) -> None:
     workarounds.apply()  # the third-party speed-ups; services only, never on import
+    allocator.tune()
     parser = build_parser()
     args = parse_args_or_exit(parser, argv)
     configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
