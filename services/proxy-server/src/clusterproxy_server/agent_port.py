@@ -79,6 +79,7 @@ class AgentPort:
             return
         stream = peer_tls.stream
         identity = agent_identity_from_cert(peer_tls.cert)
+        del peer_tls  # its parsed certificate (~4 KiB) is not kept for the tunnel's life
         assert identity is not None  # accept_tls admits agent-role certificates only, which carry it
         on_limit = limit_reporter(
             self.log, self.metrics.count_limit("agent"), port="agent", peer=peer, identity=identity

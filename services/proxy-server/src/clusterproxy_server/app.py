@@ -338,6 +338,7 @@ class ProxyServer:
         if peer_tls is None:
             return
         stream, client = peer_tls.stream, ClientIdentity.from_cert(peer_tls.cert)
+        del peer_tls  # its parsed certificate (~4 KiB) is not kept for the connection's life
         try:
             with trio.fail_after(cfg.handshake_timeout):
                 protocol, received = await client_protocol(stream)
