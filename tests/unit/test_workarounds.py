@@ -16,7 +16,6 @@ import h2.stream
 import hyperframe.frame
 import pytest
 import trio
-import trio._highlevel_socket
 import trio.testing
 
 from clusterproxy_protocol import workarounds
@@ -28,7 +27,6 @@ CHECKS: dict[str, Callable[[], None]] = {
     "h2": workarounds.check_h2_open_streams,
     "h2-data": workarounds.check_h2_data_frames,
     "trio": workarounds.check_trio_ssl_object,
-    "trio-read": workarounds.check_trio_receive_size,
 }
 
 
@@ -164,8 +162,6 @@ def test_the_services_apply_them_first_thing(entry_point: str) -> None:
         "except SystemExit:\n"
         "    pass\n"
         "assert '_body_repr' in hyperframe.frame.DataFrame.__dict__\n"
-        "import trio._highlevel_socket\n"
-        "assert trio._highlevel_socket.DEFAULT_RECEIVE_SIZE == 256 << 10\n"
     )
     subprocess.run([sys.executable, "-c", program], check=True, stdout=subprocess.DEVNULL)
 
@@ -219,30 +215,3 @@ def test_data_frames_are_h2s_frames_and_a_mutable_buffer_is_copied(kind: type) -
             received += event.data
         pinged = pinged or isinstance(event, h2.events.PingReceived)
     assert hashlib.sha256(received).digest() == hashlib.sha256(expected[:40000]).digest() and pinged
-
-
-def test_trio_reading_its_socket_size_another_way_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delattr(trio._highlevel_socket, "DEFAULT_RECEIVE_SIZE")
-    with pytest.raises(InternalChanged) as info:
-        workarounds.check_trio_receive_size()
-    _assert_names(info.value, "trio", "_highlevel_socket.DEFAULT_RECEIVE_SIZE")
-
-
-def test_after_apply_a_socket_read_without_a_size_takes_256_kib() -> None:
-    """What SSLStream's refill gets: 64 KiB per recv as trio ships, 256 KiB after apply."""
-    program = """
-import socket, trio
-from clusterproxy_protocol import workarounds
-
-async def first_read() -> int:
-    left, right = socket.socketpair()
-    right.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
-    right.sendall(bytes(200 << 10))
-    return len(await trio.SocketStream(trio.socket.from_stdlib_socket(left)).receive_some())
-
-print(trio.run(first_read))
-workarounds.apply()
-print(trio.run(first_read))
-"""
-    out = subprocess.run([sys.executable, "-c", program], check=True, capture_output=True, text=True)
-    assert [int(n) for n in out.stdout.split()] == [64 << 10, 200 << 10]

@@ -1,6 +1,6 @@
 """Every use of a third-party library's private internals, each guarded.
 
-The tunnel relies on four private internals, all for speed (the numbers are in docs/benchmarks.md):
+The tunnel relies on three private internals, all for speed (the numbers are in docs/benchmarks.md):
 
 * **hyperframe** ``Frame._body_repr``: h2 builds ``repr(frame)`` of every received frame for a trace
   log, even with logging off, and for DATA frames hyperframe serializes and hexlifies the whole body
@@ -15,12 +15,6 @@ The tunnel relies on four private internals, all for speed (the numbers are in d
   for a peer that does not read; and it queues DATA frames, and takes received plain DATA frames,
   past h2's copies (:meth:`TunnelH2Connection.send_data_frames`, :meth:`take_data_frame`), charging
   h2's windows as h2 would. Checked when the first one is made.
-* **trio** ``_highlevel_socket.DEFAULT_RECEIVE_SIZE``: ``SSLStream`` refills its TLS buffer with
-  ``receive_some()`` of its socket stream without a size, so every TLS connection reads at most
-  64 KiB per ``recv``, whatever the reader asked for. :func:`apply` raises it to
-  :data:`SOCKET_READ_SIZE` (256 KiB), which ``SocketStream.receive_some`` reads at each call; a
-  transfer then takes a quarter of the wake-ups and syscalls (uploads 1.6-2.0 → 2.2-2.5 Gbit/s
-  here, docs/benchmarks.md, "Fourth round"). Like the repr, it changes trio for the whole process.
 * **trio** ``SSLStream._ssl_object``: ``SSLStream.receive_some`` decrypts one TLS record (16 KiB) per
   call even when the socket read brought in several; :func:`ssl_object_of` hands
   :func:`clusterproxy_protocol.transport.receive_batch` the ``ssl.SSLObject`` to take the rest from.
@@ -32,8 +26,8 @@ everything works the same, only slower. The versions that were checked are pinne
 ``libs/protocol/pyproject.toml``; ``tests/unit/test_workarounds.py`` fails when a pinned version
 moves an internal.
 
-This module is used by the sans-IO core, so it never imports trio at module level: what needs trio
-imports it when it runs.
+This module is used by the sans-IO core, so it never imports trio at module level: the one check
+that needs trio imports it when it runs.
 """
 
 from __future__ import annotations
@@ -79,11 +73,7 @@ def apply() -> None:
     check_h2_open_streams()
     check_h2_data_frames()
     check_trio_ssl_object()
-    check_trio_receive_size()
     check_hyperframe_body_repr()
-    import trio._highlevel_socket  # here, not at the top: the sans-IO core imports this module
-
-    trio._highlevel_socket.DEFAULT_RECEIVE_SIZE = SOCKET_READ_SIZE  # type: ignore[misc]
     if hyperframe.frame.DataFrame.__dict__.get("_body_repr") is not _cheap_data_frame_repr:
         hyperframe.frame.DataFrame._body_repr = _cheap_data_frame_repr  # type: ignore[method-assign]
 
@@ -401,20 +391,6 @@ def check_trio_ssl_object() -> None:
             pass
 
     ssl_object_of(trio.SSLStream(Unconnected(), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), server_hostname="x"))
-
-
-SOCKET_READ_SIZE = 256 << 10
-
-
-def check_trio_receive_size() -> None:
-    """``SocketStream.receive_some`` without a size reads ``DEFAULT_RECEIVE_SIZE`` of its module."""
-    import trio._highlevel_socket
-
-    size = getattr(trio._highlevel_socket, "DEFAULT_RECEIVE_SIZE", None)
-    if not isinstance(size, int):
-        raise InternalChanged("trio", "_highlevel_socket.DEFAULT_RECEIVE_SIZE", "is not an int")
-    if "DEFAULT_RECEIVE_SIZE" not in trio.SocketStream.receive_some.__code__.co_names:
-        raise InternalChanged("trio", "SocketStream.receive_some", "no longer reads DEFAULT_RECEIVE_SIZE")
 
 
 # -- messages ------------------------------------------------------------------------------------------
