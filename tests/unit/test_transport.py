@@ -1,20 +1,27 @@
-"""receive_batch: several TLS records per call, same bytes, same EOF."""
+"""receive_batch: several TLS records per call, same bytes, same EOF; read_socket_in: TLS refilled
+256 KiB at a time, on that connection only, and by relay() on both its ends."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import socket
 
+import pytest
 import trio
 import trio.testing
 
 from clusterproxy_protocol import tls
+from clusterproxy_protocol.relay import relay
 from clusterproxy_protocol.transport import receive_batch
+from clusterproxy_protocol.workarounds import BULK_SOCKET_READ, read_socket_in
 from tests.support.pki import PkiFiles
 
 
 async def tls_pair(pki: PkiFiles) -> tuple[trio.SSLStream, trio.SSLStream]:
     a, b = trio.socket.socketpair()
+    for end in (a, b):  # room for what a test sends before the other end reads
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
     server = trio.SSLStream(
         trio.SocketStream(a),
         tls.server_context(pki.server.cert, pki.server.key, pki.ca, alpn=["h2"]),
@@ -59,3 +66,87 @@ async def test_plain_streams_are_read_as_they_are(nursery: trio.Nursery) -> None
     await left.send_all(b"abc")
     assert await receive_batch(right, 2) == b"ab"
     assert await receive_batch(right, 10) == b"c"
+
+
+WAITING = 200 << 10  # in the socket at once: more than trio's 64 KiB refill, less than ours
+
+
+@pytest.mark.parametrize("bulk", [False, True])
+async def test_one_refill_takes_what_waits_in_the_socket_after_read_socket_in(
+    pki: PkiFiles, bulk: bool
+) -> None:
+    server, client = await tls_pair(pki)
+    payload = os.urandom(WAITING)
+    await server.send_all(payload)  # whole in the socket buffer before the client reads
+    if bulk:
+        assert read_socket_in(client) is True
+    first = await receive_batch(client, 1 << 20)
+    # trio refills 64 KiB of TLS records (less plaintext); after read_socket_in one refill is 256 KiB
+    assert len(first) == WAITING if bulk else len(first) < 64 << 10
+    rest = b""
+    while len(first) + len(rest) < WAITING:
+        rest += await receive_batch(client, 1 << 20)
+    assert hashlib.sha256(first + rest).digest() == hashlib.sha256(payload).digest()
+    await trio.aclose_forcefully(server)
+    await trio.aclose_forcefully(client)
+
+
+async def test_read_socket_in_changes_only_tls_on_a_socket(pki: PkiFiles) -> None:
+    left, _right = trio.testing.memory_stream_pair()
+    over_memory = trio.SSLStream(
+        left, tls.client_context(pki.client.cert, pki.client.key, pki.ca, alpn=["h2"]), server_hostname="x"
+    )
+    a, b = trio.socket.socketpair()
+    plain = trio.SocketStream(a)
+    assert read_socket_in(over_memory) is False
+    assert read_socket_in(plain) is False
+    assert "receive_some" not in vars(plain)
+    server, client = await tls_pair(pki)
+    assert read_socket_in(client) is True
+    assert "receive_some" in vars(client.transport_stream)
+    assert "receive_some" not in vars(server.transport_stream)  # the other connection: trio's own
+    for stream in (plain, server, client):
+        await trio.aclose_forcefully(stream)
+    b.close()
+
+
+class SizesSeen(trio.abc.HalfCloseableStream):
+    """A relay's target that records the size of each write and hands nothing back."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.received = hashlib.sha256()
+        self.ended = trio.Event()
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.sizes.append(len(data))
+        self.received.update(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        pass
+
+    async def send_eof(self) -> None:
+        self.ended.set()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        await self.ended.wait()
+        return b""
+
+    async def aclose(self) -> None:
+        self.ended.set()
+
+
+async def test_a_relay_reads_its_tls_end_in_bulk(pki: PkiFiles) -> None:
+    server, client = await tls_pair(pki)
+    target = SizesSeen()
+    payload = os.urandom(4 * BULK_SOCKET_READ)
+
+    async def send() -> None:
+        await server.send_all(payload)
+        await server.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send)
+        await relay(client=client, target=target)
+    assert target.received.digest() == hashlib.sha256(payload).digest()
+    assert max(target.sizes) > 64 << 10  # trio's refill alone never yields more than 64 KiB at once

@@ -27,6 +27,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "h2": workarounds.check_h2_open_streams,
     "h2-data": workarounds.check_h2_data_frames,
     "trio": workarounds.check_trio_ssl_object,
+    "trio-socket": workarounds.check_trio_socket_stream_attributes,
 }
 
 
@@ -215,3 +216,21 @@ def test_data_frames_are_h2s_frames_and_a_mutable_buffer_is_copied(kind: type) -
             received += event.data
         pinged = pinged or isinstance(event, h2.events.PingReceived)
     assert hashlib.sha256(received).digest() == hashlib.sha256(expected[:40000]).digest() and pinged
+
+
+def test_a_socket_stream_that_takes_no_attribute_of_its_own_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Slotted:  # as if trio gave SocketStream __slots__
+        __slots__ = ("socket",)
+
+        def __init__(self, sock: object) -> None:
+            self.socket = sock
+
+        async def receive_some(self, max_bytes: int | None = None) -> bytes:
+            return b""
+
+    monkeypatch.setattr(trio, "SocketStream", Slotted)
+    with pytest.raises(InternalChanged) as info:
+        workarounds.check_trio_socket_stream_attributes()
+    _assert_names(info.value, "trio", "SocketStream.receive_some")

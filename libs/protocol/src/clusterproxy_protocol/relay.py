@@ -8,6 +8,7 @@ import trio
 
 from clusterproxy_protocol.closing import CLOSE_GRACE, abort, close_cleanly
 from clusterproxy_protocol.transport import receive_batch
+from clusterproxy_protocol.workarounds import read_socket_in
 
 __all__ = ["CHUNK", "RelayResult", "relay"]
 
@@ -34,6 +35,8 @@ async def relay(client: trio.abc.Stream, target: trio.abc.Stream) -> RelayResult
     """
     result = RelayResult()
     completed = False
+    read_socket_in(client)  # a relay moves bulk: TLS reads its socket in large pieces
+    read_socket_in(target)
     try:
         async with trio.open_nursery() as nursery:
 

@@ -19,10 +19,16 @@ import trio
 
 from clusterproxy_protocol.workarounds import ssl_object_of
 
+TLS_RECORD = 16 << 10  # the most plaintext one TLS record holds: what one SSLObject.read can return
+
 
 async def receive_batch(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes | bytearray:
-    data = await stream.receive_some(max_bytes)
-    if not data or not isinstance(stream, trio.SSLStream):
+    if not isinstance(stream, trio.SSLStream):
+        return await stream.receive_some(max_bytes)
+    # At most a record per read: SSLObject.read allocates the size asked for, then shrinks it to
+    # the record (a 256 KiB allocation per 16 KiB record otherwise).
+    data = await stream.receive_some(min(max_bytes, TLS_RECORD))
+    if not data:
         return data
     # Reading from trio's SSLObject here is safe because we are the stream's only reader and we never
     # touch the socket: records already in its buffer are all we take.
@@ -31,7 +37,7 @@ async def receive_batch(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes
     total = len(data)
     while total < max_bytes:
         try:
-            more = ssl_object.read(max_bytes - total)
+            more = ssl_object.read(min(max_bytes - total, TLS_RECORD))
         except ssl.SSLError:  # want-read (buffer empty), close_notify, key update: leave it to trio
             break
         if not more:

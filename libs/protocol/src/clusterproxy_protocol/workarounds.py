@@ -1,6 +1,6 @@
 """Every use of a third-party library's private internals, each guarded.
 
-The tunnel relies on three private internals, all for speed (the numbers are in docs/benchmarks.md):
+The tunnel relies on four private internals, all for speed (the numbers are in docs/benchmarks.md):
 
 * **hyperframe** ``Frame._body_repr``: h2 builds ``repr(frame)`` of every received frame for a trace
   log, even with logging off, and for DATA frames hyperframe serializes and hexlifies the whole body
@@ -19,6 +19,12 @@ The tunnel relies on three private internals, all for speed (the numbers are in 
   call even when the socket read brought in several; :func:`ssl_object_of` hands
   :func:`clusterproxy_protocol.transport.receive_batch` the ``ssl.SSLObject`` to take the rest from.
   Checked at every use (one ``isinstance``).
+* **trio** ``SSLStream`` refills its TLS buffer with ``transport_stream.receive_some()`` without a
+  size, so it reads its socket 64 KiB at a time whatever its reader asks for.
+  :func:`read_socket_in` makes one connection's socket stream answer such a call with more (an
+  attribute of that one ``SocketStream``, nothing global). Only for connections that move bulk (a
+  tunnel, a relay): a client connection parsed as HTTP/2 keeps 64 KiB, since a bigger read there is a
+  bigger batch of an attacker's frames at once. If trio ever passes a size, its size is used.
 
 Each is checked against the shape it relies on, and a change raises :class:`InternalChanged` naming
 the library, its version and the attribute, instead of misbehaving quietly. Without :func:`apply`
@@ -73,6 +79,7 @@ def apply() -> None:
     check_h2_open_streams()
     check_h2_data_frames()
     check_trio_ssl_object()
+    check_trio_socket_stream_attributes()
     check_hyperframe_body_repr()
     if hyperframe.frame.DataFrame.__dict__.get("_body_repr") is not _cheap_data_frame_repr:
         hyperframe.frame.DataFrame._body_repr = _cheap_data_frame_repr  # type: ignore[method-assign]
@@ -391,6 +398,50 @@ def check_trio_ssl_object() -> None:
             pass
 
     ssl_object_of(trio.SSLStream(Unconnected(), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), server_hostname="x"))
+
+
+BULK_SOCKET_READ = 256 << 10  # a quarter of the wake-ups and syscalls of trio's 64 KiB (docs/benchmarks.md)
+
+
+def read_socket_in(stream: object, size: int = BULK_SOCKET_READ) -> bool:
+    """Make the ``trio.SSLStream`` ``stream`` refill from its socket ``size`` bytes at a time (trio:
+    64 KiB); False, changing nothing, when it does not run directly on a ``trio.SocketStream``."""
+    import trio  # here, not at the top: the sans-IO core imports this module
+
+    socket_stream = getattr(stream, "transport_stream", None)
+    if not isinstance(stream, trio.SSLStream) or not isinstance(socket_stream, trio.SocketStream):
+        return False
+    read = trio.SocketStream.receive_some
+
+    async def receive_some(max_bytes: int | None = None) -> bytes:
+        return await read(socket_stream, max_bytes or size)
+
+    try:
+        socket_stream.receive_some = receive_some  # type: ignore[method-assign]  # this instance only
+    except AttributeError:  # a trio with __slots__ here: slower, never wrong (apply() says so loudly)
+        return False
+    return True
+
+
+def check_trio_socket_stream_attributes() -> None:
+    """A ``trio.SocketStream`` takes an attribute of its own (no ``__slots__``): what
+    :func:`read_socket_in` sets."""
+    import socket
+
+    import trio
+
+    left, right = socket.socketpair()  # stdlib sockets: closing trio's needs a running trio
+    try:
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(left))
+        try:
+            stream.receive_some = stream.receive_some  # type: ignore[method-assign]
+        except AttributeError:
+            raise InternalChanged(
+                "trio", "SocketStream.receive_some", "cannot be set on an instance"
+            ) from None
+    finally:
+        left.close()
+        right.close()
 
 
 # -- messages ------------------------------------------------------------------------------------------
