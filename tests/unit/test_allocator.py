@@ -40,3 +40,41 @@ def test_the_data_moving_services_tune_it_first_thing(entry_point: str) -> None:
         f"import {entry_point} as service\ntry:\n    service.main(['--help'])\nexcept SystemExit:\n    pass\n"
     )
     assert faults_per_buffer(setup) < 1
+
+
+AFTER_A_BURST = """
+import trio
+from clusterproxy_protocol import allocator
+assert allocator.tune()
+
+def rss_kib() -> int:
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0])
+
+# a burst: 256 KiB buffers, each followed by a small object that outlives it, then the buffers freed
+burst = []
+for _ in range(200):
+    burst.append(bytearray(256 << 10))
+    burst.append(bytearray(2048))
+survivors = burst[1::2]
+del burst
+held = rss_kib()
+free = allocator.free_heap()
+
+async def until_returned() -> int:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(allocator.return_free_memory, 0.01)
+        with trio.fail_after(10):
+            while rss_kib() > held - (20 << 10):
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    return rss_kib()
+
+print(free, held, trio.run(until_returned), len(survivors))
+"""
+
+
+def test_memory_freed_after_a_burst_goes_back_to_the_kernel() -> None:
+    out = subprocess.run([sys.executable, "-c", AFTER_A_BURST], check=True, capture_output=True, text=True)
+    free, held, after, _ = (int(n) for n in out.stdout.split())
+    assert free > 40 << 20  # 50 MiB freed, kept in the heap below the survivors: RSS did not fall
+    assert after < held - (20 << 10)

@@ -484,6 +484,7 @@ async def serve(config: ServerConfig, worker: WorkerSpec | None = None, follow_f
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(server.run)
+            nursery.start_soon(allocator.return_free_memory)  # RSS comes back after a burst (an attack)
             stop = trio.Event()
             if worker is not None:
 
