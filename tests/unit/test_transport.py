@@ -150,3 +150,22 @@ async def test_a_relay_reads_its_tls_end_in_bulk(pki: PkiFiles) -> None:
         await relay(client=client, target=target)
     assert target.received.digest() == hashlib.sha256(payload).digest()
     assert max(target.sizes) > 64 << 10  # trio's refill alone never yields more than 64 KiB at once
+    assert "receive_some" in vars(client.transport_stream)
+
+
+async def test_a_relay_of_small_messages_keeps_trios_reads(pki: PkiFiles) -> None:
+    server, client = await tls_pair(pki)
+    target = SizesSeen()
+    messages = [os.urandom(1024) for _ in range(20)]
+
+    async def send() -> None:
+        for message in messages:
+            await server.send_all(message)
+            await trio.testing.wait_all_tasks_blocked()  # the relay took it before the next one
+        await server.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send)
+        await relay(client=client, target=target)
+    assert target.received.digest() == hashlib.sha256(b"".join(messages)).digest()
+    assert "receive_some" not in vars(client.transport_stream)  # no big read, no 256 KiB buffer

@@ -13,6 +13,9 @@ from clusterproxy_protocol.workarounds import read_socket_in
 __all__ = ["CHUNK", "RelayResult", "relay"]
 
 CHUNK = 256 << 10
+# A read this long was most of trio's 64 KiB TLS refill: more waited. Streams of small messages
+# (watches, requests and answers) never reach it and keep trio's reads and their memory.
+BULK_HINT = 32 << 10
 _TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
@@ -35,14 +38,16 @@ async def relay(client: trio.abc.Stream, target: trio.abc.Stream) -> RelayResult
     """
     result = RelayResult()
     completed = False
-    read_socket_in(client)  # a relay moves bulk: TLS reads its socket in large pieces
-    read_socket_in(target)
     try:
         async with trio.open_nursery() as nursery:
 
             async def pump(src: trio.abc.Stream, dst: trio.abc.Stream, to_target: bool) -> None:
+                bulk = False
                 try:
                     while data := await receive_batch(src, CHUNK):
+                        if not bulk and len(data) >= BULK_HINT:
+                            bulk = True
+                            read_socket_in(src)  # a TLS end moving bulk: big socket reads from now on
                         await dst.send_all(data)
                         if to_target:
                             result.bytes_to_target += len(data)

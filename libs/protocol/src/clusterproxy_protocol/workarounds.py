@@ -22,9 +22,10 @@ The tunnel relies on four private internals, all for speed (the numbers are in d
 * **trio** ``SSLStream`` refills its TLS buffer with ``transport_stream.receive_some()`` without a
   size, so it reads its socket 64 KiB at a time whatever its reader asks for.
   :func:`read_socket_in` makes one connection's socket stream answer such a call with more (an
-  attribute of that one ``SocketStream``, nothing global). Only for connections that move bulk (a
-  tunnel, a relay): a client connection parsed as HTTP/2 keeps 64 KiB, since a bigger read there is a
-  bigger batch of an attacker's frames at once. If trio ever passes a size, its size is used.
+  attribute of that one ``SocketStream``, nothing global). Only for connections that move bulk (the
+  agent's tunnel, a relay's end once a read comes back long): a client connection parsed as HTTP/2
+  keeps 64 KiB, since a bigger read there is a bigger batch of an attacker's frames at once. If trio
+  ever passes a size, its size is used.
 
 Each is checked against the shape it relies on, and a change raises :class:`InternalChanged` naming
 the library, its version and the attribute, instead of misbehaving quietly. Without :func:`apply`
