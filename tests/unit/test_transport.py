@@ -1,5 +1,5 @@
 """receive_batch: several TLS records per call, same bytes, same EOF; read_socket_in: TLS refilled
-256 KiB at a time, on that connection only, and by relay() on both its ends."""
+256 KiB at a time, on that connection only, and by relay() on a TLS end once it moves bulk."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ process's RSS. :func:`return_free_memory` checks once a second and, when more th
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import trio
 
@@ -47,9 +48,14 @@ class _MallInfo2(ctypes.Structure):
     ]
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
     libc = ctypes.CDLL(None)
-    return libc if hasattr(libc, "gnu_get_libc_version") else None
+    if not hasattr(libc, "gnu_get_libc_version"):
+        return None
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
+    return libc
 
 
 def tune() -> bool:
@@ -67,7 +73,6 @@ def free_heap() -> int | None:
     libc = _glibc()
     if libc is None or not hasattr(libc, "mallinfo2"):
         return None
-    libc.mallinfo2.restype = _MallInfo2
     return int(libc.mallinfo2().fordblks)
 
 

@@ -33,8 +33,8 @@ everything works the same, only slower. The versions that were checked are pinne
 ``libs/protocol/pyproject.toml``; ``tests/unit/test_workarounds.py`` fails when a pinned version
 moves an internal.
 
-This module is used by the sans-IO core, so it never imports trio at module level: the one check
-that needs trio imports it when it runs.
+This module is used by the sans-IO core, so it never imports trio at module level: what needs trio
+imports it when it runs.
 """
 
 from __future__ import annotations
