@@ -118,7 +118,7 @@ async def _receive_tls_direct(stream: trio.SSLStream, max_bytes: int) -> bytes |
         return None
     with parts.receive_guard:
         while True:
-            data = _decrypt(parts.ssl_object, max_bytes)
+            data = _decrypt(parts.ssl_object, parts.incoming, max_bytes)
             if data is None:
                 return None
             if data:
@@ -141,12 +141,13 @@ async def _receive_tls_direct(stream: trio.SSLStream, max_bytes: int) -> bytes |
             parts.incoming.write(ciphertext)
 
 
-def _decrypt(ssl_object: ssl.SSLObject, max_bytes: int) -> bytes | None:
+def _decrypt(ssl_object: ssl.SSLObject, incoming: ssl.MemoryBIO | None, max_bytes: int) -> bytes | None:
     """What the records already in ``ssl_object`` hold, up to ``max_bytes``: b"" when it needs more
-    ciphertext, None when it has something else to say (close_notify, an alert, an error)."""
+    ciphertext, None when it has something else to say (close_notify, an alert, an error). With its
+    ``incoming`` BIO, it does not ask when nothing can be there (an exception per empty read)."""
     parts: list[bytes] = []
     total = 0
-    while total < max_bytes:
+    while total < max_bytes and (incoming is None or incoming.pending or ssl_object.pending()):
         try:
             # At most a record per read: SSLObject.read allocates the size asked for, then shrinks
             # it to the record (a 256 KiB allocation per 16 KiB record otherwise).
@@ -161,6 +162,8 @@ def _decrypt(ssl_object: ssl.SSLObject, max_bytes: int) -> bytes | None:
             return None if not parts else b"".join(parts)
         parts.append(more)
         total += len(more)
+    if not parts:
+        return b""
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
@@ -170,7 +173,7 @@ async def _receive_tls_through_trio(stream: trio.SSLStream, max_bytes: int) -> b
         return data
     # Taking records already decrypted-able from trio's SSLObject is safe: we are the stream's only
     # reader and we never touch the socket here.
-    more = _decrypt(ssl_object_of(stream), max_bytes - len(data))
+    more = _decrypt(ssl_object_of(stream), None, max_bytes - len(data))
     return data + more if more else data
 
 
