@@ -192,17 +192,7 @@ async def send_all(stream: trio.abc.SendStream, data: bytes | bytearray | memory
         await stream.send_all(data)
     elif isinstance(stream, trio.SocketStream) and data and not stream.socket.did_shutdown_SHUT_WR:
         await _turn()
-        fd = stream.socket.fileno()
-        sent = 0
-        if fd >= 0:
-            try:
-                sent = os.write(fd, data)
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                raise _broken(exc) from exc
-        if sent < len(data):
-            await stream.send_all(memoryview(data)[sent:])  # waits for room; trio's errors if closed
+        await _write_socket(stream, data)
     else:
         await stream.send_all(data)
 
@@ -222,25 +212,29 @@ async def _send_tls_direct(
         except (ssl.SSLError, ssl.CertificateError) as exc:
             tls_mark_broken(stream)
             raise trio.BrokenResourceError from exc
-        ciphertext = parts.outgoing.read()
-        fd = socket_stream.socket.fileno()
-        sent = 0
-        if fd >= 0:
-            try:
-                sent = os.write(fd, ciphertext)
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                tls_mark_broken(stream)
-                raise _broken(exc) from exc
-        if sent < len(ciphertext):
-            try:
-                await socket_stream.send_all(memoryview(ciphertext)[sent:])
-            except BaseException:
-                tls_mark_broken(stream)  # some of a record went out: nothing after it can be read
-                raise
+        try:
+            await _write_socket(socket_stream, parts.outgoing.read())
+        except BaseException:
+            tls_mark_broken(stream)  # part of a record may have gone out: nothing after it could be read
+            raise
     finally:
         parts.send_lock.release()
+
+
+async def _write_socket(socket_stream: trio.SocketStream, data: bytes | bytearray | memoryview) -> None:
+    """All of ``data`` into the socket: what it takes at once directly, the rest through trio, which
+    waits for room (and says how the socket was closed, if it was)."""
+    fd = socket_stream.socket.fileno()
+    sent = 0
+    if fd >= 0:
+        try:
+            sent = os.write(fd, data)
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            raise _broken(exc) from exc
+    if sent < len(data):
+        await socket_stream.send_all(memoryview(data)[sent:])
 
 
 def input_waiting(stream: object) -> bool:
