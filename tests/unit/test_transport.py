@@ -3,39 +3,21 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
-import socket
+import weakref
 
 import pytest
 import trio
 import trio.testing
 
-from clusterproxy_protocol import tls
+from clusterproxy_protocol import tls, workarounds
 from clusterproxy_protocol.relay import relay
 from clusterproxy_protocol.transport import receive_batch
 from clusterproxy_protocol.workarounds import BULK_SOCKET_READ, read_socket_in
 from tests.support.pki import PkiFiles
-
-
-async def tls_pair(pki: PkiFiles) -> tuple[trio.SSLStream, trio.SSLStream]:
-    a, b = trio.socket.socketpair()
-    for end in (a, b):  # room for what a test sends before the other end reads
-        end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
-    server = trio.SSLStream(
-        trio.SocketStream(a),
-        tls.server_context(pki.server.cert, pki.server.key, pki.ca, alpn=["h2"]),
-        server_side=True,
-    )
-    client = trio.SSLStream(
-        trio.SocketStream(b),
-        tls.client_context(pki.client.cert, pki.client.key, pki.ca, alpn=["h2"]),
-        server_hostname="localhost",
-    )
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(server.do_handshake)
-        nursery.start_soon(client.do_handshake)
-    return server, client
+from tests.support.tls_streams import tls_pair
 
 
 async def test_batches_hold_several_records_and_bytes_are_intact(pki: PkiFiles) -> None:
@@ -169,3 +151,20 @@ async def test_a_relay_of_small_messages_keeps_trios_reads(pki: PkiFiles) -> Non
         await relay(client=client, target=target)
     assert target.received.digest() == hashlib.sha256(b"".join(messages)).digest()
     assert "receive_some" not in vars(client.transport_stream)  # no big read, no 256 KiB buffer
+
+
+async def test_a_stream_read_in_bulk_goes_with_its_last_reference(pki: PkiFiles) -> None:
+    workarounds.apply()  # as the services run: trio's handshake holds no stream after it ran
+    server, client = await tls_pair(pki)
+    assert read_socket_in(client) is True
+    await server.send_all(b"pong")
+    assert await client.receive_some(4) == b"pong"
+    gone = weakref.ref(client.transport_stream)
+    gc.disable()  # freed by its last reference going, not by a collection
+    try:
+        for stream in (client, server):
+            await stream.aclose()
+        del client, server, stream
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -3,11 +3,14 @@ the installed (pinned) versions; a change fails loudly, naming the library, vers
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib.metadata
+import inspect
 import ssl
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 
 import h2.connection
@@ -16,11 +19,14 @@ import h2.stream
 import hyperframe.frame
 import pytest
 import trio
+import trio._ssl
 import trio.testing
 
-from clusterproxy_protocol import workarounds
+from clusterproxy_protocol import tls, workarounds
 from clusterproxy_protocol.core import Role, TunnelCore
 from clusterproxy_protocol.workarounds import InternalChanged
+from tests.support.pki import PkiFiles
+from tests.support.tls_streams import tls_pair
 
 CHECKS: dict[str, Callable[[], None]] = {
     "hyperframe": workarounds.check_hyperframe_body_repr,
@@ -28,6 +34,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "h2-data": workarounds.check_h2_data_frames,
     "trio": workarounds.check_trio_ssl_object,
     "trio-socket": workarounds.check_trio_socket_stream_attributes,
+    "trio-handshake": workarounds.check_trio_handshake_once,
 }
 
 
@@ -57,6 +64,16 @@ def hyperframe_unpatched() -> Iterator[None]:
         del data_frame._body_repr
     if found is not None:
         data_frame._body_repr = found  # type: ignore[method-assign]
+
+
+@pytest.fixture
+def trio_handshake_as_shipped() -> Iterator[None]:
+    """Run with trio's SSLStream handshake as shipped, and leave it as the test found it."""
+    once = trio._ssl._Once
+    found = once.__dict__["ensure"]
+    once.ensure = inspect.unwrap(found)  # type: ignore[method-assign]
+    yield
+    once.ensure = found  # type: ignore[method-assign]
 
 
 def _assert_names(error: InternalChanged, library: str, attribute: str) -> None:
@@ -234,3 +251,110 @@ def test_a_socket_stream_that_takes_no_attribute_of_its_own_fails_loudly(
     with pytest.raises(InternalChanged) as info:
         workarounds.check_trio_socket_stream_attributes()
     _assert_names(info.value, "trio", "SocketStream.receive_some")
+
+
+async def _closed_tls_pair(pki: PkiFiles) -> list[weakref.ref[trio.SSLStream]]:
+    server, client = await tls_pair(pki)
+    await client.send_all(b"ping")
+    assert await server.receive_some(4) == b"ping"
+    for stream in (client, server):
+        await stream.aclose()  # a cancelled close leaves a young cycle of its own (the exception's)
+    return [weakref.ref(server), weakref.ref(client)]
+
+
+async def test_a_closed_tls_stream_goes_with_its_last_reference_once_applied(
+    pki: PkiFiles, trio_handshake_as_shipped: None
+) -> None:
+    gc.disable()  # what is freed now is freed by its last reference going, not by a collection
+    try:
+        as_shipped = await _closed_tls_pair(pki)
+        workarounds.apply()
+        applied = await _closed_tls_pair(pki)
+        kept_as_shipped = [ref() is not None for ref in as_shipped]
+        kept_applied = [ref() is not None for ref in applied]
+    finally:
+        gc.enable()
+    assert kept_as_shipped == [True, True]  # trio's own: a cycle through the stream's handshake
+    assert kept_applied == [False, False]
+    gc.collect()
+    assert not any(ref() for ref in as_shipped)  # the collector finds them: garbage, only later
+
+
+async def test_a_handshake_that_failed_lets_go_too(pki: PkiFiles, trio_handshake_as_shipped: None) -> None:
+    workarounds.apply()
+    a, b = trio.socket.socketpair()
+    server = trio.SSLStream(
+        trio.SocketStream(a),
+        tls.server_context(pki.server.cert, pki.server.key, pki.ca, alpn=["h2"]),
+        server_side=True,
+    )
+    b.close()  # the peer is gone before saying anything
+    with pytest.raises(trio.BrokenResourceError):
+        await server.do_handshake()
+    handshook = server._handshook  # type: ignore[attr-defined]
+    assert handshook.started and getattr(handshook._afn, "__self__", None) is not server
+    with pytest.raises(trio.BrokenResourceError):  # trio still says what happened, and never re-runs it
+        await server.send_all(b"x")
+    await trio.aclose_forcefully(server)
+
+
+def test_apply_wraps_trios_handshake_once(trio_handshake_as_shipped: None) -> None:
+    shipped = trio._ssl._Once.ensure
+    workarounds.apply()
+    wrapped = trio._ssl._Once.ensure
+    workarounds.apply()
+    assert trio._ssl._Once.ensure is wrapped and wrapped is not shipped
+    assert inspect.unwrap(wrapped) is shipped
+
+
+def test_a_handshake_once_of_another_shape_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch, trio_handshake_as_shipped: None
+) -> None:
+    async def ensure(self: object) -> None:  # as if trio dropped the checkpoint argument
+        pass
+
+    monkeypatch.setattr(trio._ssl._Once, "ensure", ensure)
+    with pytest.raises(InternalChanged) as info:
+        workarounds.apply()
+    _assert_names(info.value, "trio", "_ssl._Once.ensure")
+
+
+def test_a_stream_without_its_handshake_once_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(trio._ssl, "_Once")
+    with pytest.raises(InternalChanged) as info:
+        workarounds.check_trio_handshake_once()
+    _assert_names(info.value, "trio", "_ssl._Once")
+
+
+def test_a_tunnel_h2_connection_goes_with_its_last_reference() -> None:
+    opener = TunnelCore(Role.OPENER)
+    acceptor = TunnelCore(Role.ACCEPTOR)
+    opener.initiate()
+    acceptor.initiate()
+    acceptor.receive_bytes(opener.data_to_send())  # the preface and SETTINGS, through h2's handlers
+    opener.receive_bytes(acceptor.data_to_send())
+    opener.ping(b"12345678")
+    acceptor.receive_bytes(opener.data_to_send())
+    connections = [weakref.ref(core._conn) for core in (opener, acceptor)]
+    gc.disable()  # freed by its last reference going, not by a collection
+    try:
+        del opener, acceptor
+        gone = [ref() is None for ref in connections]
+    finally:
+        gc.enable()
+    assert gone == [True, True]
+
+
+def test_h2_dispatching_frames_another_way_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch, h2_check_not_cached: None
+) -> None:
+    shipped = h2.connection.H2Connection.__init__
+
+    def init(self: h2.connection.H2Connection, *args: object, **kwargs: object) -> None:
+        shipped(self, *args, **kwargs)  # type: ignore[arg-type]
+        del self._frame_dispatch_table  # as if h2 dispatched with a match statement
+
+    monkeypatch.setattr(h2.connection.H2Connection, "__init__", init)
+    with pytest.raises(InternalChanged) as info:
+        workarounds.check_h2_open_streams()
+    _assert_names(info.value, "h2", "H2Connection._frame_dispatch_table")

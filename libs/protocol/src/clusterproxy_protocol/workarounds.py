@@ -1,6 +1,6 @@
 """Every use of a third-party library's private internals, each guarded.
 
-The tunnel relies on four private internals, all for speed (the numbers are in docs/benchmarks.md):
+The tunnel relies on five private internals, four for speed and one for memory (the numbers are in docs/benchmarks.md):
 
 * **hyperframe** ``Frame._body_repr``: h2 builds ``repr(frame)`` of every received frame for a trace
   log, even with logging off, and for DATA frames hyperframe serializes and hexlifies the whole body
@@ -14,7 +14,9 @@ The tunnel relies on four private internals, all for speed (the numbers are in d
   connection, and reads the size of h2's outbound buffer (``_data_to_send``) to cap the replies queued
   for a peer that does not read; and it queues DATA frames, and takes received plain DATA frames,
   past h2's copies (:meth:`TunnelH2Connection.send_data_frames`, :meth:`take_data_frame`), charging
-  h2's windows as h2 would. Checked when the first one is made.
+  h2's windows as h2 would. And its frame handlers hold it weakly (h2's ``_frame_dispatch_table``
+  of bound methods is a cycle: a closed connection would wait for a full collection, below). Checked
+  when the first one is made.
 * **trio** ``SSLStream._ssl_object``: ``SSLStream.receive_some`` decrypts one TLS record (16 KiB) per
   call even when the socket read brought in several; :func:`ssl_object_of` hands
   :func:`clusterproxy_protocol.transport.receive_batch` the ``ssl.SSLObject`` to take the rest from.
@@ -26,6 +28,13 @@ The tunnel relies on four private internals, all for speed (the numbers are in d
   agent's tunnel, a relay's end once a read comes back long): a client connection parsed as HTTP/2
   keeps 64 KiB, since a bigger read there is a bigger batch of an attacker's frames at once. If trio
   ever passes a size, its size is used.
+* **trio** ``SSLStream._handshook``: each stream keeps its handshake as a ``_Once`` holding the
+  stream's own bound ``_do_handshake``, a reference cycle for the stream's whole life: a closed TLS
+  connection (its ``SSLObject``, BIOs, OpenSSL's buffers, whatever its owner hung on it) waits for
+  the cyclic garbage collector instead of going when its last reference does. After an attack on the
+  client port that was 15-20 MiB of the server's RSS, all of it garbage (docs/benchmarks.md, seventh
+  round). :func:`apply` makes ``_Once.ensure`` drop the handshake function once it has run it (trio
+  never calls it twice), for the whole process.
 
 Each is checked against the shape it relies on, and a change raises :class:`InternalChanged` naming
 the library, its version and the attribute, instead of misbehaving quietly. Without :func:`apply`
@@ -45,7 +54,8 @@ import inspect
 import re
 import ssl
 import struct
-from collections.abc import Callable
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine
 
 import h2.config
 import h2.connection
@@ -72,18 +82,22 @@ class InternalChanged(RuntimeError):
 
 
 def apply() -> None:
-    """Check every internal, then make hyperframe's DATA frame repr cheap for the whole process.
+    """Check every internal, then make hyperframe's DATA frame repr cheap and trio's TLS streams free
+    of their handshake's reference cycle, for the whole process.
 
     For programs (the services' ``main``), before the event loop starts; calling it again does
-    nothing more. A library using the tunnel may call it too, knowing it changes a hyperframe class.
+    nothing more. A library using the tunnel may call it too, knowing it changes a hyperframe class
+    and a trio one.
     """
     check_h2_open_streams()
     check_h2_data_frames()
     check_trio_ssl_object()
     check_trio_socket_stream_attributes()
     check_hyperframe_body_repr()
+    check_trio_handshake_once()
     if hyperframe.frame.DataFrame.__dict__.get("_body_repr") is not _cheap_data_frame_repr:
         hyperframe.frame.DataFrame._body_repr = _cheap_data_frame_repr  # type: ignore[method-assign]
+    _let_trio_handshakes_go()
 
 
 # -- hyperframe: DataFrame repr ---------------------------------------------------------------------
@@ -126,6 +140,19 @@ def check_hyperframe_body_repr() -> None:
 # -- h2: the tunnel's connection -----------------------------------------------------------------------
 
 
+class _FrameHandler:
+    """One of h2's frame handlers, calling its connection through a weak reference."""
+
+    __slots__ = ("_connection", "_function")
+
+    def __init__(self, function: Callable[..., object], connection: h2.connection.H2Connection) -> None:
+        self._function = function
+        self._connection = weakref.ref(connection)
+
+    def __call__(self, frame: hyperframe.frame.Frame) -> object:
+        return self._function(self._connection(), frame)
+
+
 class TunnelH2Connection(h2.connection.H2Connection):
     """The core's h2 connection: cheap stream counting, stream refusal, outbound buffer size.
 
@@ -153,6 +180,12 @@ class TunnelH2Connection(h2.connection.H2Connection):
         if check:  # only the check itself makes one without
             _check_h2_once()
         super().__init__(config=config)
+        # h2 keeps its frame handlers as this connection's bound methods in a dict on it: a cycle
+        # that keeps a closed connection (its buffers, its streams) until a full collection.
+        self._frame_dispatch_table = {
+            frame_type: _FrameHandler(handler.__func__, self)
+            for frame_type, handler in self._frame_dispatch_table.items()
+        }
         self._frames: list[bytes | memoryview] = []  # queued after h2's buffer, in order
         self._frames_size = 0
 
@@ -262,8 +295,9 @@ class TunnelH2Connection(h2.connection.H2Connection):
 def check_h2_open_streams() -> None:
     """h2 counts open streams through ``_open_streams(remainder)``, its ``streams`` table holds every
     stream not yet swept, both settings carry ``max_concurrent_streams``, a received HEADERS is
-    checked against the limit through ``open_inbound_streams``, and the outbound buffer is the
-    bytearray ``_data_to_send``."""
+    checked against the limit through ``open_inbound_streams``, the outbound buffer is the
+    bytearray ``_data_to_send``, and received frames go to the connection's own methods through the
+    dict ``_frame_dispatch_table``."""
     base = h2.connection.H2Connection
     count = base.__dict__.get("_open_streams")
     if not inspect.isfunction(count) or _parameter_names(count) != ["self", "remainder"]:
@@ -282,6 +316,11 @@ def check_h2_open_streams() -> None:
             "h2", "H2Connection._receive_headers_frame", "no longer checks open_inbound_streams"
         )
     connection = base()
+    handlers = getattr(connection, "_frame_dispatch_table", None)
+    if not isinstance(handlers, dict) or not all(
+        inspect.ismethod(handler) and handler.__self__ is connection for handler in handlers.values()
+    ):
+        raise InternalChanged("h2", "H2Connection._frame_dispatch_table", "is not a dict of its own methods")
     if not isinstance(connection.streams, dict):
         raise InternalChanged("h2", "H2Connection.streams", "is not a dict")
     if not isinstance(getattr(connection, "_data_to_send", None), bytearray):
@@ -381,8 +420,8 @@ def ssl_object_of(stream: object) -> ssl.SSLObject:
     return ssl_object
 
 
-def check_trio_ssl_object() -> None:
-    """A new ``trio.SSLStream`` holds its ``ssl.SSLObject`` as ``_ssl_object``."""
+def _unconnected_stream() -> object:
+    """A ``trio.abc.Stream`` to build a ``trio.SSLStream`` on and look at, with no trio running."""
     import trio  # here, not at the top: the sans-IO core imports this module
 
     class Unconnected(trio.abc.Stream):
@@ -398,7 +437,16 @@ def check_trio_ssl_object() -> None:
         async def aclose(self) -> None:
             pass
 
-    ssl_object_of(trio.SSLStream(Unconnected(), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), server_hostname="x"))
+    return Unconnected()
+
+
+def check_trio_ssl_object() -> None:
+    """A new ``trio.SSLStream`` holds its ``ssl.SSLObject`` as ``_ssl_object``."""
+    import trio
+
+    ssl_object_of(
+        trio.SSLStream(_unconnected_stream(), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), server_hostname="x")
+    )
 
 
 BULK_SOCKET_READ = 256 << 10  # a quarter of the wake-ups and syscalls of trio's 64 KiB (docs/benchmarks.md)
@@ -413,9 +461,13 @@ def read_socket_in(stream: object, size: int = BULK_SOCKET_READ) -> bool:
     if not isinstance(stream, trio.SSLStream) or not isinstance(socket_stream, trio.SocketStream):
         return False
     read = trio.SocketStream.receive_some
+    socket_stream_ref = weakref.ref(socket_stream)  # not the stream itself: a cycle would outlive its close
 
     async def receive_some(max_bytes: int | None = None) -> bytes:
-        return await read(socket_stream, max_bytes or size)
+        stream = socket_stream_ref()
+        if stream is None:  # only a caller that kept this method and not its stream
+            raise trio.ClosedResourceError("the socket stream is gone")
+        return await read(stream, max_bytes or size)
 
     try:
         socket_stream.receive_some = receive_some  # type: ignore[method-assign]  # this instance only
@@ -443,6 +495,66 @@ def check_trio_socket_stream_attributes() -> None:
     finally:
         left.close()
         right.close()
+
+
+# -- trio: SSLStream's handshake, a reference cycle ------------------------------------------------------
+
+
+async def _handshake_already_run() -> None:
+    raise RuntimeError("trio ran an SSLStream's handshake twice")  # trio's _Once never does
+
+
+def _ensure_then_let_go(
+    ensure: Callable[..., Awaitable[None]],
+) -> Callable[..., Coroutine[object, object, None]]:
+    @functools.wraps(ensure)
+    async def ensure_then_let_go(self: object, *, checkpoint: bool) -> None:
+        try:
+            await ensure(self, checkpoint=checkpoint)
+        finally:
+            if self.started:  # type: ignore[attr-defined]  # run (or running, or failed): never again
+                self._afn = _handshake_already_run  # type: ignore[attr-defined]
+                self._args = ()  # type: ignore[attr-defined]
+
+    ensure_then_let_go.lets_go = True  # type: ignore[attr-defined]
+    return ensure_then_let_go
+
+
+def _trio_once() -> type:
+    import trio._ssl  # here, not at the top: the sans-IO core imports this module
+
+    once = getattr(trio._ssl, "_Once", None)
+    if not isinstance(once, type):
+        raise InternalChanged("trio", "_ssl._Once", "is missing")
+    return once
+
+
+def _let_trio_handshakes_go() -> None:
+    once = _trio_once()
+    if not getattr(once.ensure, "lets_go", False):
+        once.ensure = _ensure_then_let_go(once.ensure)  # type: ignore[attr-defined]
+
+
+def check_trio_handshake_once() -> None:
+    """A new ``trio.SSLStream`` keeps its bound ``_do_handshake`` in ``_handshook``, a ``_Once`` with
+    ``_afn``, ``_args`` and ``started`` that runs it from ``ensure(*, checkpoint)``."""
+    import trio
+
+    once = _trio_once()
+    ensure = getattr(once, "ensure", None)
+    if ensure is None or _parameter_names(inspect.unwrap(ensure)) != ["self", "checkpoint"]:
+        raise InternalChanged("trio", "_ssl._Once.ensure", "is not ensure(self, *, checkpoint)")
+    stream = trio.SSLStream(
+        _unconnected_stream(), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), server_hostname="x"
+    )
+    handshook = getattr(stream, "_handshook", None)
+    if not isinstance(handshook, once):
+        raise InternalChanged("trio", "SSLStream._handshook", "is not a _ssl._Once")
+    function = getattr(handshook, "_afn", None)
+    if getattr(function, "__self__", None) is not stream or handshook.started is not False:  # type: ignore[attr-defined]
+        raise InternalChanged("trio", "_ssl._Once._afn", "is not the stream's handshake, not yet run")
+    if getattr(handshook, "_args", None) != ():
+        raise InternalChanged("trio", "_ssl._Once._args", "is not the handshake's (empty) arguments")
 
 
 # -- messages ------------------------------------------------------------------------------------------
