@@ -33,7 +33,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "h2": workarounds.check_h2_open_streams,
     "h2-data": workarounds.check_h2_data_frames,
     "trio": workarounds.check_trio_ssl_object,
-    "trio-socket": workarounds.check_trio_socket_stream_attributes,
+    "trio-ssl-internals": workarounds.check_trio_ssl_internals,
     "trio-handshake": workarounds.check_trio_handshake_once,
 }
 
@@ -235,22 +235,21 @@ def test_data_frames_are_h2s_frames_and_a_mutable_buffer_is_copied(kind: type) -
     assert hashlib.sha256(received).digest() == hashlib.sha256(expected[:40000]).digest() and pinged
 
 
-def test_a_socket_stream_that_takes_no_attribute_of_its_own_fails_loudly(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("internal", ["_inner_send_lock", "_incoming", "_handshook"])
+def test_a_tls_stream_without_a_part_the_direct_path_uses_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch, internal: str
 ) -> None:
-    class Slotted:  # as if trio gave SocketStream __slots__
-        __slots__ = ("socket",)
+    shipped = trio.SSLStream.__init__
 
-        def __init__(self, sock: object) -> None:
-            self.socket = sock
+    def renamed(self: trio.SSLStream, *args: object, **kwargs: object) -> None:
+        shipped(self, *args, **kwargs)  # type: ignore[arg-type]
+        setattr(self, internal + "_renamed", getattr(self, internal))
+        delattr(self, internal)  # as if trio renamed it
 
-        async def receive_some(self, max_bytes: int | None = None) -> bytes:
-            return b""
-
-    monkeypatch.setattr(trio, "SocketStream", Slotted)
+    monkeypatch.setattr(trio.SSLStream, "__init__", renamed)
     with pytest.raises(InternalChanged) as info:
-        workarounds.check_trio_socket_stream_attributes()
-    _assert_names(info.value, "trio", "SocketStream.receive_some")
+        workarounds.check_trio_ssl_internals()
+    _assert_names(info.value, "trio", f"SSLStream.{internal}")
 
 
 async def _closed_tls_pair(pki: PkiFiles) -> list[weakref.ref[trio.SSLStream]]:

@@ -39,7 +39,7 @@ from clusterproxy_protocol.core import (
 )
 from clusterproxy_protocol.errors import TunnelClosed, TunnelError, refusal
 from clusterproxy_protocol.logs import get_logger
-from clusterproxy_protocol.transport import input_waiting, receive_batch
+from clusterproxy_protocol.transport import input_waiting, receive_batch, send_all
 from clusterproxy_protocol.wire import REASON_HEADER
 
 _log = get_logger("tunnel")
@@ -608,7 +608,7 @@ class Mux:
         data = self.core.data_to_send()
         if data:
             try:
-                await self.transport.send_all(data)
+                await send_all(self.transport, data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
 
@@ -624,11 +624,11 @@ class Mux:
                     written = False
                     try:
                         if stall_timeout == math.inf:  # no timer on the hot path when there is none
-                            await self.transport.send_all(data)
+                            await send_all(self.transport, data)
                             written = True
                         else:
                             with trio.move_on_after(stall_timeout):
-                                await self.transport.send_all(data)
+                                await send_all(self.transport, data)
                                 written = True
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                         self._die(f"write failed: {_describe(exc)}")

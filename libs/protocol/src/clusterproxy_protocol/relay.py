@@ -7,14 +7,13 @@ from dataclasses import dataclass
 import trio
 
 from clusterproxy_protocol.closing import CLOSE_GRACE, abort, close_cleanly
-from clusterproxy_protocol.transport import receive_batch
-from clusterproxy_protocol.workarounds import read_socket_in
+from clusterproxy_protocol.transport import read_in_bulk, receive_batch, send_all
 
 __all__ = ["CHUNK", "RelayResult", "relay"]
 
 CHUNK = 256 << 10
-# A read this long was most of trio's 64 KiB TLS refill: more waited. Streams of small messages
-# (watches, requests and answers) never reach it and keep trio's reads and their memory.
+# A read this long was most of a 64 KiB socket read: more waited. Streams of small messages
+# (watches, requests and answers) never reach it and keep small reads and their memory.
 BULK_HINT = 32 << 10
 _TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
@@ -47,8 +46,8 @@ async def relay(client: trio.abc.Stream, target: trio.abc.Stream) -> RelayResult
                     while data := await receive_batch(src, CHUNK):
                         if not bulk and len(data) >= BULK_HINT:
                             bulk = True
-                            read_socket_in(src)  # a TLS end moving bulk: big socket reads from now on
-                        await dst.send_all(data)
+                            read_in_bulk(src)  # an end moving bulk: big socket reads from now on
+                        await send_all(dst, data)
                         if to_target:
                             result.bytes_to_target += len(data)
                         else:

@@ -1,6 +1,7 @@
 """Every use of a third-party library's private internals, each guarded.
 
-The tunnel relies on five private internals, four for speed and one for memory (the numbers are in docs/benchmarks.md):
+The tunnel relies on five private internals, four for speed and one for memory (the numbers are in
+docs/benchmarks.md):
 
 * **hyperframe** ``Frame._body_repr``: h2 builds ``repr(frame)`` of every received frame for a trace
   log, even with logging off, and for DATA frames hyperframe serializes and hexlifies the whole body
@@ -21,13 +22,12 @@ The tunnel relies on five private internals, four for speed and one for memory (
   call even when the socket read brought in several; :func:`ssl_object_of` hands
   :func:`clusterproxy_protocol.transport.receive_batch` the ``ssl.SSLObject`` to take the rest from.
   Checked at every use (one ``isinstance``).
-* **trio** ``SSLStream`` refills its TLS buffer with ``transport_stream.receive_some()`` without a
-  size, so it reads its socket 64 KiB at a time whatever its reader asks for.
-  :func:`read_socket_in` makes one connection's socket stream answer such a call with more (an
-  attribute of that one ``SocketStream``, nothing global). Only for connections that move bulk (the
-  agent's tunnel, a relay's end once a read comes back long): a client connection parsed as HTTP/2
-  keeps 64 KiB, since a bigger read there is a bigger batch of an attacker's frames at once. If trio
-  ever passes a size, its size is used.
+* **trio** ``SSLStream``'s state, memory BIOs and locks (:func:`tls_parts`): each of its sends and
+  receives passes through trio's scheduler three times (two locks and the socket call), ~45 µs for a
+  1 KiB message against ~7 µs for the same TLS and socket calls made directly.
+  :mod:`clusterproxy_protocol.transport` makes them directly while a connection is in its steady
+  state, under trio's own guards and send lock, and leaves everything else to trio. Checked by
+  :func:`apply`.
 * **trio** ``SSLStream._handshook``: each stream keeps its handshake as a ``_Once`` holding the
   stream's own bound ``_do_handshake``, a reference cycle for the stream's whole life: a closed TLS
   connection (its ``SSLObject``, BIOs, OpenSSL's buffers, whatever its owner hung on it) waits for
@@ -38,7 +38,7 @@ The tunnel relies on five private internals, four for speed and one for memory (
 
 Each is checked against the shape it relies on, and a change raises :class:`InternalChanged` naming
 the library, its version and the attribute, instead of misbehaving quietly. Without :func:`apply`
-everything works the same, only slower. The versions that were checked are pinned in
+everything works the same, only slower, and closed TLS streams wait for the cyclic collector. The versions that were checked are pinned in
 ``libs/protocol/pyproject.toml``; ``tests/unit/test_workarounds.py`` fails when a pinned version
 moves an internal.
 
@@ -56,6 +56,7 @@ import ssl
 import struct
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, NamedTuple
 
 import h2.config
 import h2.connection
@@ -92,7 +93,7 @@ def apply() -> None:
     check_h2_open_streams()
     check_h2_data_frames()
     check_trio_ssl_object()
-    check_trio_socket_stream_attributes()
+    check_trio_ssl_internals()
     check_hyperframe_body_repr()
     check_trio_handshake_once()
     if hyperframe.frame.DataFrame.__dict__.get("_body_repr") is not _cheap_data_frame_repr:
@@ -420,8 +421,8 @@ def ssl_object_of(stream: object) -> ssl.SSLObject:
     return ssl_object
 
 
-def _unconnected_stream() -> object:
-    """A ``trio.abc.Stream`` to build a ``trio.SSLStream`` on and look at, with no trio running."""
+def _unconnected_stream() -> Any:
+    """A stream for a ``trio.SSLStream`` to be built over, never used."""
     import trio  # here, not at the top: the sans-IO core imports this module
 
     class Unconnected(trio.abc.Stream):
@@ -442,59 +443,86 @@ def _unconnected_stream() -> object:
 
 def check_trio_ssl_object() -> None:
     """A new ``trio.SSLStream`` holds its ``ssl.SSLObject`` as ``_ssl_object``."""
-    import trio
+    import trio  # here, not at the top: the sans-IO core imports this module
 
     ssl_object_of(
         trio.SSLStream(_unconnected_stream(), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), server_hostname="x")
     )
 
 
-BULK_SOCKET_READ = 256 << 10  # a quarter of the wake-ups and syscalls of trio's 64 KiB (docs/benchmarks.md)
+class TlsParts(NamedTuple):
+    """What :mod:`clusterproxy_protocol.transport` needs to encrypt, decrypt and move a
+    ``trio.SSLStream``'s bytes itself: its TLS object, the two memory BIOs, the lock that orders
+    writes to its socket, and the guards against two concurrent senders or receivers."""
+
+    ssl_object: ssl.SSLObject
+    incoming: ssl.MemoryBIO
+    outgoing: ssl.MemoryBIO
+    send_lock: Any  # trio.StrictFIFOLock
+    send_guard: Any  # trio's ConflictDetector: a context manager
+    receive_guard: Any
 
 
-def read_socket_in(stream: object, size: int = BULK_SOCKET_READ) -> bool:
-    """Make the ``trio.SSLStream`` ``stream`` refill from its socket ``size`` bytes at a time (trio:
-    64 KiB); False, changing nothing, when it does not run directly on a ``trio.SocketStream``."""
+@functools.cache
+def _trio_ssl_states() -> tuple[object, object]:
+    from trio import _ssl  # here, not at the top: the sans-IO core imports this module
+
+    return _ssl._State.OK, _ssl._State.BROKEN
+
+
+def tls_parts(stream: Any) -> TlsParts | None:
+    """``stream``'s parts when its bytes may go past trio's machinery right now: handshake done,
+    neither broken nor closed, no trio operation inside its socket (no inner lock held), no
+    ciphertext trio is holding back; else None (trio's own path then does what it must)."""
+    ok, _broken = _trio_ssl_states()
+    if (
+        stream._state is not ok
+        or not stream._handshook.done
+        or stream._delayed_outgoing is not None
+        or stream._inner_send_lock.locked()
+        or stream._inner_recv_lock.locked()
+    ):
+        return None
+    return TlsParts(
+        stream._ssl_object,
+        stream._incoming,
+        stream._outgoing,
+        stream._inner_send_lock,
+        stream._outer_send_conflict_detector,
+        stream._outer_recv_conflict_detector,
+    )
+
+
+def tls_mark_broken(stream: Any) -> None:
+    """What trio does when a send through it fails part-way: the stream is unusable from now on."""
+    stream._state = _trio_ssl_states()[1]
+
+
+def check_trio_ssl_internals() -> None:
+    """A new ``trio.SSLStream`` has the private parts :func:`tls_parts` reads, with their shapes."""
     import trio  # here, not at the top: the sans-IO core imports this module
 
-    socket_stream = getattr(stream, "transport_stream", None)
-    if not isinstance(stream, trio.SSLStream) or not isinstance(socket_stream, trio.SocketStream):
-        return False
-    read = trio.SocketStream.receive_some
-    socket_stream_ref = weakref.ref(socket_stream)  # not the stream itself: a cycle would outlive its close
-
-    async def receive_some(max_bytes: int | None = None) -> bytes:
-        stream = socket_stream_ref()
-        if stream is None:  # only a caller that kept this method and not its stream
-            raise trio.ClosedResourceError("the socket stream is gone")
-        return await read(stream, max_bytes or size)
-
     try:
-        socket_stream.receive_some = receive_some  # type: ignore[method-assign]  # this instance only
-    except AttributeError:  # a trio with __slots__ here: slower, never wrong (apply() says so loudly)
-        return False
-    return True
-
-
-def check_trio_socket_stream_attributes() -> None:
-    """A ``trio.SocketStream`` takes an attribute of its own (no ``__slots__``): what
-    :func:`read_socket_in` sets."""
-    import socket
-
-    import trio
-
-    left, right = socket.socketpair()  # stdlib sockets: closing trio's needs a running trio
-    try:
-        stream = trio.SocketStream(trio.socket.from_stdlib_socket(left))
-        try:
-            stream.receive_some = stream.receive_some  # type: ignore[method-assign]
-        except AttributeError:
-            raise InternalChanged(
-                "trio", "SocketStream.receive_some", "cannot be set on an instance"
-            ) from None
-    finally:
-        left.close()
-        right.close()
+        ok, broken = _trio_ssl_states()
+    except (ImportError, AttributeError):
+        raise InternalChanged("trio", "_ssl._State", "has no OK and BROKEN") from None
+    stream = trio.SSLStream(
+        _unconnected_stream(), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), server_hostname="x"
+    )
+    expected: dict[str, Callable[[object], bool]] = {
+        "_state": lambda v: v is ok and v is not broken,
+        "_handshook": lambda v: getattr(v, "done", None) is False,
+        "_delayed_outgoing": lambda v: v is None,
+        "_incoming": lambda v: isinstance(v, ssl.MemoryBIO),
+        "_outgoing": lambda v: isinstance(v, ssl.MemoryBIO),
+        "_inner_send_lock": lambda v: isinstance(v, trio.StrictFIFOLock),
+        "_inner_recv_lock": lambda v: isinstance(v, trio.Lock),
+        "_outer_send_conflict_detector": lambda v: hasattr(v, "__enter__") and hasattr(v, "__exit__"),
+        "_outer_recv_conflict_detector": lambda v: hasattr(v, "__enter__") and hasattr(v, "__exit__"),
+    }
+    for name, shaped in expected.items():
+        if not shaped(getattr(stream, name, None)):
+            raise InternalChanged("trio", f"SSLStream.{name}", "is missing or has another shape")
 
 
 # -- trio: SSLStream's handshake, a reference cycle ------------------------------------------------------

@@ -20,9 +20,9 @@ from clusterproxy_protocol.core import Role, TunnelSettings
 from clusterproxy_protocol.driver import limit_reporter, open_mux
 from clusterproxy_protocol.errors import describe_exception
 from clusterproxy_protocol.pki import CertRole, certificate_role
+from clusterproxy_protocol.transport import read_in_bulk
 from clusterproxy_protocol.websocket import WebSocketFailed, host_header, open_websocket
 from clusterproxy_protocol.wire import format_authority
-from clusterproxy_protocol.workarounds import read_socket_in
 
 __all__ = [
     "Backoff",
@@ -152,7 +152,7 @@ def tls_opener(
             if selected != ALPN:
                 raise HandshakeError(f"server did not select ALPN {ALPN!r} (selected {selected!r})")
             check_server_role(tls.getpeercert(binary_form=True))
-            read_socket_in(tls)  # a tunnel carries its streams' bulk
+            read_in_bulk(tls)  # a tunnel carries its streams' bulk
         except BaseException:
             await trio.aclose_forcefully(tcp)
             raise
