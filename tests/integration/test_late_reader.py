@@ -63,6 +63,7 @@ class LateClient(threading.Thread):
         super().__init__(daemon=True)
         self.port, self.pki = port, pki
         self.start_taken = threading.Event()
+        self.rest_sent = threading.Event()
         self.may_close = threading.Event()  # the test has looked at the server side after the last round
         self.acks: list[bytes] = []
         self.error: BaseException | None = None
@@ -82,6 +83,7 @@ class LateClient(threading.Thread):
                     assert self.start_taken.wait(10), "the reader never took the start"
                     self.start_taken.clear()
                     tls_socket.sendall(ping[-4:])  # while the server's process is blocked
+                    self.rest_sent.set()
                     while True:
                         frame, received = next_frame(tls_socket, received)
                         if isinstance(frame, PingFrame) and "ACK" in frame.flags:
@@ -115,6 +117,8 @@ async def test_a_frame_whose_rest_waits_unread_is_not_cut(nursery: trio.Nursery,
         assert client.error is None, client.error
         client.start_taken.set()
         time.sleep(FRAME_TIMEOUT * 2)  # the whole process busy past the deadline; the rest arrives
+        assert client.rest_sent.wait(10)  # still blocked: on a loaded machine the thread may be late
+        client.rest_sent.clear()
         await wait_until(lambda n=round_: len(client.acks) > n or client.error, timeout=10, what="the ACK")
         assert client.error is None and not mux.dead, f"round {round_}: {client.error!r} {mux.dead_reason}"
         assert client.acks[round_] == f"late{round_:04d}".encode()

@@ -344,3 +344,20 @@ async def test_a_stream_read_in_bulk_goes_with_its_last_reference(pki: PkiFiles)
         assert gone() is None
     finally:
         gc.enable()
+
+
+async def test_a_tls_end_is_read_directly_whatever_its_sending_side_is_doing(pki: PkiFiles) -> None:
+    # trio's own receive can yield with bytes taken from the socket and not yet decrypted, where a
+    # frame deadline's look (transport.input_waiting) cannot see them: the reader must not fall back
+    # to it because of the sending side (tests/integration/test_late_reader.py cut an honest peer).
+    server, client = await tls_pair(pki)
+    assert server._delayed_outgoing is not None  # TLS 1.3: trio holds the server's last flight until it sends
+    received_by_trio = server._inner_recv_count
+    await client.send_all(b"first")
+    assert await receive_batch(server, 100) == b"first"
+    async with server._inner_send_lock:  # as a writer whose send the socket took only in part
+        await client.send_all(b"second")
+        assert await receive_batch(server, 100) == b"second"
+    assert server._inner_recv_count == received_by_trio
+    for stream in (client, server):
+        await trio.aclose_forcefully(stream)

@@ -113,7 +113,7 @@ async def _receive_tls_direct(stream: trio.SSLStream, max_bytes: int) -> bytes |
     await _turn()
     socket_stream = stream.transport_stream
     assert isinstance(socket_stream, trio.SocketStream)
-    parts = tls_parts(stream)
+    parts = tls_parts(stream, sending=False)
     if parts is None:
         return None
     with parts.receive_guard:
@@ -130,7 +130,7 @@ async def _receive_tls_direct(stream: trio.SSLStream, max_bytes: int) -> bytes |
                 ciphertext = os.read(fd, _read_size(socket_stream))
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(socket_stream.socket)
-                parts = tls_parts(stream)
+                parts = tls_parts(stream, sending=False)
                 if parts is None:
                     return None
                 continue
@@ -184,7 +184,7 @@ async def send_all(stream: trio.abc.SendStream, data: bytes | bytearray | memory
         socket_stream = stream.transport_stream
         if data and isinstance(socket_stream, trio.SocketStream):
             await _turn()
-            parts = tls_parts(stream)
+            parts = tls_parts(stream, sending=True)
             if parts is not None:
                 with parts.send_guard:
                     await _send_tls_direct(stream, parts, socket_stream, data)

@@ -470,18 +470,17 @@ def _trio_ssl_states() -> tuple[object, object]:
     return _ssl._State.OK, _ssl._State.BROKEN
 
 
-def tls_parts(stream: Any) -> TlsParts | None:
+def tls_parts(stream: Any, *, sending: bool) -> TlsParts | None:
     """``stream``'s parts when its bytes may go past trio's machinery right now: handshake done,
-    neither broken nor closed, no trio operation inside its socket (no inner lock held), no
-    ciphertext trio is holding back; else None (trio's own path then does what it must)."""
+    neither broken nor closed, no trio receive inside its socket; and to send, no trio send inside
+    it either and no ciphertext trio is holding back. Else None (trio's own path then does what it
+    must). A receive does not wait on the sending side: decrypting adds nothing to the socket, and
+    trio's receive would take bytes off the socket and yield before decrypting them, where a frame
+    deadline's look (:func:`clusterproxy_protocol.transport.input_waiting`) cannot see them."""
     ok, _broken = _trio_ssl_states()
-    if (
-        stream._state is not ok
-        or not stream._handshook.done
-        or stream._delayed_outgoing is not None
-        or stream._inner_send_lock.locked()
-        or stream._inner_recv_lock.locked()
-    ):
+    if stream._state is not ok or not stream._handshook.done or stream._inner_recv_lock.locked():
+        return None
+    if sending and (stream._delayed_outgoing is not None or stream._inner_send_lock.locked()):
         return None
     return TlsParts(
         stream._ssl_object,
