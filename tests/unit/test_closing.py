@@ -10,11 +10,11 @@ import h2.events
 import pytest
 import trio
 
-from clusterproxy_protocol import tls
 from clusterproxy_protocol.closing import abort, close_cleanly, reset_if_process_dies
 from clusterproxy_protocol.core import Role
 from clusterproxy_protocol.driver import open_mux
 from tests.support.pki import PkiFiles
+from tests.support.tls_streams import tls_pair
 
 
 async def _tcp_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
@@ -30,22 +30,7 @@ async def _tcp_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
 async def _hub_and_strict_client(pki: PkiFiles) -> tuple[trio.SSLStream, trio.SSLStream]:
     """The hub's end as the proxy-server makes it (https_compatible: tolerant), and a client that
     treats an EOF without close_notify as an error (trio's default, like the SDK)."""
-    accepted, dialed = await _tcp_pair()
-    hub = trio.SSLStream(
-        accepted,
-        tls.server_context(pki.server.cert, pki.server.key, pki.ca, alpn=["h2"]),
-        server_side=True,
-        https_compatible=True,
-    )
-    client = trio.SSLStream(
-        dialed,
-        tls.client_context(pki.client.cert, pki.client.key, pki.ca, alpn=["h2"]),
-        server_hostname="localhost",
-    )
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(hub.do_handshake)
-        nursery.start_soon(client.do_handshake)
-    return hub, client
+    return await tls_pair(pki, await _tcp_pair(), https_compatible=True)
 
 
 async def _end_seen_by(client: trio.SSLStream) -> str:

@@ -38,9 +38,9 @@ docs/benchmarks.md):
 
 Each is checked against the shape it relies on, and a change raises :class:`InternalChanged` naming
 the library, its version and the attribute, instead of misbehaving quietly. Without :func:`apply`
-everything works the same, only slower, and closed TLS streams wait for the cyclic collector. The versions that were checked are pinned in
-``libs/protocol/pyproject.toml``; ``tests/unit/test_workarounds.py`` fails when a pinned version
-moves an internal.
+everything works the same, only slower, and closed TLS streams wait for the cyclic collector. The
+versions that were checked are pinned in ``libs/protocol/pyproject.toml``;
+``tests/unit/test_workarounds.py`` fails when a pinned version moves an internal.
 
 This module is used by the sans-IO core, so it never imports trio at module level: what needs trio
 imports it when it runs.
