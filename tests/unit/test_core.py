@@ -9,30 +9,9 @@ from hypothesis import strategies as st
 
 from clusterproxy_protocol import events as ev
 from clusterproxy_protocol.core import Role, TunnelCore, TunnelSettings
+from tests.support.cores import connected, pump
 
 SMALL = TunnelSettings(stream_window=65535, connection_window=1 << 20, max_frame_size=16384)
-
-
-def pump(a: TunnelCore, b: TunnelCore) -> tuple[list[ev.Event], list[ev.Event]]:
-    """Move bytes both ways until both cores are quiet; returns the events each side saw."""
-    seen_a: list[ev.Event] = []
-    seen_b: list[ev.Event] = []
-    while True:
-        out_a, out_b = a.data_to_send(), b.data_to_send()
-        if not out_a and not out_b:
-            return seen_a, seen_b
-        if out_a:
-            seen_b += b.receive_bytes(out_a)
-        if out_b:
-            seen_a += a.receive_bytes(out_b)
-
-
-def connected(settings: TunnelSettings = SMALL) -> tuple[TunnelCore, TunnelCore]:
-    opener, acceptor = TunnelCore(Role.OPENER, settings), TunnelCore(Role.ACCEPTOR, settings)
-    opener.initiate()
-    acceptor.initiate()
-    pump(opener, acceptor)
-    return opener, acceptor
 
 
 def open_stream(opener: TunnelCore, acceptor: TunnelCore) -> int:
@@ -58,7 +37,7 @@ def open_stream(opener: TunnelCore, acceptor: TunnelCore) -> int:
 def test_bytes_arrive_intact_and_buffers_never_exceed_the_stream_window(
     chunks: list[bytes], read_sizes: list[int]
 ) -> None:
-    opener, acceptor = connected()
+    opener, acceptor = connected(SMALL)
     sid = open_stream(opener, acceptor)
     sent = b"".join(chunks)
     pending = memoryview(sent)
@@ -77,7 +56,7 @@ def test_bytes_arrive_intact_and_buffers_never_exceed_the_stream_window(
 
 
 def test_a_stalled_stream_does_not_hold_the_connection_window() -> None:
-    opener, acceptor = connected()
+    opener, acceptor = connected(SMALL)
     stalled = open_stream(opener, acceptor)
     other = open_stream(opener, acceptor)
     # Fill the stalled stream's window and never read it.
@@ -96,7 +75,7 @@ def test_a_stalled_stream_does_not_hold_the_connection_window() -> None:
 
 
 def test_end_stream_is_a_half_close() -> None:
-    opener, acceptor = connected()
+    opener, acceptor = connected(SMALL)
     sid = open_stream(opener, acceptor)
     opener.send_data(sid, b"request")
     opener.end_stream(sid)
@@ -111,7 +90,7 @@ def test_end_stream_is_a_half_close() -> None:
 
 
 def test_closing_with_unread_data_resets_like_tcp() -> None:
-    opener, acceptor = connected()
+    opener, acceptor = connected(SMALL)
     sid = open_stream(opener, acceptor)
     opener.send_data(sid, b"unread")
     pump(opener, acceptor)
@@ -121,7 +100,7 @@ def test_closing_with_unread_data_resets_like_tcp() -> None:
 
 
 def test_refusal_carries_status_and_reason() -> None:
-    opener, acceptor = connected()
+    opener, acceptor = connected(SMALL)
     sid = opener.open_connect("10.0.0.1:22")
     pump(opener, acceptor)
     acceptor.refuse(sid, 403, "target 10.0.0.1:22 denied by rule\nwith a newline")
@@ -132,7 +111,7 @@ def test_refusal_carries_status_and_reason() -> None:
 
 
 def test_drain_is_announced_with_max_concurrent_streams_zero() -> None:
-    opener, acceptor = connected()
+    opener, acceptor = connected(SMALL)
     assert opener.can_open_stream()
     acceptor.drain()
     seen, _ = pump(opener, acceptor)
@@ -174,7 +153,7 @@ def test_stream_limit_still_holds_with_the_cheap_open_stream_count() -> None:
 
 def test_data_then_goaway_in_one_read_does_not_break_the_receiver() -> None:
     """A DATA frame for a stream we closed, followed by GOAWAY in the same bytes: no h2 error."""
-    opener, acceptor = connected()
+    opener, acceptor = connected(SMALL)
     sid = open_stream(opener, acceptor)
     acceptor.close_stream(sid)  # our side is done: late data would be answered with RST_STREAM
     pump(opener, acceptor)

@@ -25,6 +25,7 @@ import trio.testing
 from clusterproxy_protocol import tls, workarounds
 from clusterproxy_protocol.core import Role, TunnelCore
 from clusterproxy_protocol.workarounds import InternalChanged
+from tests.support.cores import connected, pump
 from tests.support.pki import PkiFiles
 from tests.support.tls_streams import tls_pair
 
@@ -326,14 +327,9 @@ def test_a_stream_without_its_handshake_once_fails_loudly(monkeypatch: pytest.Mo
 
 
 def test_a_tunnel_h2_connection_goes_with_its_last_reference() -> None:
-    opener = TunnelCore(Role.OPENER)
-    acceptor = TunnelCore(Role.ACCEPTOR)
-    opener.initiate()
-    acceptor.initiate()
-    acceptor.receive_bytes(opener.data_to_send())  # the preface and SETTINGS, through h2's handlers
-    opener.receive_bytes(acceptor.data_to_send())
+    opener, acceptor = connected()  # the preface and SETTINGS, through h2's handlers
     opener.ping(b"12345678")
-    acceptor.receive_bytes(opener.data_to_send())
+    pump(opener, acceptor)
     connections = [weakref.ref(core._conn) for core in (opener, acceptor)]
     gc.disable()  # freed by its last reference going, not by a collection
     try:
