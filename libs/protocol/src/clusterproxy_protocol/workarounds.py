@@ -421,8 +421,8 @@ def ssl_object_of(stream: object) -> ssl.SSLObject:
     return ssl_object
 
 
-def _unconnected_stream() -> Any:
-    """A stream for a ``trio.SSLStream`` to be built over, never used."""
+def _unconnected_ssl_stream() -> Any:
+    """A new ``trio.SSLStream`` over a stream that is never used: to look at, with no trio running."""
     import trio  # here, not at the top: the sans-IO core imports this module
 
     class Unconnected(trio.abc.Stream):
@@ -438,16 +438,12 @@ def _unconnected_stream() -> Any:
         async def aclose(self) -> None:
             pass
 
-    return Unconnected()
+    return trio.SSLStream(Unconnected(), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), server_hostname="x")
 
 
 def check_trio_ssl_object() -> None:
     """A new ``trio.SSLStream`` holds its ``ssl.SSLObject`` as ``_ssl_object``."""
-    import trio  # here, not at the top: the sans-IO core imports this module
-
-    ssl_object_of(
-        trio.SSLStream(_unconnected_stream(), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), server_hostname="x")
-    )
+    ssl_object_of(_unconnected_ssl_stream())
 
 
 class TlsParts(NamedTuple):
@@ -505,9 +501,7 @@ def check_trio_ssl_internals() -> None:
         ok, broken = _trio_ssl_states()
     except (ImportError, AttributeError):
         raise InternalChanged("trio", "_ssl._State", "has no OK and BROKEN") from None
-    stream = trio.SSLStream(
-        _unconnected_stream(), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), server_hostname="x"
-    )
+    stream = _unconnected_ssl_stream()
     expected: dict[str, Callable[[object], bool]] = {
         "_state": lambda v: v is ok and v is not broken,
         "_handshook": lambda v: getattr(v, "done", None) is False,
@@ -565,15 +559,12 @@ def _let_trio_handshakes_go() -> None:
 def check_trio_handshake_once() -> None:
     """A new ``trio.SSLStream`` keeps its bound ``_do_handshake`` in ``_handshook``, a ``_Once`` with
     ``_afn``, ``_args`` and ``started`` that runs it from ``ensure(*, checkpoint)``."""
-    import trio
 
     once = _trio_once()
     ensure = getattr(once, "ensure", None)
     if ensure is None or _parameter_names(inspect.unwrap(ensure)) != ["self", "checkpoint"]:
         raise InternalChanged("trio", "_ssl._Once.ensure", "is not ensure(self, *, checkpoint)")
-    stream = trio.SSLStream(
-        _unconnected_stream(), ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), server_hostname="x"
-    )
+    stream = _unconnected_ssl_stream()
     handshook = getattr(stream, "_handshook", None)
     if not isinstance(handshook, once):
         raise InternalChanged("trio", "SSLStream._handshook", "is not a _ssl._Once")
