@@ -53,6 +53,7 @@ async def close_cleanly(stream: trio.abc.Stream, grace: float = CLOSE_GRACE) -> 
     already; it is closed in the end whatever happens."""
     inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else None
     _set_linger(stream, _LINGER_OFF)
+    closed = False
     try:
         with trio.move_on_after(grace), contextlib.suppress(*_TRANSPORT_ERRORS):
             if isinstance(stream, trio.SSLStream):
@@ -64,10 +65,12 @@ async def close_cleanly(stream: trio.abc.Stream, grace: float = CLOSE_GRACE) -> 
                 await inner.aclose()  # after unwrap() the SSLStream no longer closes it
             else:
                 await stream.aclose()
+            closed = True
     finally:
-        if inner is not None:
-            await trio.aclose_forcefully(inner)
-        await trio.aclose_forcefully(stream)
+        if not closed:
+            if inner is not None:
+                await trio.aclose_forcefully(inner)
+            await trio.aclose_forcefully(stream)
 
 
 def _drop_buffered_input(stream: trio.SSLStream) -> None:

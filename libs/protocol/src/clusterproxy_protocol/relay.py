@@ -60,8 +60,8 @@ async def relay(client: trio.abc.Stream, target: trio.abc.Stream) -> RelayResult
                     result.error = result.error or f"{type(exc).__name__}: {exc}"
                     nursery.cancel_scope.cancel()
 
-            nursery.start_soon(pump, client, target, True)
             nursery.start_soon(pump, target, client, False)
+            await pump(client, target, True)  # in this task: one task less per stream
         completed = True
     finally:
         # Each close bounds its own time, so a slow first one cannot leave the second open.
