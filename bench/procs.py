@@ -93,11 +93,13 @@ def with_descendants(pid: int) -> list[int]:
     while todo:
         current = todo.pop()
         found.append(current)
-        try:
-            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
-        except OSError:
-            continue
-        todo.extend(int(child) for child in children)
+        # The kernel lists a child under the thread that started it (the proxy-server's parent starts
+        # its workers from a worker thread), so every thread's list is read.
+        for children in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                todo.extend(int(child) for child in children.read_text().split())
+            except OSError:
+                continue
     return found
 
 
