@@ -222,6 +222,40 @@ async def test_holds_each_replica_once_and_follows_drain_and_scale(
     await stop(agent, replicas)
 
 
+@dataclass
+class RoutedBalancer(FakeBalancer):
+    """Sends the dials to the replicas named in ``route``, in order (then round robin)."""
+
+    route: list[str] = field(default_factory=list)
+
+    async def open(self, _transport_tasks: trio.Nursery) -> trio.abc.Stream:
+        if not self.route:
+            return await super().open(_transport_tasks)
+        self.dials += 1
+        agent_side, replica_side = trio.testing.memory_stream_pair()
+        self.nursery.start_soon(self.replicas[self.route.pop(0)].serve, replica_side)
+        return agent_side
+
+
+async def test_a_dial_that_reaches_a_held_replica_is_made_again_soon(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The hub answered (it is up; its balancer chose a replica already held): the next dial comes 50,
+    100, 200 ms later as that repeats, not after the failure backoff (here 0.5, 1, 2 s)."""
+    balancer = RoutedBalancer(nursery, route=["r0", "r0", "r0", "r0", "r1"])
+    balancer.add("r0", 2)
+    balancer.add("r1", 2)
+    agent = make_agent()
+    started = trio.current_time()
+    replicas = await run_replica_set(
+        nursery, agent, [(TunnelOptions(server=("hub", 8091), keepalive=None), balancer.open)]
+    )
+    await wait_until(lambda: holds(agent, balancer), timeout=60, what="both replicas")
+    assert balancer.replicas["r0"].refused == 3
+    assert trio.current_time() - started <= 0.05 + 0.1 + 0.2 + 0.01
+    await stop(agent, replicas)
+
+
 async def test_a_missing_replica_costs_at_most_one_dial_per_backoff_max(
     nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:

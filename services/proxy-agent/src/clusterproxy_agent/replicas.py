@@ -11,13 +11,14 @@ as it needs:
   non-draining replica tells (one until a replica has told it; the last count told while it holds
   none). While it holds fewer distinct replicas than that, it runs more slots, each dialing the same
   address. A dial the balancer sends to a replica already held is answered ``409`` on ``/v1/info`` and
-  closed (counted in ``cluster_proxy_agent_duplicate_dials_total``); that slot backs off as after a
-  failure (exponential, full jitter) but never longer than ``--replica-search-backoff-max`` (2 s), so
-  that a replica's successor is found within that once it is up, however long the search lasted (with
+  closed (counted in ``cluster_proxy_agent_duplicate_dials_total``); the hub did answer, so that slot
+  dials again soon (50 ms, doubling with each such answer in a row, full jitter) but never waits longer
+  than ``--replica-search-backoff-max`` (2 s), so that a balancer's misses cost little and a replica's
+  successor is found within that once it is up, however long the search lasted (with
   ``--backoff-max``'s 30 s, a successor started late waited for its agents for many seconds: the
-  benchmark's failover row). So the cost of looking for a missing replica is bounded: at most one TLS
-  handshake and one ``/v1/info`` per slot per 2 s, and only while a replica is missing; with every
-  replica held, nothing is dialed.
+  benchmark's failover row). So the cost of looking for a missing replica is bounded: after a few quick
+  dials, one TLS handshake and one ``/v1/info`` per slot per second on average (uniform in [0, 2 s]),
+  and only while a replica is missing; with every replica held, nothing is dialed.
 * **Several addresses** (``--server a:8091,b:8091``, each one replica): one slot per address, and the
   count is only reported (a warning when it is larger than the list).
 

@@ -39,6 +39,9 @@ ALPN = "h2"
 # A tunnel that reached a replica the agent already holds is closed by the server once it reads our
 # 409; should it not (an older server), the agent closes it itself after this long.
 DUPLICATE_CLOSE_GRACE = 5.0
+# The first wait after a dial reached a replica already held; it doubles with every such answer in a
+# row, up to the search ceiling (``search_backoff_max``).
+DUPLICATE_REDIAL = 0.05
 
 # Opens the tunnel's transport; the nursery runs the transport's own tasks (a WebSocket's reader) and
 # lives as long as the tunnel.
@@ -201,6 +204,8 @@ class TunnelRunner:
         self.options = options
         self._open = opener
         self.backoff = Backoff(options.backoff_initial, options.backoff_max, rng)
+        search_max = min(options.backoff_max, options.search_backoff_max)
+        self.duplicate_backoff = Backoff(min(DUPLICATE_REDIAL, search_max), search_max, rng)
         self.log = agent.log.bind(server=options.address)
         if options.proxy is not None:
             self.log = self.log.bind(proxy=options.proxy)
@@ -232,11 +237,16 @@ class TunnelRunner:
                     break
                 if lived > self.options.stable_after:
                     self.backoff.reset()
-                delay = self.backoff.next()
-                # Neither costs the hub a handshake: the backoff protects it from those, so here it
-                # need not grow past the search ceiling (a restarted hub is found within it).
-                if self._last_duplicate or self._last_refused:
-                    delay = min(delay, self.options.search_backoff_max)
+                if self._last_duplicate:
+                    # The hub is up and answered; its balancer chose a replica this agent holds. The
+                    # failure backoff is not the measure of that: dial again soon, a little later each
+                    # time it happens again, never later than the search ceiling.
+                    delay = self.duplicate_backoff.next()
+                else:
+                    self.duplicate_backoff.reset()
+                    delay = self.backoff.next()
+                    if self._last_refused:  # nothing listening: costs the hub nothing (a restart)
+                        delay = min(delay, self.options.search_backoff_max)
                 self.log.info(
                     "tunnel_reconnect_scheduled", delay=round(delay, 3), attempt=self.backoff.attempt
                 )
