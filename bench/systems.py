@@ -411,7 +411,7 @@ class Ours(System):
             self.workloads = KONNECTIVITY_WORKLOADS
         if workers != 1:
             self.name = f"{self.name}-w{workers}"
-            self.workloads = ("bulk", "connect", "rr", "hol", "idle")
+            self.workloads = ("bulk", "connect", "rr", "hol", "idle", "fanin")
         self.server_bin = env.venv_bin / "cluster-proxy-server"
         self.agent_bin = env.venv_bin / "cluster-proxy-agent"
 
