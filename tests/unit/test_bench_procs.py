@@ -17,11 +17,11 @@ PARENT = textwrap.dedent(
     import subprocess, sys, threading
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     children = [subprocess.Popen(sleeper)]
-    started, stop = threading.Event(), threading.Event()
+    started, never = threading.Event(), threading.Event()
     def start_one():
         children.append(subprocess.Popen(sleeper))
         started.set()
-        stop.wait()
+        never.wait()  # the thread lives on
     threading.Thread(target=start_one, daemon=True).start()
     started.wait()
     print(" ".join(str(c.pid) for c in children), flush=True)

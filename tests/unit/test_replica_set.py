@@ -135,6 +135,9 @@ class FakeBalancer:
         replica = self.replicas[server_id] = FakeReplica(server_id, count)
         return replica
 
+    def pick(self, ready: list[FakeReplica]) -> FakeReplica:
+        return ready[next(self._turn) % len(ready)]
+
     def remove(self, server_id: str) -> None:
         self.replicas.pop(server_id).stop()
 
@@ -143,7 +146,7 @@ class FakeBalancer:
         ready = [r for r in self.replicas.values() if not r.draining]
         if not ready:
             raise ConnectionRefusedError(111, "Connection refused")
-        replica = ready[next(self._turn) % len(ready)]
+        replica = self.pick(ready)
         agent_side, replica_side = trio.testing.memory_stream_pair()
         self.nursery.start_soon(replica.serve, replica_side)
         return agent_side
@@ -228,13 +231,8 @@ class RoutedBalancer(FakeBalancer):
 
     route: list[str] = field(default_factory=list)
 
-    async def open(self, _transport_tasks: trio.Nursery) -> trio.abc.Stream:
-        if not self.route:
-            return await super().open(_transport_tasks)
-        self.dials += 1
-        agent_side, replica_side = trio.testing.memory_stream_pair()
-        self.nursery.start_soon(self.replicas[self.route.pop(0)].serve, replica_side)
-        return agent_side
+    def pick(self, ready: list[FakeReplica]) -> FakeReplica:
+        return self.replicas[self.route.pop(0)] if self.route else super().pick(ready)
 
 
 async def test_a_dial_that_reaches_a_held_replica_is_made_again_soon(
