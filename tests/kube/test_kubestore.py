@@ -3,7 +3,7 @@ same tests the files backend passes), run as a ServiceAccount holding only the d
 layout (names, types, labels, a retired CA's key gone from its Secret); a 409 from the API server
 between a read and a write; paged lists; and a clear error for each way a user gets it wrong: a
 missing namespace, an identity without the Role (or with part of it), bad credentials, an API server
-that does not answer."""
+that does not answer; and the signer serving from it keeps its own key only while it runs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import base64
 import datetime as dt
 import json
 import secrets
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -33,6 +34,7 @@ from tests.support.kube_identities import (
     token_kubeconfig,
 )
 from tests.support.kubeapi import KubeCluster, KubeClusters, free_port
+from tests.support.procs import BIN, Process
 from tests.support.store_contract import NOW, Backend, StoreContract, issued_record
 
 pytestmark = pytest.mark.slow
@@ -277,3 +279,34 @@ def test_bad_credentials_and_an_unreachable_api_server_are_clear(ns: Namespace, 
     ):
         ns.store(_prefix(), kubeconfig=down).check()
     assert time.monotonic() - started < 10
+
+
+async def test_the_signer_deletes_its_own_key_when_it_stops(ns: Namespace, tmp_path: Path) -> None:
+    """With a Kubernetes store and no --tls-dir the signer's serving key lives in a private temporary
+    folder, which it takes with it on SIGTERM: a key left in /tmp would outlive every signer restart."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    signer = Process(
+        "cert-signer",
+        [
+            str(BIN / "cluster-proxy-cert-signer"),
+            "serve",
+            f"--store=kubernetes:{ns.name}/{_prefix()}",
+            f"--kubeconfig={ns.signer_kubeconfig}",
+            "--listen=127.0.0.1:0",
+            "--log-format=json",
+        ],
+        tmp_path,
+        env={"TMPDIR": str(scratch)},
+    )
+    try:
+        await signer.wait_event("signer_started", timeout=60)
+        [folder] = scratch.iterdir()
+        assert folder.name.startswith("cert-signer-")
+        assert folder.stat().st_mode & 0o777 == 0o700
+        assert (folder / "signer.key").stat().st_size > 0
+        signer.kill(signal.SIGTERM)
+        assert await signer.wait_exit(timeout=30) == 0, signer.tail()
+        assert list(scratch.iterdir()) == []
+    finally:
+        signer.stop()

@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tls-dir",
         type=Path,
         help="where the signer keeps its own certificate (default: STORE/signer "
-        "for a files store, else a private temporary folder)",
+        "for a files store, else a private temporary folder, deleted when the signer stops)",
     )
     flag("--cert-ttl", type=_cert_ttl, default="24h", help="lifetime of issued certificates")
     flag(
@@ -198,16 +198,14 @@ def _trust_bundle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return 0
 
 
-def config_from_args(args: argparse.Namespace) -> SignerConfig:
+def config_from_args(args: argparse.Namespace, scratch: Path) -> SignerConfig:
+    """The signer's configuration; its own certificate goes to ``--tls-dir``, else STORE/signer for a
+    files store, else ``scratch`` (a private folder the caller deletes when the signer stops)."""
     store = _open(args)
     store.check()
     tls_dir = args.tls_dir
     if tls_dir is None:
-        tls_dir = (
-            store.root / "signer"
-            if isinstance(store, FileStore)
-            else Path(tempfile.mkdtemp(prefix="cert-signer-"))
-        )
+        tls_dir = store.root / "signer" if isinstance(store, FileStore) else scratch
     return SignerConfig(
         store=store,
         tls_dir=tls_dir,
@@ -242,8 +240,9 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
     log = get_logger("cert-signer")
     try:
-        config = config_from_args(args)
-        trio.run(partial(serve, config))
+        # the signer's key must not outlive it on disk: a folder that goes with the process
+        with tempfile.TemporaryDirectory(prefix="cert-signer-") as scratch:
+            trio.run(partial(serve, config_from_args(args, Path(scratch))))
     except ConfigError as exc:
         parser.exit(2, f"cluster-proxy-cert-signer: error: {exc}\n")
     except (RotationError, StoreError, NotImplementedError) as exc:
