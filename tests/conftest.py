@@ -1,9 +1,12 @@
-"""Shared fixtures: a throwaway PKI, and logging set back after each test."""
+"""Shared fixtures: a throwaway PKI, and logging set back after each test; Ctrl-C that stops the run;
+the signal that a run's prerequisites are built."""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import structlog
@@ -28,3 +31,26 @@ def _logging_restored() -> Iterator[None]:
     structlog.configure(**structlog_config)
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """Ctrl-C stops the run. Inside a trio test the KeyboardInterrupt reaches pytest wrapped in an
+    exception group, which pytest takes for one failed test, and it went on with the next."""
+    report = yield
+    error = call.excinfo.value if call.excinfo is not None else None
+    if isinstance(error, BaseExceptionGroup) and error.subgroup(KeyboardInterrupt) is not None:
+        item.session.shouldstop = "interrupted (Ctrl-C)"
+    return report
+
+
+PREPARED_ENV = "CLUSTER_PROXY_TESTS_PREPARED"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Touch the file ``$CLUSTER_PROXY_TESTS_PREPARED`` names, if set, once the other conftests have
+    built what this run needs (etcd and kube-apiserver, the images): scripts/test-slow.sh starts its
+    clock-bound lane then, so that a cold build does not starve tests that keep time."""
+    if marker := os.environ.get(PREPARED_ENV):
+        Path(marker).touch()

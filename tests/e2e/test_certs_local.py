@@ -17,7 +17,7 @@ from tests.support.localup import LocalUp
 from tests.support.procs import BIN
 from tests.support.waiting import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.clock_bound, pytest.mark.timeout(300)]
 
 AGENTS = ("cluster1-agent", "cluster2-agent")
 

@@ -22,7 +22,7 @@ CERT_TTL = os.environ.get("CLUSTER_PROXY_SOAK_CERT_TTL", "60s")
 # A certificate renews at 75-80% of its lifetime, which the signer back-dates by a tenth for skew.
 EXPECTED_RENEWALS = int(SOAK_SECONDS // (parse_duration(CERT_TTL) * 1.1 * 0.8)) - 1
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(SOAK_SECONDS + 180)]
+pytestmark = [pytest.mark.slow, pytest.mark.clock_bound, pytest.mark.timeout(SOAK_SECONDS + 180)]
 
 
 async def test_renewals_under_continuous_traffic_drop_nothing(tmp_path: Path, nursery: trio.Nursery) -> None:

@@ -40,7 +40,7 @@ from tests.support.waiting import wait_until
 CERT_TTL = "30s"  # leaves renew about every 25 s: the "move the leaves" step takes about that long
 TRUST_REFRESH = "2s"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.clock_bound, pytest.mark.timeout(420)]
 
 
 async def certs(store: Path, *args: str, check: bool = True) -> tuple[int, str, str]:

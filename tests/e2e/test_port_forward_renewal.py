@@ -44,7 +44,7 @@ CONNECTION_DEADLINE = 20.0
 # test's clock are the same machine's: a second is plenty).
 EXPIRY_MARGIN = 1.0
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(SOAK_SECONDS + 240)]
+pytestmark = [pytest.mark.slow, pytest.mark.clock_bound, pytest.mark.timeout(SOAK_SECONDS + 240)]
 
 
 # --- the processes -----------------------------------------------------------------------------------
