@@ -44,7 +44,7 @@ from clusterproxy_protocol.config import (
     parse_positive_int,
 )
 from clusterproxy_protocol.errors import TunnelError
-from clusterproxy_protocol.logs import configure_logging, get_logger
+from clusterproxy_protocol.logs import LOG_LEVELS, configure_logging, get_logger
 from clusterproxy_sdk import TLSFiles, check_cluster
 
 from . import certs as certs_command
@@ -54,9 +54,6 @@ from .health import add_health_command, run_health
 from .kubeconfig import add_kubeconfig_command, run_kubeconfig
 from .local_down import add_local_down_command, run_local_down
 from .state import DEFAULT_STATE_DIR, LOCAL_JSON, proxy_settings, read_local_json
-
-LOG_LEVELS = ("debug", "info", "warning", "error")
-
 
 # --- converters --------------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -17,7 +18,7 @@ from structlog.typing import FilteringBoundLogger
 
 from .config import ConfigError
 
-__all__ = ["LEVELS", "configure_logging", "get_logger"]
+__all__ = ["LEVELS", "LOG_FORMATS", "LOG_LEVELS", "add_log_flags", "configure_logging", "get_logger"]
 
 LEVELS = {
     "debug": logging.DEBUG,
@@ -27,6 +28,22 @@ LEVELS = {
     "error": logging.ERROR,
     "critical": logging.CRITICAL,
 }
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# --log-format: configure_logging's ``json`` for each
+LOG_FORMATS: dict[str, bool | None] = {"auto": None, "json": True, "console": False}
+
+
+def add_log_flags(flag: Callable[..., object]) -> None:
+    """``--log-level`` and ``--log-format``, through a program's own ``flag(name, **kwargs)`` (which
+    gives each its environment variable)."""
+    flag("--log-level", default="info", choices=LOG_LEVELS, help="log level")
+    flag(
+        "--log-format",
+        default="auto",
+        choices=list(LOG_FORMATS),
+        help="auto: JSON unless stderr is a terminal",
+    )
 
 
 def _level_number(level: str | int) -> int:

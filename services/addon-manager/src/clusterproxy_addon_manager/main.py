@@ -32,7 +32,7 @@ from clusterproxy_protocol.config import (
     parse_positive_duration,
     parse_positive_int,
 )
-from clusterproxy_protocol.logs import configure_logging, get_logger
+from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
 from clusterproxy_protocol.wire import CLUSTER_NAME, format_authority
 
 from . import render
@@ -219,18 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="plain HTTP: /healthz /readyz /metrics (port 0: any free port)",
     )
-    flag(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error", "critical"],
-        help="log level",
-    )
-    flag(
-        "--log-format",
-        default="auto",
-        choices=["auto", "json", "console"],
-        help="auto: JSON unless stderr is a terminal",
-    )
+    add_log_flags(flag)
     return parser
 
 
@@ -483,7 +472,7 @@ async def serve(
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_settings(argv)
-    json_logs = {"auto": None, "json": True, "console": False}[settings.log_format]
+    json_logs = LOG_FORMATS[settings.log_format]
     configure_logging(settings.log_level, json=json_logs)
     log = get_logger("clusterproxy_addon_manager")
     log.info("manager_starting", **settings.summary())

@@ -39,7 +39,7 @@ from clusterproxy_protocol.config import (
     parse_positive_int,
     parse_size,
 )
-from clusterproxy_protocol.logs import configure_logging, get_logger
+from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
 
 from .cli_commands import add_store_flag, open_store_from_args, parse_host, register_certs_commands
 from .filestore import FileStore
@@ -152,13 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="while a CA rotation is under way, ask every party to fetch the trust bundle this often "
         "(sooner than its --trust-refresh), so each step reaches the fleet within seconds; 0: no hint",
     )
-    flag("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
-    flag(
-        "--log-format",
-        default="auto",
-        choices=["auto", "json", "console"],
-        help="auto: JSON unless a terminal",
-    )
+    add_log_flags(flag)
     serve.set_defaults(run=_serve, subparser=serve)
 
     init = commands.add_parser("init", help="create the CA in the store if there is none")
@@ -237,7 +231,7 @@ async def serve(config: SignerConfig) -> None:
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
+    configure_logging(args.log_level, json=LOG_FORMATS[args.log_format])
     log = get_logger("cert-signer")
     try:
         # the signer's key must not outlive it on disk: a folder that goes with the process

@@ -29,7 +29,7 @@ from clusterproxy_protocol.config import (
     parse_hostport,
     parse_positive_duration,
 )
-from clusterproxy_protocol.logs import configure_logging, get_logger
+from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
 from clusterproxy_sdk import TLSFiles, open_shared_tunnel
 
 from .credentials import make_self_signed, prepare_client_certificate, register_ca_bundle
@@ -116,9 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--hub-ca", type=existing_file, metavar="FILE",
          help="the CA of the hub kube-apiserver's serving certificate, in the ClusterProfiles (default: the "
          "one the gateway's own hub connection trusts)")  # fmt: skip
-    flag("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
-    flag("--log-format", default="auto", choices=["auto", "json", "console"],
-         help="auto: JSON unless stderr is a terminal")  # fmt: skip
+    add_log_flags(flag)
     return parser
 
 
@@ -281,7 +279,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     parser = build_parser()
     args = parse_args_or_exit(parser, argv, environ=environ)
     check_args(args, parser)
-    configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
+    configure_logging(args.log_level, json=LOG_FORMATS[args.log_format])
     try:
         trio.run(run, args)
     except ConfigError as exc:

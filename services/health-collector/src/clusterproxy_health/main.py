@@ -34,7 +34,7 @@ from clusterproxy_protocol.config import (
     parse_positive_duration,
     parse_positive_int,
 )
-from clusterproxy_protocol.logs import configure_logging, get_logger
+from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
 from clusterproxy_protocol.wire import CLUSTER_NAME, format_authority
 
 from .collector import Collector, CollectorSettings, run_with
@@ -159,9 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--addon-name", type=_addon_name, default="cluster-proxy", help="the ManagedClusterAddOn's name")
     flag("--once", type=bool, default=False,
          help="one round, print the /api/v1/clusters document on stdout, exit")  # fmt: skip
-    flag("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
-    flag("--log-format", default="auto", choices=["auto", "json", "console"],
-         help="auto: JSON unless stderr is a terminal")  # fmt: skip
+    add_log_flags(flag)
     return parser
 
 
@@ -319,9 +317,7 @@ async def _until_signal(settings: CollectorSettings) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     workarounds.apply()
     settings, run_once = parse_settings(argv)
-    configure_logging(
-        settings.log_level, json={"auto": None, "json": True, "console": False}[settings.log_format]
-    )
+    configure_logging(settings.log_level, json=LOG_FORMATS[settings.log_format])
     # h2's and hpack's debug lines are one per frame and header: a thousand probes a round drown the log
     for noisy in ("h2", "hpack"):
         logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger(noisy).level))

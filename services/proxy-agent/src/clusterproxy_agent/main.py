@@ -42,7 +42,7 @@ from clusterproxy_protocol.config import (
 from clusterproxy_protocol.core import TunnelSettings
 from clusterproxy_protocol.forward_proxy import NoProxy, ProxySettings, ProxyURL, Route
 from clusterproxy_protocol.forward_proxy_trio import ForwardProxy
-from clusterproxy_protocol.logs import configure_logging, get_logger
+from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
 from clusterproxy_protocol.pki import agent_uri
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
 from clusterproxy_protocol.tls import client_context, web_client_context
@@ -521,18 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="60s",
         help="a stream blocked on flow control with no byte either way this long is reset; 0: never",
     )
-    flag(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error", "critical"],
-        help="log level",
-    )
-    flag(
-        "--log-format",
-        default="auto",
-        choices=["auto", "json", "console"],
-        help="auto: JSON unless stderr is a terminal",
-    )
+    add_log_flags(flag)
     return parser
 
 
@@ -819,7 +808,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     workarounds.apply()  # the third-party speed-ups; services only, never on import
     allocator.tune()
     settings = parse_settings(argv)
-    json_logs = {"auto": None, "json": True, "console": False}[settings.log_format]
+    json_logs = LOG_FORMATS[settings.log_format]
     configure_logging(settings.log_level, json=json_logs)
     log = get_logger("clusterproxy_agent", cluster=settings.cluster, agent_id=settings.agent_id)
     log.info("agent_starting", **settings.summary())

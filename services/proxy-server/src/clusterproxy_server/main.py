@@ -31,7 +31,7 @@ from clusterproxy_protocol.config import (
     parse_size,
 )
 from clusterproxy_protocol.core import TunnelSettings
-from clusterproxy_protocol.logs import configure_logging, get_logger
+from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
 from clusterproxy_protocol.wire import CLUSTER_NAME
 from clusterproxy_server.app import ProxyServer, ServerConfig
 from clusterproxy_server.authz import load_policy
@@ -342,13 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a stream blocked on flow control with no byte either way this long is reset, and a "
         "connection whose peer reads nothing this long is closed; 0: never",
     )
-    flag("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
-    flag(
-        "--log-format",
-        default="auto",
-        choices=["auto", "json", "console"],
-        help="auto: JSON unless stderr is a terminal",
-    )
+    add_log_flags(flag)
     return p
 
 
@@ -519,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     allocator.tune()
     parser = build_parser()
     args = parse_args_or_exit(parser, argv)
-    configure_logging(args.log_level, json={"auto": None, "json": True, "console": False}[args.log_format])
+    configure_logging(args.log_level, json=LOG_FORMATS[args.log_format])
     try:
         config = config_from_args(args)
     except ConfigError as exc:
