@@ -16,7 +16,7 @@ from clusterproxy_certsigner.filestore import FileStore
 from clusterproxy_certsigner.kubestore import KubernetesSecretStore
 from clusterproxy_certsigner.models import Binding
 from clusterproxy_certsigner.rotation import ensure_ca
-from clusterproxy_certsigner.store import CertStore, StoreError, open_store, parse_store
+from clusterproxy_certsigner.store import open_store, parse_store
 from clusterproxy_certsigner.tokens import new_token
 from clusterproxy_protocol.config import InvalidValue
 from tests.support.store_contract import Backend, StoreContract, issued_record
@@ -91,25 +91,6 @@ def test_parse_and_open_store(tmp_path: Path) -> None:
     kube = open_store("kubernetes:hub/pki")
     assert isinstance(kube, KubernetesSecretStore)
     assert (kube.namespace, kube.prefix, kube.description) == ("hub", "pki", "kubernetes:hub/pki")
-
-
-def test_a_kubernetes_store_contacts_nothing_until_used_and_says_what_config_is_missing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # (the store itself runs the contract against a real kube-apiserver: tests/kube/test_kubestore.py)
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    missing = tmp_path / "no-such-kubeconfig"
-    store = open_store("kubernetes:hub/pki", kubeconfig=missing)
-    assert isinstance(store, KubernetesSecretStore) and isinstance(store, CertStore)
-    with pytest.raises(StoreError, match=f"the kubeconfig {missing} \\(from --kubeconfig\\) does not exist"):
-        store.read_authorities()
-    monkeypatch.setenv("KUBECONFIG", str(missing))
-    with pytest.raises(StoreError, match=r"\(from \$KUBECONFIG\) does not exist"):
-        open_store("kubernetes:hub").list_tokens()
-    monkeypatch.delenv("KUBECONFIG")
-    monkeypatch.setenv("HOME", str(tmp_path))
-    with pytest.raises(StoreError, match=r"no Kubernetes configuration .* not in a pod"):
-        open_store("kubernetes:hub").check()
 
 
 def test_store_root_permissions_are_tightened(tmp_path: Path) -> None:

@@ -17,17 +17,13 @@ callers with backoff).
 from __future__ import annotations
 
 import json
-import os
 import ssl
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
 import urllib3
-
-from clusterproxy_protocol.config import ConfigError
 
 __all__ = [
     "ADDON_DEPLOYMENT_CONFIG",
@@ -55,7 +51,6 @@ __all__ = [
     "NotFound",
     "Resource",
     "Unavailable",
-    "load_configuration",
 ]
 
 FIELD_MANAGER = "cluster-proxy-addon-manager"
@@ -247,50 +242,6 @@ def _error(
     if status == 429 or status >= 500:
         return Unavailable(f"{verb} {what}{where}: HTTP {status}: {message}", status=status, reason=reason)
     return KubeError(f"{verb} {what}{target}{where}: HTTP {status}: {message}", status=status, reason=reason)
-
-
-# --- configuration -------------------------------------------------------------------------------------
-
-
-def load_configuration(kubeconfig: Path | None) -> Any:
-    """A ``kubernetes.client.Configuration``, from the first of: ``kubeconfig`` (``--kubeconfig``),
-    ``$KUBECONFIG``, the in-cluster configuration (a pod's service account), ``~/.kube/config``. The
-    cert-signer looks in the same order: an explicit kubeconfig, even in a pod, wins over the pod's
-    own identity."""
-    from kubernetes import client, config
-    from kubernetes.config.config_exception import ConfigException
-
-    configuration = client.Configuration()
-
-    def from_file(path: Path, source: str) -> Any:
-        if not path.is_file():
-            raise ConfigError(
-                f"{source} {path}: no such file; point it at the hub's kubeconfig "
-                "(--kubeconfig, env CLUSTER_PROXY_ADDON_MANAGER_KUBECONFIG, or KUBECONFIG)"
-            )
-        try:
-            config.load_kube_config(config_file=str(path), client_configuration=configuration)
-        except (ConfigException, OSError, ValueError, TypeError) as exc:
-            raise ConfigError(f"{source} {path}: {exc}") from None
-        return configuration
-
-    if kubeconfig is not None:
-        return from_file(kubeconfig, "--kubeconfig")
-    if os.environ.get("KUBECONFIG"):
-        return from_file(Path(os.environ["KUBECONFIG"].split(os.pathsep)[0]), "$KUBECONFIG")
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        try:
-            config.load_incluster_config(client_configuration=configuration)
-        except ConfigException as exc:
-            raise ConfigError(f"in-cluster configuration: {exc}") from None
-        return configuration
-    default = Path.home() / ".kube" / "config"
-    if not default.is_file():
-        raise ConfigError(
-            "no Kubernetes configuration: pass --kubeconfig FILE (env CLUSTER_PROXY_ADDON_MANAGER_KUBECONFIG), "
-            "set KUBECONFIG, or run in a pod (in-cluster service account)"
-        )
-    return from_file(default, "kubeconfig")
 
 
 # --- the client ----------------------------------------------------------------------------------------

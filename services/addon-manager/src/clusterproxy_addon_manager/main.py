@@ -32,6 +32,7 @@ from clusterproxy_protocol.config import (
     parse_positive_duration,
     parse_positive_int,
 )
+from clusterproxy_protocol.kubeconfig import load_configuration
 from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
 from clusterproxy_protocol.wire import CLUSTER_NAME, format_authority
 
@@ -39,7 +40,7 @@ from . import render
 from .availability import admin_urls_from_dns, poll_once
 from .controller import Controller, ManagerOptions, NotReady
 from .identity import Credentials
-from .kube import Forbidden, Kube, KubeError, Unavailable, load_configuration
+from .kube import Forbidden, Kube, KubeError, Unavailable
 from .metrics import ManagerMetrics
 from .workqueue import WorkQueue
 
@@ -454,7 +455,7 @@ async def serve(
     settings: ManagerSettings, *, task_status: trio.TaskStatus[Manager] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Run until SIGTERM/SIGINT."""
-    kube = Kube(load_configuration(settings.kubeconfig))
+    kube = Kube(load_configuration(settings.kubeconfig, flag_env=ENV_PREFIX + "KUBECONFIG").configuration)
     manager = Manager(settings, kube)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:

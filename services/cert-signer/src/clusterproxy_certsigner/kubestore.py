@@ -28,10 +28,9 @@ what we wrote, the write happened. Lists are paged (``limit``/``continue``) and 
 Every read is a plain GET (a quorum read from etcd): a signer never signs from a CA list older than
 the last committed rotation step, however many signers share the store.
 
-Configuration, first that applies: the ``kubeconfig`` argument (``--kubeconfig``,
-``CLUSTER_PROXY_CERT_SIGNER_KUBECONFIG``), ``$KUBECONFIG``, the in-cluster ServiceAccount (a pod:
-``KUBERNETES_SERVICE_HOST`` and the mounted token, re-read as it rotates), ``~/.kube/config``. Nothing
-is contacted until the first call. :meth:`check` (run by ``serve`` at start) tries each verb the
+Configuration: :func:`clusterproxy_protocol.kubeconfig.load_configuration` (the ``kubeconfig``
+argument, ``$KUBECONFIG``, the pod's ServiceAccount, whose token is re-read as it rotates,
+``~/.kube/config``). Nothing is contacted until the first call. :meth:`check` (run by ``serve`` at start) tries each verb the
 signer needs without changing anything (dry-run create, update and delete of a Secret that does not
 exist) and names what is missing. RBAC: :data:`RBAC_YAML` (secrets get, list, create, update, delete in
 the namespace; nothing cluster-scoped).
@@ -53,6 +52,9 @@ from typing import Any, TypeVar
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+
+from clusterproxy_protocol.config import ConfigError
+from clusterproxy_protocol.kubeconfig import load_configuration
 
 from .crypto import key_pem
 from .models import Authorities, AuthorityRecord, IssuedRecord, TokenRecord
@@ -190,50 +192,18 @@ class KubernetesSecretStore(CertStore):
             return self._api
 
     def _connect(self) -> Any:
-        from kubernetes import client, config
+        from kubernetes import client
 
-        configuration = client.Configuration()
-        source = self._load_config(configuration, config)
+        try:
+            configuration, source = load_configuration(
+                self._kubeconfig, flag_env="CLUSTER_PROXY_CERT_SIGNER_KUBECONFIG"
+            )
+        except ConfigError as exc:
+            raise StoreError(f"the store {self.description}: {exc}") from None
         configuration.retries = _no_read_retries()
         configuration.connection_pool_maxsize = 16
         self._server = f"the Kubernetes API server at {configuration.host} ({source})"
         return client.CoreV1Api(client.ApiClient(configuration))
-
-    def _load_config(self, configuration: Any, config: Any) -> str:
-        explicit = self._kubeconfig or (
-            Path(os.environ["KUBECONFIG"]) if os.environ.get("KUBECONFIG") else None
-        )
-        try:
-            if explicit is not None:
-                if not explicit.is_file():
-                    how = "--kubeconfig" if self._kubeconfig is not None else "$KUBECONFIG"
-                    raise StoreError(
-                        f"the kubeconfig {explicit} (from {how}) does not exist: point --kubeconfig "
-                        f"(CLUSTER_PROXY_CERT_SIGNER_KUBECONFIG) at a kubeconfig for the {self.namespace!r} "
-                        "namespace's API server"
-                    )
-                config.load_kube_config(
-                    config_file=str(explicit), client_configuration=configuration, persist_config=False
-                )
-                return f"kubeconfig {explicit}"
-            if os.environ.get("KUBERNETES_SERVICE_HOST"):
-                config.load_incluster_config(client_configuration=configuration)
-                return "in-cluster ServiceAccount"
-            default = Path("~/.kube/config").expanduser()
-            if default.is_file():
-                config.load_kube_config(
-                    config_file=str(default), client_configuration=configuration, persist_config=False
-                )
-                return f"kubeconfig {default}"
-        except config.ConfigException as exc:
-            raise StoreError(
-                f"cannot load the Kubernetes configuration for {self.description}: {exc}"
-            ) from None
-        raise StoreError(
-            f"no Kubernetes configuration for the store {self.description}: not in a pod "
-            "(KUBERNETES_SERVICE_HOST is unset), no --kubeconfig (CLUSTER_PROXY_CERT_SIGNER_KUBECONFIG), "
-            "no $KUBECONFIG and no ~/.kube/config; give one of them"
-        )
 
     # -- talking to the API server -----------------------------------------------------------------------
 

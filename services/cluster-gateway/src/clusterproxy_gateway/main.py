@@ -29,6 +29,7 @@ from clusterproxy_protocol.config import (
     parse_hostport,
     parse_positive_duration,
 )
+from clusterproxy_protocol.kubeconfig import load_configuration
 from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
 from clusterproxy_sdk import TLSFiles, open_shared_tunnel
 
@@ -120,32 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_configuration(kubeconfig: Path | None) -> Any:
-    """A ``kubernetes.client.Configuration``: ``--kubeconfig``, ``$KUBECONFIG``, then the pod's service
-    account. ConfigError naming what to do when none works."""
-    from kubernetes import client, config
-    from kubernetes.config.config_exception import ConfigException
-
-    configuration = client.Configuration()
-    path = kubeconfig or (
-        Path(os.environ["KUBECONFIG"].split(os.pathsep)[0]) if os.environ.get("KUBECONFIG") else None
-    )
-    try:
-        if path is not None:
-            if not path.is_file():
-                raise ConfigError(
-                    f"kubeconfig {path}: no such file; point --kubeconfig at the hub's kubeconfig"
-                )
-            config.load_kube_config(config_file=str(path), client_configuration=configuration)
-        else:
-            config.load_incluster_config(client_configuration=configuration)
-    except ConfigException as exc:
-        raise ConfigError(
-            f"no hub credentials: {exc}; pass --kubeconfig (or run in a pod with a service account)"
-        ) from None
-    return configuration
-
-
 def _requestheader(args: argparse.Namespace, inventory: HubInventory) -> RequestHeaderConfig:
     if args.requestheader_client_ca is not None:
         return RequestHeaderConfig(
@@ -217,7 +192,9 @@ async def run(args: argparse.Namespace) -> None:
     from kubernetes import client
 
     log = get_logger("cluster-gateway")
-    api = client.ApiClient(load_configuration(args.kubeconfig))
+    api = client.ApiClient(
+        load_configuration(args.kubeconfig, flag_env=ENV_PREFIX + "KUBECONFIG").configuration
+    )
     inventory = HubInventory(api, token_secret=args.token_secret, ttl=args.cache_ttl)
     requestheader = await trio.to_thread.run_sync(_requestheader, args, inventory)
     if args.tls_cert is not None:

@@ -9,15 +9,14 @@ The collector's RBAC: ``list`` on ``managedclusteraddons.addon.open-cluster-mana
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
-from clusterproxy_protocol.config import ConfigError
+from clusterproxy_protocol.kubeconfig import load_configuration
 
 from .state import AddonStatus, AddonsView
 
-__all__ = ["AddonReader", "addon_status", "load_configuration"]
+__all__ = ["AddonReader", "addon_status", "hub_configuration"]
 
 ADDON_GROUP, ADDON_VERSION, ADDON_PLURAL = (
     "addon.open-cluster-management.io",
@@ -27,39 +26,9 @@ ADDON_GROUP, ADDON_VERSION, ADDON_PLURAL = (
 CLUSTER_GROUP, CLUSTER_VERSION, CLUSTER_PLURAL = "cluster.open-cluster-management.io", "v1", "managedclusters"
 
 
-def load_configuration(kubeconfig: Path | None) -> Any:
-    """A ``kubernetes.client.Configuration`` from the first of: ``--kubeconfig``, ``$KUBECONFIG``, the
-    pod's service account, ``~/.kube/config``. ConfigError naming what to do when none works."""
-    from kubernetes import client, config
-    from kubernetes.config.config_exception import ConfigException
-
-    configuration = client.Configuration()
-
-    def from_file(path: Path, source: str) -> Any:
-        if not path.is_file():
-            raise ConfigError(f"{source} {path}: no such file; point --kubeconfig at the hub's kubeconfig")
-        try:
-            config.load_kube_config(config_file=str(path), client_configuration=configuration)
-        except (ConfigException, OSError, ValueError, TypeError) as exc:
-            raise ConfigError(f"{source} {path}: {exc}") from None
-        return configuration
-
-    if kubeconfig is not None:
-        return from_file(kubeconfig, "--kubeconfig")
-    if os.environ.get("KUBECONFIG"):
-        return from_file(Path(os.environ["KUBECONFIG"].split(os.pathsep)[0]), "$KUBECONFIG")
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        try:
-            config.load_incluster_config(client_configuration=configuration)
-        except ConfigException as exc:
-            raise ConfigError(f"in-cluster configuration: {exc}") from None
-        return configuration
-    default = Path.home() / ".kube" / "config"
-    if not default.is_file():
-        raise ConfigError(
-            "--kubernetes needs the hub's API server: pass --kubeconfig FILE, set KUBECONFIG, or run in a pod"
-        )
-    return from_file(default, "kubeconfig")
+def hub_configuration(kubeconfig: Path | None) -> Any:
+    """The hub API server's ``kubernetes.client.Configuration`` (:mod:`clusterproxy_protocol.kubeconfig`)."""
+    return load_configuration(kubeconfig, flag_env="CLUSTER_PROXY_HEALTH_KUBECONFIG").configuration
 
 
 def addon_status(addon: dict[str, Any]) -> AddonStatus:

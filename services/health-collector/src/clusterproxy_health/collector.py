@@ -260,12 +260,12 @@ async def run_with(
 def _secret_reader(settings: CollectorSettings) -> Any:
     if settings.bootstrap_secret is None:
         return None
-    from .addons import load_configuration
+    from .addons import hub_configuration
     from .credentials import SecretReader
 
     namespace, name = settings.bootstrap_secret
     reader = SecretReader(
-        load_configuration(settings.kubeconfig),
+        hub_configuration(settings.kubeconfig),
         namespace,
         name,
         settings.client_name,

@@ -249,10 +249,10 @@ def routes(collector: Collector) -> dict[str, Any]:
 def _addon_reader(settings: CollectorSettings) -> Any:
     if not settings.kubernetes:
         return None
-    from .addons import AddonReader, load_configuration
+    from .addons import AddonReader, hub_configuration
 
     reader = AddonReader(
-        load_configuration(settings.kubeconfig), settings.addon_name, timeout=settings.server_timeout
+        hub_configuration(settings.kubeconfig), settings.addon_name, timeout=settings.server_timeout
     )
     return reader.read
 
