@@ -23,8 +23,9 @@ class Loaded(NamedTuple):
 
 
 def load_configuration(kubeconfig: Path | None, *, flag_env: str) -> Loaded:
-    """The configuration from the first source that is there. ConfigError naming the source and what to do when none works; ``flag_env`` is the environment
-    twin of the service's ``--kubeconfig``, for that message."""
+    """The configuration from the first source that is there; ConfigError naming the source and what
+    to do when it is broken or none is there (``flag_env``, the environment twin of the service's
+    ``--kubeconfig``, goes into that message)."""
     from kubernetes import client, config
     from kubernetes.config.config_exception import ConfigException
 

@@ -30,10 +30,10 @@ the last committed rotation step, however many signers share the store.
 
 Configuration: :func:`clusterproxy_protocol.kubeconfig.load_configuration` (the ``kubeconfig``
 argument, ``$KUBECONFIG``, the pod's ServiceAccount, whose token is re-read as it rotates,
-``~/.kube/config``). Nothing is contacted until the first call. :meth:`check` (run by ``serve`` at start) tries each verb the
-signer needs without changing anything (dry-run create, update and delete of a Secret that does not
-exist) and names what is missing. RBAC: :data:`RBAC_YAML` (secrets get, list, create, update, delete in
-the namespace; nothing cluster-scoped).
+``~/.kube/config``). Nothing is contacted until the first call. :meth:`check` (run by ``serve`` at
+start) tries each verb the signer needs without changing anything (dry-run create, update and delete
+of a Secret that does not exist) and names what is missing. RBAC: :data:`RBAC_YAML` (secrets get,
+list, create, update, delete in the namespace; nothing cluster-scoped).
 """
 
 from __future__ import annotations
