@@ -341,6 +341,13 @@ _OPEN_CONNECTION_STATES = (
 )
 
 
+def _open_connect_stream(client: h2.connection.H2Connection) -> bytes:
+    """Stream 1 of a new client connection opened with a CONNECT; the bytes written for it."""
+    client.initiate_connection()
+    client.send_headers(1, [(":method", "CONNECT"), (":authority", "x:1")])
+    return client.data_to_send()
+
+
 def check_h2_data_frames() -> None:
     """The DATA frames :meth:`TunnelH2Connection.send_data_frames` builds are byte for byte h2's,
     and leave h2's windows where its ``send_data`` leaves them; the same for the frames
@@ -349,9 +356,7 @@ def check_h2_data_frames() -> None:
     sent = []
     for fast in (False, True):
         connection = TunnelH2Connection(h2.config.H2Configuration(client_side=True), check=False)
-        connection.initiate_connection()
-        connection.send_headers(1, [(":method", "CONNECT"), (":authority", "x:1")])
-        connection.data_to_send()
+        _open_connect_stream(connection)
         view = memoryview(payload)
         if fast:
             try:
@@ -376,9 +381,7 @@ def _check_h2_taking_data() -> None:
     """A frame taken by :meth:`TunnelH2Connection.take_data_frame` leaves h2's inbound windows where
     h2's own receive path leaves them, for a frame h2 takes as plain data."""
     peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    peer.initiate_connection()
-    peer.send_headers(1, [(":method", "CONNECT"), (":authority", "x:1")])
-    opening = peer.data_to_send()
+    opening = _open_connect_stream(peer)
     payload = bytes(range(256)) * 40
     peer.send_data(1, payload)
     data_frame = peer.data_to_send()
