@@ -1,12 +1,17 @@
 """What one TLS 1.3 handshake costs the server, in CPython's ``ssl`` (OpenSSL) alone.
 
-    python -m bench.handshake [--count 300]
+    python -m bench.handshake [--count 300] [--pki DIR]
 
 Both ends run in this process over memory BIOs (no sockets, no event loop), with the bench's
 certificates (ECDSA P-256); only the server's calls are timed. Three server set-ups: OpenSSL's
 default (two session tickets after the handshake), no tickets (what our servers use since issue 17),
 and no tickets without asking for a client certificate (what the client certificate's verification
 costs). Prints the mean milliseconds per handshake of each.
+
+``--pki DIR`` keeps the certificates there (issued on the first run, which needs ``cryptography``;
+later runs read them): another python3 with only its standard library then times the same
+handshakes against its own OpenSSL, e.g. Debian trixie's (OpenSSL 3.5) in a root filesystem made by
+``mmdebstrap --variant=minbase --include=python3 trixie DIR`` (docs/benchmarks.md, tenth round).
 """
 
 from __future__ import annotations
@@ -16,25 +21,46 @@ import ssl
 import tempfile
 import time
 from pathlib import Path
-
-from bench.pki import BenchPKI
+from typing import NamedTuple
 
 ROUNDS = 10  # flights back and forth: a TLS 1.3 handshake needs 2, the tickets and data one more
 
 
-def _contexts(pki: BenchPKI, *, tickets: bool, verify_client: bool) -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    server_cert, client_cert = pki.server(), pki.client()
+class Certificates(NamedTuple):
+    """The files of a folder the bench's PKI issued into: ca.crt, server.{crt,key}, client.{crt,key}."""
+
+    folder: Path
+
+    @classmethod
+    def in_folder(cls, folder: Path) -> Certificates:
+        """The certificates in ``folder``, issued there first when it has none."""
+        if not (folder / "ca.crt").exists():
+            from bench.pki import BenchPKI  # needs cryptography: only to issue
+
+            pki = BenchPKI(folder)
+            pki.server()
+            pki.client()
+        return cls(folder)
+
+    def pair(self, name: str) -> tuple[Path, Path]:
+        return self.folder / f"{name}.crt", self.folder / f"{name}.key"
+
+
+def _contexts(
+    certificates: Certificates, *, tickets: bool, verify_client: bool
+) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    ca = certificates.folder / "ca.crt"
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server.minimum_version = ssl.TLSVersion.TLSv1_3
-    server.load_cert_chain(server_cert.cert, server_cert.key)
-    server.load_verify_locations(pki.ca)
+    server.load_cert_chain(*certificates.pair("server"))
+    server.load_verify_locations(ca)
     server.verify_mode = ssl.CERT_REQUIRED if verify_client else ssl.CERT_NONE
     if not tickets:
         server.num_tickets = 0
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     client.minimum_version = ssl.TLSVersion.TLSv1_3
-    client.load_cert_chain(client_cert.cert, client_cert.key)
-    client.load_verify_locations(pki.ca)
+    client.load_cert_chain(*certificates.pair("client"))
+    client.load_verify_locations(ca)
     client.check_hostname = False
     return server, client
 
@@ -71,18 +97,21 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--count", type=int, default=300, help="handshakes per set-up")
+    parser.add_argument("--pki", type=Path, help="keep the certificates in this folder (reuse them if there)")
     args = parser.parse_args()
     if args.count < 1:
         parser.error("--count must be at least 1")
-    with tempfile.TemporaryDirectory() as folder:
-        pki = BenchPKI(Path(folder))
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.pki is not None:
+            args.pki.mkdir(parents=True, exist_ok=True)
+        certificates = Certificates.in_folder(args.pki or Path(scratch))
         print(f"{ssl.OPENSSL_VERSION}; ECDSA P-256; mean server CPU per handshake over {args.count}")
         for label, tickets, verify in (
             ("OpenSSL's default (2 tickets), client certificate verified", True, True),
             ("no tickets (ours), client certificate verified", False, True),
             ("no tickets, no client certificate asked", False, False),
         ):
-            server_ctx, client_ctx = _contexts(pki, tickets=tickets, verify_client=verify)
+            server_ctx, client_ctx = _contexts(certificates, tickets=tickets, verify_client=verify)
             server_seconds(server_ctx, client_ctx)  # warm-up
             total = sum(server_seconds(server_ctx, client_ctx) for _ in range(args.count))
             print(f"{1000 * total / args.count:6.3f} ms  {label}")

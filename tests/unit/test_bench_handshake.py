@@ -7,20 +7,29 @@ from pathlib import Path
 
 import pytest
 
-from bench.handshake import _contexts, server_seconds
-from bench.pki import BenchPKI
+from bench.handshake import Certificates, _contexts, server_seconds
 
 
 @pytest.mark.parametrize(("tickets", "verify"), [(True, True), (False, True), (False, False)])
 def test_each_setup_handshakes_and_is_what_it_says(tmp_path: Path, tickets: bool, verify: bool) -> None:
-    server, client = _contexts(BenchPKI(tmp_path), tickets=tickets, verify_client=verify)
+    server, client = _contexts(Certificates.in_folder(tmp_path), tickets=tickets, verify_client=verify)
     assert server.num_tickets == (2 if tickets else 0)
     assert server.verify_mode == (ssl.CERT_REQUIRED if verify else ssl.CERT_NONE)
     assert server_seconds(server, client) > 0
 
 
 def test_a_client_without_the_ca_fails_instead_of_being_timed(tmp_path: Path) -> None:
-    server, _ = _contexts(BenchPKI(tmp_path / "a"), tickets=False, verify_client=True)
-    _, stranger = _contexts(BenchPKI(tmp_path / "b"), tickets=False, verify_client=True)
+    server, _ = _contexts(Certificates.in_folder(tmp_path / "a"), tickets=False, verify_client=True)
+    _, stranger = _contexts(Certificates.in_folder(tmp_path / "b"), tickets=False, verify_client=True)
     with pytest.raises(ssl.SSLError):
         server_seconds(server, stranger)
+
+
+def test_a_kept_folder_is_issued_once_then_reused(tmp_path: Path) -> None:
+    """``--pki DIR``: a second run (another python3, say) times the same certificates."""
+    Certificates.in_folder(tmp_path)
+    first = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    assert set(first) == {"ca.crt", "server.crt", "server.key", "client.crt", "client.key"}
+    server, client = _contexts(Certificates.in_folder(tmp_path), tickets=False, verify_client=True)
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == first
+    assert server_seconds(server, client) > 0
