@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from bench import report
@@ -39,6 +40,19 @@ SYSTEMS: dict[str, Callable[[Env], System]] = {
 }
 
 
+def known_systems(ours_builds: list[str]) -> dict[str, Callable[[Env], System]]:
+    """:data:`SYSTEMS` and an ``ours-NAME`` for each ``--ours-build NAME=DIR``; ValueError for a bad one."""
+    known = dict(SYSTEMS)
+    for given in ours_builds:
+        name, _, folder = given.partition("=")
+        if not name or not folder or not Path(folder).is_dir():
+            raise ValueError(f"--ours-build {given!r}: expected NAME=DIR with DIR an existing folder")
+        if f"ours-{name}" in known:
+            raise ValueError(f"--ours-build {given!r}: ours-{name} is a system already")
+        known[f"ours-{name}"] = partial(Ours, build=(name, Path(folder)))
+    return known
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench",
@@ -57,6 +71,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(SYSTEMS),
         help=f"comma-separated, of {','.join(SYSTEMS)} (default: all; each variant runs only the "
         "workloads it is measured on)",
+    )
+    p.add_argument(
+        "--ours-build",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="also measure ours from another build as system ours-NAME (list it in --systems): the "
+        "cluster-proxy-server and cluster-proxy-agent programs in DIR, e.g. another python3's "
+        "virtualenv or the wrappers of `bash bench/python_root.sh` (repeat)",
     )
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="results folder")
     p.add_argument("--anp-version", default=os.environ.get("ANP_VERSION", DEFAULT_ANP_VERSION))
@@ -141,10 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"unknown workload(s) {bad}; known: {', '.join(WORKLOADS)}", file=sys.stderr)
         return 2
+    try:
+        known = known_systems(args.ours_build)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     wanted = [s.strip() for s in args.systems.split(",") if s.strip()]
-    bad = [s for s in wanted if s not in SYSTEMS]
+    bad = [s for s in wanted if s not in known]
     if bad:
-        print(f"unknown system(s) {bad}; known: {', '.join(SYSTEMS)}", file=sys.stderr)
+        print(f"unknown system(s) {bad}; known: {', '.join(known)}", file=sys.stderr)
         return 2
 
     load_before = Path("/proc/loadavg").read_text().split()[:3]
@@ -190,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     systems: list[System] = []
     for name in wanted:
-        s = SYSTEMS[name](env)
+        s = known[name](env)
         try:
             if name.startswith("upstream") and anp_bin is None:
                 raise Unavailable(f"{name}: apiserver-network-proxy unavailable: {anp_why}")

@@ -390,7 +390,16 @@ class Ours(System):
     transports = ("tls", "websocket")
     frontends = ("connect", "konnectivity")
 
-    def __init__(self, env: Env, transport: str = "tls", frontend: str = "connect", workers: int = 1) -> None:
+    def __init__(
+        self,
+        env: Env,
+        transport: str = "tls",
+        frontend: str = "connect",
+        workers: int = 1,
+        build: tuple[str, Path] | None = None,
+    ) -> None:
+        """``build``: (NAME, DIR), ours from another build, its server and agent programs in DIR (another
+        python3's virtualenv, or the wrappers bench/python_root.sh writes), named ``ours-NAME``."""
         super().__init__(env)
         # --workers of the server (1 unless a variant says: the server's own default is one per core)
         self.workers = workers
@@ -412,8 +421,11 @@ class Ours(System):
         if workers != 1:
             self.name = f"{self.name}-w{workers}"
             self.workloads = ("bulk", "connect", "rr", "hol", "idle", "fanin")
-        self.server_bin = env.venv_bin / "cluster-proxy-server"
-        self.agent_bin = env.venv_bin / "cluster-proxy-agent"
+        bin_dir = env.venv_bin
+        if build is not None:
+            self.name, bin_dir = f"ours-{build[0]}", build[1]
+        self.server_bin = bin_dir / "cluster-proxy-server"
+        self.agent_bin = bin_dir / "cluster-proxy-agent"
 
     def agent_server_address(self, host: str, port: int) -> str:
         """The agent's ``--server`` for the server's agent-facing port at host:port, in this transport."""
