@@ -82,15 +82,21 @@ class Run:
                 ":", 1
             )[1]
         )
-        server_metrics, agent_metrics = scrape(self.hub.admin_port), scrape(agent_admin)
+        # The processes still run and renew: the metrics and the logs are read as one snapshot, again
+        # if a renewal was logged meanwhile (a renewal between the two reads made them disagree).
+        while True:
+            logged = count_events(server, "cert_renewed"), count_events(agent, "cert_renewed")
+            server_metrics, agent_metrics = scrape(self.hub.admin_port), scrape(agent_admin)
+            if (count_events(server, "cert_renewed"), count_events(agent, "cert_renewed")) == logged:
+                break
         stream_errors = sum(
             1 for e in server.events() if e.get("event") == "stream_closed" and e.get("error") is not None
         )
         return {
             "duration_s": round(self.stopped - self.started, 1),
             "renewals": {
-                "proxy-server": count_events(server, "cert_renewed"),
-                "proxy-agent": count_events(agent, "cert_renewed"),
+                "proxy-server": logged[0],
+                "proxy-agent": logged[1],
                 "client": self.client.renewer.renewals,
             },
             "renewal_failures": {
