@@ -57,6 +57,7 @@ trap 'rm -rf "$source_dir"' EXIT
 git -C "$REPO" archive HEAD | tar -x -C "$source_dir"
 inside="/tmp/${source_dir##*/}"
 echo "python_root: installing $(git -C "$REPO" rev-parse --short HEAD) into $dir/venv" >&2
+# ours again even when the version is the same (a reused DIR gets this commit), then what it needs
 chroot "$dir" env PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
     /venv/bin/pip install --quiet --force-reinstall --no-deps "$inside/libs/protocol" "$inside/libs/sdk" \
     "$inside/services/proxy-server" "$inside/services/proxy-agent"

@@ -52,9 +52,7 @@ def _level_number(level: str | int) -> int:
     try:
         return LEVELS[level.strip().lower()]
     except KeyError:
-        raise ConfigError(
-            f"invalid log level {level!r}: expected one of debug, info, warning, error, critical"
-        ) from None
+        raise ConfigError(f"invalid log level {level!r}: expected one of {', '.join(LOG_LEVELS)}") from None
 
 
 def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
