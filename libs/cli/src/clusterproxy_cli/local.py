@@ -91,6 +91,8 @@ from .local_proxies import (
     tinyproxy_config,
 )
 from .local_supervise import (
+    AGENT_RESTART_DELAY,
+    REPLICA_RESTART,
     Child,
     RestartPolicy,
     Supervisor,
@@ -102,8 +104,6 @@ from .local_supervise import (
 from .state import LOCAL_JSON, ProxySettings, build_local_json, write_local_json
 
 SIGNER_POLL_TIMEOUT = 2.0  # one /healthz attempt while the signer starts
-REPLICA_RESTART = RestartPolicy(delay=1.0, limit=5, window=60.0)
-AGENT_RESTART_DELAY = 5.0
 HAPROXY_CONFIG = "haproxy.cfg"  # in the state folder
 TINYPROXY_CONFIG = "tinyproxy.conf"
 

@@ -39,6 +39,10 @@ class RestartPolicy:
     window: float = 60.0
 
 
+REPLICA_RESTART = RestartPolicy(delay=1.0, limit=5, window=60.0)
+AGENT_RESTART_DELAY = 5.0  # an agent's cluster is unreachable meanwhile, so not sooner than a replica
+
+
 @dataclass
 class Child:
     name: str

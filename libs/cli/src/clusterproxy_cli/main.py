@@ -53,6 +53,7 @@ from .enroll import add_enroll_command, run_enroll
 from .health import add_health_command, run_health
 from .kubeconfig import add_kubeconfig_command, run_kubeconfig
 from .local_down import add_local_down_command, run_local_down
+from .local_supervise import AGENT_RESTART_DELAY, REPLICA_RESTART
 from .state import DEFAULT_STATE_DIR, LOCAL_JSON, proxy_settings, read_local_json
 
 # --- converters --------------------------------------------------------------------------------------
@@ -140,8 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
              help="this cluster's agent reaches the hub only through a forward proxy: tinyproxy (Debian's "
              "tinyproxy package) on loopback")  # fmt: skip
     add_flag(up, "--agent-restart-delay", env="CLUSTER_PROXY_AGENT_RESTART_DELAY", type=parse_duration,
-             default="5s", help="an agent that dies is started again after this long (its cluster unreachable "
-             "meanwhile); one that dies 5 times within a minute stops everything")  # fmt: skip
+             default=f"{AGENT_RESTART_DELAY:g}s", help="an agent that dies is started again after this long (its "
+             f"cluster unreachable meanwhile); one that dies {REPLICA_RESTART.limit} times within "
+             f"{REPLICA_RESTART.window:g}s stops everything")  # fmt: skip
     add_flag(up, "--haproxy", env="CLUSTER_PROXY_HAPROXY", default="haproxy",
              help="the haproxy program (a name searched on PATH and in /usr/sbin, /sbin, or a path)")  # fmt: skip
     add_flag(up, "--tinyproxy", env="CLUSTER_PROXY_TINYPROXY", default="tinyproxy",
