@@ -269,7 +269,9 @@ async def test_other_requests_are_refused_with_a_reason(method: str, path: str, 
     assert path in response.headers[REASON_HEADER] or method in response.headers[REASON_HEADER]
 
 
-@pytest.mark.parametrize("authority", ["no-port", "host:0", "host:99999", "[::1:443", "a b:80", "::1:443"])
+@pytest.mark.parametrize(
+    "authority", ["no-port", "host:0", "host:99999", "[::1:443", "a b:80", "::1:443", "host:¹", "[::1]:٤٤٣"]
+)
 async def test_malformed_target_is_400(authority: str) -> None:
     agent = make_agent()
     async with hub_side(agent) as hub:

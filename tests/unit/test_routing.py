@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from clusterproxy_protocol.errors import MalformedTarget
@@ -70,6 +70,7 @@ def test_ipv6_authority() -> None:
 
 
 @given(st.text(max_size=40))
+@example("0:¹")  # a digit to str.isdigit, not to int()
 def test_parse_authority_never_crashes(text: str) -> None:
     try:
         host, port = parse_authority(text)

@@ -252,7 +252,7 @@ class NoProxyEntry:
 
 
 def _entry_port(text: str, port_text: str) -> int:
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
         raise InvalidValue(f"NO_PROXY entry {text!r}: the port must be 1-65535, not {port_text!r}")
     return int(port_text)
 

@@ -73,6 +73,6 @@ def split_hostport(text: str) -> tuple[str, str]:
 def parse_authority(text: str) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port`` with a port 1-65535 -> (host without brackets, port)."""
     host, port_text = split_hostport(text)
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise MalformedAddress(f"port must be 1-65535, not {port_text!r}")
+    if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
+        raise MalformedAddress(f"port must be 1-65535, not {port_text!r}")  # isdigit alone: "¹" too
     return host, int(port_text)

@@ -99,7 +99,7 @@ def parse_probe_url(text: str) -> ProbeSpec:
         raise InvalidValue(f"invalid probe URL {text!r}: no user, query or fragment")
     netloc = url.netloc
     host, _, port_text = netloc.rpartition(":") if not netloc.endswith("]") else (netloc, "", "")
-    if not host or (port_text and not port_text.isdigit()):
+    if not host or (port_text and not (port_text.isascii() and port_text.isdigit())):
         host, port_text = netloc, ""
     host = CLUSTER_PLACEHOLDER if host == "cluster-placeholder" else host
     if host != CLUSTER_PLACEHOLDER and not _HOST.match(host):
