@@ -124,6 +124,15 @@ async def test_streams_spread_over_workers_each_agent_holds_both(hub: Hub, pki: 
         text = metrics.decode()
         # summed over the workers, as one process counts: 2 tunnels per cluster, the 20 streams once
         assert 'cluster_proxy_server_agent_tunnels{cluster="cluster1"} 2.0' in text, text
+        # each agent's second dial aimed at the worker it lacked (clusterproxy_protocol.steering):
+        # none reached the worker it held (by the kernel's hash alone, each had 1 chance in 2)
+        assert "cluster_proxy_server_agent_duplicate_dials_total" in text, text
+        duplicates = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("cluster_proxy_server_agent_duplicate_dials_total{")
+        )
+        assert duplicates == 0, text
         opened = sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()

@@ -15,6 +15,8 @@ FAULT_HEADER = "cluster-proxy-fault"
 FAULT_TARGET = "target"
 SERVER_ID_HEADER = "cluster-proxy-server-id"  # on the server's GET /v1/info to an agent
 SERVER_COUNT_HEADER = "cluster-proxy-server-count"
+# A worker of a server with several: "I/N", its index and their count (clusterproxy_protocol.steering)
+SERVER_WORKER_HEADER = "cluster-proxy-server-worker"
 
 # Request headers of the cert-signer's GET /v1/trust-bundle: what the caller's TLS contexts have
 # loaded, recorded for the certificate it authenticates with (a CA rotation waits on these reports).

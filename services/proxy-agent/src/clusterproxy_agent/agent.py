@@ -30,6 +30,7 @@ from clusterproxy_protocol.driver import IncomingRequest, Mux
 from clusterproxy_protocol.errors import TunnelError, clean_reason
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.relay import relay
+from clusterproxy_protocol.steering import parse_worker
 from clusterproxy_protocol.wire import (
     FAULT_HEADER,
     FAULT_TARGET,
@@ -37,6 +38,7 @@ from clusterproxy_protocol.wire import (
     REASON_HEADER,
     SERVER_COUNT_HEADER,
     SERVER_ID_HEADER,
+    SERVER_WORKER_HEADER,
     format_authority,
 )
 
@@ -80,6 +82,7 @@ class ServerIdentity:
     server_id: str | None
     server_count: int | None
     address: str = ""
+    worker: tuple[int, int] | None = None  # (index, workers) when the server runs several workers
 
 
 @dataclass(eq=False)
@@ -263,6 +266,7 @@ class Agent:
         identity = ServerIdentity(
             request.headers.get(SERVER_ID_HEADER),
             _int_or_none(request.headers.get(SERVER_COUNT_HEADER)),
+            worker=parse_worker(request.headers.get(SERVER_WORKER_HEADER)),
         )
         record = self.tunnels.get(request.mux)
         if record is not None:

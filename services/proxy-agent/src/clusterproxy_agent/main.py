@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import trio
 
 from clusterproxy_agent.agent import Agent, AgentConfig, agent_version
+from clusterproxy_agent.aiming import aimed_dial
 from clusterproxy_agent.control import ControlEndpoint, ServiceAccountSettings
 from clusterproxy_agent.egress import EgressPolicy, Rule, parse_rule
 from clusterproxy_agent.replicas import ReplicaSet
@@ -707,7 +708,7 @@ class Service:
             address,
             self.tls,
             settings.server_name,
-            dial=proxy.open if proxy else trio.open_tcp_stream,
+            dial=proxy.open if proxy else aimed_dial(self.agent),
             carrier=carrier,
         )
         return options, opener

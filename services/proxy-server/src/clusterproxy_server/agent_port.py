@@ -19,11 +19,13 @@ from clusterproxy_protocol.core import CANCEL, Role, TunnelSettings
 from clusterproxy_protocol.driver import Mux, limit_reporter, open_mux
 from clusterproxy_protocol.errors import TunnelClosed, TunnelError
 from clusterproxy_protocol.pki import CertRole, agent_identity_from_cert
+from clusterproxy_protocol.steering import format_worker
 from clusterproxy_protocol.wire import (
     INFO_PATH,
     REASON_HEADER,
     SERVER_COUNT_HEADER,
     SERVER_ID_HEADER,
+    SERVER_WORKER_HEADER,
     format_address,
 )
 from clusterproxy_server.handshake import accept_tls
@@ -43,6 +45,7 @@ class AgentPort:
         log: structlog.stdlib.BoundLogger,
         server_id: str,
         server_count: int,
+        worker: tuple[int, int] | None = None,
         handshake_timeout: float,
         keepalive: tuple[float, float],
         tunnel_settings: TunnelSettings,
@@ -54,6 +57,7 @@ class AgentPort:
         self.log = log
         self.server_id = server_id
         self.server_count = server_count
+        self.worker = worker
         self.handshake_timeout = handshake_timeout
         self.keepalive = keepalive
         self.tunnel_settings = tunnel_settings
@@ -115,6 +119,8 @@ class AgentPort:
 
         cert_cluster, cert_agent = identity
         headers = [(SERVER_ID_HEADER, self.server_id), (SERVER_COUNT_HEADER, str(self.server_count))]
+        if self.worker is not None:
+            headers.append((SERVER_WORKER_HEADER, format_worker(*self.worker)))
         try:
             with trio.fail_after(self.handshake_timeout):
                 response = await mux.request("GET", INFO_PATH, headers)

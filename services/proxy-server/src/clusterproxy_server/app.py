@@ -127,6 +127,7 @@ class ProxyServer:
             log=self.log,
             server_id=config.server_id,
             server_count=config.server_count,
+            worker=config.worker,
             handshake_timeout=config.handshake_timeout,
             keepalive=(config.keepalive_interval, config.keepalive_timeout),
             tunnel_settings=config.tunnel,

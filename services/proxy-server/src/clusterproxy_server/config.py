@@ -31,6 +31,7 @@ class ServerConfig:
     admin_listen: tuple[str, int] = ("0.0.0.0", 8092)
     server_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
     server_count: int = 1
+    worker: tuple[int, int] | None = None  # (index, workers) of one of several workers, told to agents
     known_clusters: set[str] = field(default_factory=set)
     dial_timeout: float = 30.0  # the client's wait for its stream to open, a retry included
     agent_answer_timeout: float = 12.0  # one agent's answer to a CONNECT (agents' dial timeout + margin)

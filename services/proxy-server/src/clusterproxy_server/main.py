@@ -457,6 +457,7 @@ def worker_config(config: ServerConfig, args: argparse.Namespace, spec: WorkerSp
         config,
         server_id=spec.server_id,
         server_count=spec.server_count,
+        worker=(spec.index, spec.workers),
         startup_grace=(
             args.startup_grace
             if args.startup_grace is not None

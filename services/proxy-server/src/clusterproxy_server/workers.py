@@ -47,6 +47,7 @@ from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
 from clusterproxy_protocol.renewal_metrics import RenewerCollector
+from clusterproxy_protocol.steering import attach_steering
 from clusterproxy_protocol.wire import format_address
 from clusterproxy_server.config import ServerConfig
 
@@ -260,6 +261,9 @@ class Supervisor:
         try:
             for name, (host, port) in ports.items():
                 self._sockets[name] = reuseport_sockets(host, port, self.count)
+            if self.count > 1:
+                for first_worker_socket in self._sockets["agent"][0]:  # one group per address
+                    attach_steering(first_worker_socket, self.count)
             for _ in range(self.count):
                 admin = socket.socket()
                 self._admin_sockets.append(admin)
