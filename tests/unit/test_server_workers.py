@@ -8,9 +8,13 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
+import structlog.testing
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from clusterproxy_server import workers as workers_module
+from clusterproxy_server.config import ServerConfig
 from clusterproxy_server.workers import (
     MergedMetrics,
     WorkerSpec,
@@ -104,3 +108,31 @@ def test_default_workers_is_the_affinity_capped_by_the_cgroup_quota(tmp_path: Pa
     cpu_max.write_text("50000 100000\n")
     assert default_workers(cpu_max) == 1
     assert default_workers(tmp_path / "absent") == cores
+
+
+def test_an_agent_port_the_kernel_will_not_steer_is_served_unsteered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(sock: socket.socket, workers: int) -> None:
+        raise PermissionError(1, "Operation not permitted")  # a seccomp policy, say
+
+    monkeypatch.setattr(workers_module, "attach_steering", refuse)
+    config = ServerConfig(
+        ca=tmp_path / "ca.crt",
+        cert=tmp_path / "tls.crt",
+        key=tmp_path / "tls.key",
+        agent_listen=("127.0.0.1", 0),
+        client_listen=("127.0.0.1", 0),
+    )
+    supervisor = workers_module.Supervisor(config, [], 2)
+    with structlog.testing.capture_logs() as logs:
+        supervisor._bind()
+    try:
+        assert [e["event"] for e in logs] == ["agent_port_not_steered"]
+        assert "not permitted" in logs[0]["error"]
+        assert len(supervisor._sockets["agent"]) == 2  # both workers' sockets, listening
+        assert all(sock.getsockname()[1] for group in supervisor._sockets["agent"] for sock in group)
+    finally:
+        supervisor._close_sockets()
+        for sock in supervisor._admin_sockets:
+            sock.close()

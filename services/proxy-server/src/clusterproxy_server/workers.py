@@ -262,8 +262,7 @@ class Supervisor:
             for name, (host, port) in ports.items():
                 self._sockets[name] = reuseport_sockets(host, port, self.count)
             if self.count > 1:
-                for first_worker_socket in self._sockets["agent"][0]:  # one group per address
-                    attach_steering(first_worker_socket, self.count)
+                self._steer_agent_port()
             for _ in range(self.count):
                 admin = socket.socket()
                 self._admin_sockets.append(admin)
@@ -272,6 +271,19 @@ class Supervisor:
         except OSError:
             self._close_sockets()
             raise
+
+    def _steer_agent_port(self) -> None:
+        """Aimed dials (clusterproxy_protocol.steering); without them (a kernel or a seccomp policy
+        that refuses the program) agents find the workers by chance, as before: worth a warning only."""
+        try:
+            for first_worker_socket in self._sockets["agent"][0]:  # one group per address
+                attach_steering(first_worker_socket, self.count)
+        except OSError as exc:
+            self.log.warning(
+                "agent_port_not_steered",
+                error=str(exc),
+                hint="agents find each worker by redialing (HTTP 409 on a worker they hold)",
+            )
 
     def _close_sockets(self) -> None:
         """The parent's copies: after this a worker's drain closes its queue for good."""
