@@ -21,9 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.pki import BenchPKI
-from bench.procs import Proc, free_port
-from bench.systems import Env, Ours, build_loadgen
+from bench.systems import ours_alone
 
 PY_SPY = Path(sys.executable).parent / "py-spy"
 RATE = 200  # samples per second
@@ -80,26 +78,7 @@ def compare(a: Path, work_a: float, b: Path, work_b: float, count: int) -> None:
 def profile(out: Path, workload: list[str], seconds: int, count: int) -> None:
     run = out.parent / f"{out.name}-run"
     run.mkdir(parents=True, exist_ok=True)
-    loadgen = build_loadgen()
-    pki = BenchPKI(run / "pki")
-    target_port = free_port()
-    target = Proc(
-        "target",
-        [str(loadgen), "target", "--listen", f"127.0.0.1:{target_port}"],
-        run / "logs" / "target.log",
-    )
-    env = Env(
-        loadgen=loadgen,
-        run_dir=run,
-        pki=pki,
-        server_cert=pki.server(),
-        client_cert=pki.client(),
-        target_port=target_port,
-    )
-    ours = Ours(env)
-    ours.check()
-    ours.start()
-    try:
+    with ours_alone(run) as (ours, loadgen):
         argv = [str(loadgen), workload[0], *ours.dial_args(), *workload[1:]]
         subprocess.run(argv, capture_output=True, check=True)  # warm-up: TLS, pools, the JIT-less caches
         pids = {"server": ours.server.pid, "agent": ours.agent.pid}
@@ -127,9 +106,6 @@ def profile(out: Path, workload: list[str], seconds: int, count: int) -> None:
         done = subprocess.run(argv, capture_output=True, text=True, check=True)
         for spy in spies:
             spy.wait()
-    finally:
-        ours.stop()
-        target.stop()
     result = json.loads(done.stdout)["result"]
     work, unit = _work(result)
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, (dict, list))}))

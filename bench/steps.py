@@ -26,9 +26,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bench.pki import BenchPKI
-from bench.procs import Proc, free_port
-from bench.systems import Env, Ours, build_loadgen
+from bench.systems import ours_alone
 
 OUT_ENV = "CLUSTER_PROXY_BENCH_STEPS_OUT"
 DUMP_WAIT = 5.0  # seconds for a process to write its counts after SIGUSR2
@@ -129,28 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(folder / "site"), os.environ.get("PYTHONPATH")])
         )
-        loadgen = build_loadgen()
-        pki = BenchPKI(folder / "pki")
-        target_port = free_port()
-        target = Proc(
-            "target", [str(loadgen), "target", "--listen", f"127.0.0.1:{target_port}"], folder / "target.log"
-        )
-        env = Env(
-            loadgen=loadgen,
-            run_dir=folder,
-            pki=pki,
-            server_cert=pki.server(),
-            client_cert=pki.client(),
-            target_port=target_port,
-        )
-        ours = Ours(env)
-        ours.check()
-        ours.start()
-        roles = {
-            "server": (ours.server.pid, "cluster-proxy-server"),
-            "agent": (ours.agent.pid, "cluster-proxy-agent"),
-        }
-        try:
+        with ours_alone(folder) as (ours, loadgen):
+            roles = {
+                "server": (ours.server.pid, "cluster-proxy-server"),
+                "agent": (ours.agent.pid, "cluster-proxy-agent"),
+            }
             connect = [str(loadgen), "connect", *ours.dial_args()]
             subprocess.run([*connect, "--count", "100"], capture_output=True, check=True)
             for pid, _ in roles.values():
@@ -165,9 +146,6 @@ def main(argv: list[str] | None = None) -> int:
             counts = {
                 role: read_counts(Path(f"{out}-{program}.txt"), 2) for role, (_, program) in roles.items()
             }
-        finally:
-            ours.stop()
-            target.stop()
     result = json.loads(done.stdout)["result"]
     streams = result.get("ok", 0)
     print(f"{streams} new streams, first byte p50 {result['first_byte']['p50_ms']} ms")

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -678,3 +679,32 @@ def build_loadgen() -> Path:
     if out.returncode != 0:
         raise RuntimeError(f"loadgen build failed:\n{out.stderr}")
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def ours_alone(run_dir: Path) -> Iterator[tuple[Ours, Path]]:
+    """Ours (the bench's certificates, one worker, one agent) and a loadgen target, started for a tool
+    that drives one workload itself (``bench.profile``, ``bench.steps``): (ours, the loadgen binary);
+    both stopped at the end."""
+    loadgen = build_loadgen()
+    pki = BenchPKI(run_dir / "pki")
+    target_port = free_port()
+    env = Env(
+        loadgen=loadgen,
+        run_dir=run_dir,
+        pki=pki,
+        server_cert=pki.server(),
+        client_cert=pki.client(),
+        target_port=target_port,
+    )
+    target = Proc(
+        "target", [str(loadgen), "target", "--listen", f"127.0.0.1:{target_port}"], env.log_dir / "target.log"
+    )
+    ours = Ours(env)
+    try:
+        ours.check()
+        ours.start()
+        yield ours, loadgen
+    finally:
+        ours.stop()
+        target.stop()
