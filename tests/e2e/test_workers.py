@@ -37,6 +37,11 @@ def admin_json(hub: Hub, path: str) -> Any:
     return json.loads(body)
 
 
+def labelled_total(metrics: str, name: str) -> float:
+    """The sum of a labelled metric's samples in a /metrics text."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{"))
+
+
 def worker_ids(hub: Hub) -> list[str]:
     return [w["server_id"] for w in admin_json(hub, "/api/v1/workers")]
 
@@ -127,17 +132,8 @@ async def test_streams_spread_over_workers_each_agent_holds_both(hub: Hub, pki: 
         # each agent's second dial aimed at the worker it lacked (clusterproxy_protocol.steering):
         # none reached the worker it held (by the kernel's hash alone, each had 1 chance in 2)
         assert "cluster_proxy_server_agent_duplicate_dials_total" in text, text
-        duplicates = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("cluster_proxy_server_agent_duplicate_dials_total{")
-        )
-        assert duplicates == 0, text
-        opened = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("cluster_proxy_server_streams_total{")
-        )
+        assert labelled_total(text, "cluster_proxy_server_agent_duplicate_dials_total") == 0, text
+        opened = labelled_total(text, "cluster_proxy_server_streams_total")
         assert opened == sum(after), text
         assert http_get(f"http://127.0.0.1:{hub.admin_port}/readyz") == (200, b"ready\n")
 
