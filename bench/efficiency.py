@@ -1,5 +1,6 @@
 """CPU-seconds per unit of work (issue 17, point 3): per GiB moved (bulk), per 1,000 new streams
-(connect) and per 1,000 requests (rr), for the server, the agent and the two together.
+(connect: one at a time; idle: opened 64 at a time, the busiest a server gets from new connections)
+and per 1,000 requests (rr), for the server, the agent and the two together.
 
 The CPU-seconds are the deltas of each process's utime+stime (/proc/PID/stat, a server's
 ``--workers`` children counted as the server) between just before a loadgen client starts and just
@@ -15,7 +16,7 @@ from collections.abc import Iterable
 GIB = 1 << 30
 ROLES = ("server+agent", "server", "agent")
 # workload -> the unit of work, as it reads in a column heading
-UNITS = {"bulk": "GiB", "connect": "1,000 connects", "rr": "1,000 requests"}
+UNITS = {"bulk": "GiB", "connect": "1,000 connects", "idle": "1,000 streams opened", "rr": "1,000 requests"}
 
 
 def cpu_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -40,6 +41,8 @@ def work_units(workload: str, raw: dict) -> float | None:
         done = raw.get("bytes", 0) / GIB
     elif workload == "connect":
         done = raw.get("ok", 0) / 1000
+    elif workload == "idle":
+        done = raw.get("established", 0) / 1000
     elif workload == "rr":
         done = raw.get("completed", 0) / 1000
     else:
@@ -125,9 +128,10 @@ def markdown(records: list[dict], a: str = "ours", b: str = "upstream") -> list[
         "",
         "Server and agent CPU time (utime+stime from /proc/PID/stat, a server's worker processes",
         "included) used while one loadgen client ran, divided by what that client moved (bulk: GiB",
-        "received by the far end), opened (connect: new streams answered) or completed (rr: 1 KiB",
-        "requests answered). The interval includes the client's own tunnel setup (rr: its 16",
-        "streams), so the connect cost is also inside the rr figure, a few percent of it at 500 req/s.",
+        "received by the far end), opened (connect: new streams answered, one at a time; idle: streams",
+        "opened 64 at a time, counted until the last is open) or completed (rr: 1 KiB requests",
+        "answered). The interval includes the client's own tunnel setup (rr: its 16 streams), so the",
+        "connect cost is also inside the rr figure, a few percent of it at 500 req/s.",
         "",
         f"| workload | variant | unit | {a} server+agent | {b} server+agent | {a}/{b} "
         f"| {a} server | {b} server | {a} agent | {b} agent |",

@@ -53,7 +53,7 @@ def _work(result: dict) -> tuple[float, str]:
         return result["bytes"] * 8 / 1e9, "Gbit"
     if "completed" in result:
         return result["completed"] / 1000, "1,000 requests"
-    return result.get("ok", 0) / 1000, "1,000 new streams"
+    return result.get("ok", result.get("established", 0)) / 1000, "1,000 new streams"  # connect, idle
 
 
 def _top(path: Path, count: int) -> None:

@@ -370,7 +370,9 @@ class Runner:
             "--max-time",
             f"{st.idle_max_time}s",
         ]
+        before = self._cpu_snapshot(s)
         p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        opened: dict[str, float] = {}  # CPU snapshot when the last stream is open
         loaded: dict[str, int] = {}
         stderr_tail: list[str] = []
         assert p.stderr is not None and p.stdout is not None
@@ -378,6 +380,7 @@ class Runner:
             for line in p.stderr:
                 stderr_tail = [*stderr_tail[-20:], line]
                 if '"ready"' in line:
+                    opened = self._cpu_snapshot(s)
                     time.sleep(1.0 + st.idle_hold / 2)
                     loaded = {role: pr.rss_kib() for role, pr in procs.items()}
             out = p.stdout.read()
@@ -400,7 +403,8 @@ class Runner:
             **per,
             "open_per_s": r["open_per_s"],
         }
-        self.record("idle", f"{level}", s, 0, m, rss_base_kib=base, rss_loaded_kib=loaded, raw=r)
+        cpu_s = efficiency.cpu_deltas(before, opened) if opened else {}
+        self.record("idle", f"{level}", s, 0, m, cpu_s=cpu_s, rss_base_kib=base, rss_loaded_kib=loaded, raw=r)
 
     def fanin(self) -> None:
         st = self.settings

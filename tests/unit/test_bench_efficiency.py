@@ -1,4 +1,5 @@
-"""bench.efficiency: CPU-seconds per GiB, per 1,000 connects and per 1,000 requests."""
+"""bench.efficiency: CPU-seconds per GiB, per 1,000 connects, per 1,000 streams opened and per 1,000
+requests."""
 
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ def test_connect_cost_is_per_thousand_streams_answered_not_attempted() -> None:
     assert per == pytest.approx({"server+agent": 7.5, "server": 5.0, "agent": 2.5})
 
 
+def test_idle_cost_is_per_thousand_streams_established_not_requested() -> None:
+    # 10,000 asked for, 8,000 open when the client said ready; 40 s of server, 12 of agent
+    raw = {"requested": 10000, "established": 8000, "alive": 7990, "open_per_s": 200.0}
+    per = efficiency.cpu_per_unit("idle", raw, {"server": 40.0, "agent": 12.0})
+    assert per == pytest.approx({"server+agent": 6.5, "server": 5.0, "agent": 1.5})
+
+
 def test_rr_cost_is_per_thousand_requests_completed_not_scheduled() -> None:
     # saturated: 20,000 scheduled, 13,980 completed
     raw = {"scheduled": 20000, "completed": 13980, "achieved_rps": 3495}
@@ -58,7 +66,8 @@ def test_rr_cost_is_per_thousand_requests_completed_not_scheduled() -> None:
 def test_no_work_done_gives_no_figure_rather_than_a_division_by_zero() -> None:
     assert efficiency.cpu_per_unit("bulk", {"bytes": 0}, {"server": 1.0, "agent": 1.0}) == {}
     assert efficiency.cpu_per_unit("connect", {"ok": 0}, {"server": 1.0, "agent": 1.0}) == {}
-    assert efficiency.cpu_per_unit("idle", {"bytes": 5}, {"server": 1.0}) == {}
+    assert efficiency.cpu_per_unit("idle", {"established": 0}, {"server": 1.0}) == {}
+    assert efficiency.cpu_per_unit("hol", {"bytes": 5}, {"server": 1.0}) == {}
 
 
 def test_server_plus_agent_needs_both_processes_measured() -> None:

@@ -24,3 +24,4 @@ def test_the_work_of_a_run_is_its_bytes_its_answers_or_its_streams() -> None:
     assert _work({"bytes": 1_250_000_000, "mbit_s": 1000.0}) == (10.0, "Gbit")
     assert _work({"completed": 4500, "achieved_rps": 500.0}) == (4.5, "1,000 requests")
     assert _work({"ok": 250}) == (0.25, "1,000 new streams")
+    assert _work({"requested": 3000, "established": 2900, "alive": 2900}) == (2.9, "1,000 new streams")
