@@ -1,9 +1,10 @@
 """What one TLS 1.3 handshake costs the server, in CPython's ``ssl`` (OpenSSL) alone.
 
-    python -m bench.handshake [--count 300] [--pki DIR]
+    python -m bench.handshake [--count 300] [--pki DIR] [--keys p256,ed25519,rsa2048]
 
 Both ends run in this process over memory BIOs (no sockets, no event loop), with the bench's
-certificates (ECDSA P-256); only the server's calls are timed. Three server set-ups: OpenSSL's
+certificates (ECDSA P-256; ``--keys`` times other key types too, every key of the PKI, the CA's
+included, of that type); only the server's calls are timed. Three server set-ups: OpenSSL's
 default (two session tickets after the handshake), no tickets (what our servers use since issue 17),
 and no tickets without asking for a client certificate (what the client certificate's verification
 costs). Prints the mean milliseconds per handshake of each.
@@ -23,6 +24,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+# bench.pki's key types (named here too: a python3 without cryptography times a kept --pki folder)
+KEY_NAMES = {"p256": "ECDSA P-256", "ed25519": "Ed25519", "rsa2048": "RSA 2048"}
 ROUNDS = 10  # flights back and forth: a TLS 1.3 handshake needs 2, the tickets and data one more
 
 
@@ -32,12 +35,12 @@ class Certificates(NamedTuple):
     folder: Path
 
     @classmethod
-    def in_folder(cls, folder: Path) -> Certificates:
-        """The certificates in ``folder``, issued there first when it has none."""
+    def in_folder(cls, folder: Path, key: str = "p256") -> Certificates:
+        """The certificates in ``folder``, issued there first (with ``key`` keys) when it has none."""
         if not (folder / "ca.crt").exists():
             from bench.pki import BenchPKI  # needs cryptography: only to issue
 
-            pki = BenchPKI(folder)
+            pki = BenchPKI(folder, key=key)
             pki.server()
             pki.client()
         return cls(folder)
@@ -98,23 +101,35 @@ def main() -> None:
     )
     parser.add_argument("--count", type=int, default=300, help="handshakes per set-up")
     parser.add_argument("--pki", type=Path, help="keep the certificates in this folder (reuse them if there)")
+    parser.add_argument(
+        "--keys",
+        default="p256",
+        help="comma-separated key types to time (p256, ed25519, rsa2048); each but p256 in its own "
+        "subfolder of --pki",
+    )
     args = parser.parse_args()
     if args.count < 1:
         parser.error("--count must be at least 1")
+    keys = args.keys.split(",")
+    unknown = [k for k in keys if k not in KEY_NAMES]
+    if unknown:
+        parser.error(f"unknown key types {unknown}; known: {', '.join(KEY_NAMES)}")
     with tempfile.TemporaryDirectory() as scratch:
-        if args.pki is not None:
-            args.pki.mkdir(parents=True, exist_ok=True)
-        certificates = Certificates.in_folder(args.pki or Path(scratch))
-        print(f"{ssl.OPENSSL_VERSION}; ECDSA P-256; mean server CPU per handshake over {args.count}")
-        for label, tickets, verify in (
-            ("OpenSSL's default (2 tickets), client certificate verified", True, True),
-            ("no tickets (ours), client certificate verified", False, True),
-            ("no tickets, no client certificate asked", False, False),
-        ):
-            server_ctx, client_ctx = _contexts(certificates, tickets=tickets, verify_client=verify)
-            server_seconds(server_ctx, client_ctx)  # warm-up
-            total = sum(server_seconds(server_ctx, client_ctx) for _ in range(args.count))
-            print(f"{1000 * total / args.count:6.3f} ms  {label}")
+        root = args.pki or Path(scratch)
+        print(f"{ssl.OPENSSL_VERSION}; mean server CPU per handshake over {args.count}")
+        for key in keys:
+            folder = root if key == "p256" else root / key
+            folder.mkdir(parents=True, exist_ok=True)
+            certificates = Certificates.in_folder(folder, key)
+            for label, tickets, verify in (
+                ("OpenSSL's default (2 tickets), client certificate verified", True, True),
+                ("no tickets (ours), client certificate verified", False, True),
+                ("no tickets, no client certificate asked", False, False),
+            ):
+                server_ctx, client_ctx = _contexts(certificates, tickets=tickets, verify_client=verify)
+                server_seconds(server_ctx, client_ctx)  # warm-up
+                total = sum(server_seconds(server_ctx, client_ctx) for _ in range(args.count))
+                print(f"{1000 * total / args.count:6.3f} ms  {KEY_NAMES[key]:10s} {label}")
 
 
 if __name__ == "__main__":

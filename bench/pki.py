@@ -1,4 +1,4 @@
-"""A throw-away PKI for one benchmark run (ECDSA P-256, one CA, short-lived leaves).
+"""A throw-away PKI for one benchmark run (one CA, short-lived leaves; ECDSA P-256 unless told).
 
 Kept inside bench/ on purpose: the benchmarks must not depend on the code they measure.
 """
@@ -12,7 +12,8 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 
@@ -28,6 +29,18 @@ SERVER_ROLE_URI = "cluster-proxy://hub/server"
 CLIENT_ROLE_URI = "cluster-proxy://hub/client"
 
 
+# The key types a PKI can be issued with (every key of it, the CA's too): the bench's own is "p256".
+KEY_TYPES = {
+    "p256": lambda: ec.generate_private_key(ec.SECP256R1()),
+    "ed25519": ed25519.Ed25519PrivateKey.generate,
+    "rsa2048": lambda: rsa.generate_private_key(public_exponent=65537, key_size=2048),
+}
+
+
+def _digest(signer: CertificateIssuerPrivateKeyTypes) -> hashes.SHA256 | None:
+    return None if isinstance(signer, ed25519.Ed25519PrivateKey) else hashes.SHA256()  # Ed25519 hashes itself
+
+
 def agent_uri(cluster: str, agent_id: str) -> str:
     """The URI SAN our proxy-server reads an agent's identity from."""
     return f"cluster-proxy://cluster/{cluster}/agent/{agent_id}"
@@ -36,11 +49,14 @@ def agent_uri(cluster: str, agent_id: str) -> str:
 class BenchPKI:
     """Issues certificates into `folder`: ca.crt, server.{crt,key}, client.{crt,key}, agents."""
 
-    def __init__(self, folder: Path, days: int = 2) -> None:
+    def __init__(self, folder: Path, days: int = 2, key: str = "p256") -> None:
+        if key not in KEY_TYPES:
+            raise ValueError(f"unknown key type {key!r}; known: {', '.join(KEY_TYPES)}")
         self.folder = folder
         self.folder.mkdir(parents=True, exist_ok=True)
         self._lifetime = dt.timedelta(days=days)
-        self._ca_key = ec.generate_private_key(ec.SECP256R1())
+        self._new_key = KEY_TYPES[key]
+        self._ca_key = self._new_key()
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "cluster-proxy bench CA")])
         now = dt.datetime.now(dt.UTC)
         self._ca_cert = (
@@ -69,7 +85,7 @@ class BenchPKI:
             .add_extension(
                 x509.SubjectKeyIdentifier.from_public_key(self._ca_key.public_key()), critical=False
             )
-            .sign(self._ca_key, hashes.SHA256())
+            .sign(self._ca_key, _digest(self._ca_key))
         )
         self.ca = folder / "ca.crt"
         self.ca.write_bytes(self._ca_cert.public_bytes(serialization.Encoding.PEM))
@@ -85,7 +101,7 @@ class BenchPKI:
         ips: tuple[str, ...] = (),
         uris: tuple[str, ...] = (),
     ) -> CertFiles:
-        key = ec.generate_private_key(ec.SECP256R1())
+        key = self._new_key()
         now = dt.datetime.now(dt.UTC)
         usages = []
         if server:
@@ -125,7 +141,7 @@ class BenchPKI:
         sans += [x509.UniformResourceIdentifier(u) for u in uris]
         if sans:
             builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        cert = builder.sign(self._ca_key, hashes.SHA256())
+        cert = builder.sign(self._ca_key, _digest(self._ca_key))
         files = CertFiles(self.folder / f"{name}.crt", self.folder / f"{name}.key")
         files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         files.key.write_bytes(
