@@ -22,8 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.pki import BenchPKI
-from bench.systems import Env, FaninHandle, Ours, build_loadgen, free_port
+from bench.systems import FaninHandle, Ours, tool_env
 
 _TUNNELS = re.compile(r"^cluster_proxy_server_agent_tunnels\{[^}]*\} (\S+)$", re.MULTILINE)
 
@@ -77,17 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.agents < 1 or args.interval <= 0:
         parser.error("--agents takes a number >= 1 and --interval one > 0")
     with tempfile.TemporaryDirectory(prefix="bench-registration-") as scratch:
-        run_dir = Path(scratch)
-        loadgen = build_loadgen()
-        pki = BenchPKI(run_dir / "pki")
-        env = Env(
-            loadgen=loadgen,
-            run_dir=run_dir,
-            pki=pki,
-            server_cert=pki.server(),
-            client_cert=pki.client(),
-            target_port=free_port(),  # nothing listens there: no client dials through
-        )
+        env = tool_env(Path(scratch))  # its target is never started: no client dials through
         ours = Ours(env)
         ours.check()
         handle = ours.start_fanin(args.agents, "registration")

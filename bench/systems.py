@@ -681,30 +681,36 @@ def build_loadgen() -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
+def tool_env(run_dir: Path) -> Env:
+    """The bench's set-up for a tool that drives ours itself: the loadgen built, certificates issued
+    into ``run_dir``, a free port for the loadgen target (not started)."""
+    pki = BenchPKI(run_dir / "pki")
+    return Env(
+        loadgen=build_loadgen(),
+        run_dir=run_dir,
+        pki=pki,
+        server_cert=pki.server(),
+        client_cert=pki.client(),
+        target_port=free_port(),
+    )
+
+
 @contextlib.contextmanager
 def ours_alone(run_dir: Path) -> Iterator[tuple[Ours, Path]]:
     """Ours (the bench's certificates, one worker, one agent) and a loadgen target, started for a tool
     that drives one workload itself (``bench.profile``, ``bench.steps``): (ours, the loadgen binary);
     both stopped at the end."""
-    loadgen = build_loadgen()
-    pki = BenchPKI(run_dir / "pki")
-    target_port = free_port()
-    env = Env(
-        loadgen=loadgen,
-        run_dir=run_dir,
-        pki=pki,
-        server_cert=pki.server(),
-        client_cert=pki.client(),
-        target_port=target_port,
-    )
+    env = tool_env(run_dir)
     target = Proc(
-        "target", [str(loadgen), "target", "--listen", f"127.0.0.1:{target_port}"], env.log_dir / "target.log"
+        "target",
+        [str(env.loadgen), "target", "--listen", f"127.0.0.1:{env.target_port}"],
+        env.log_dir / "target.log",
     )
     ours = Ours(env)
     try:
         ours.check()
         ours.start()
-        yield ours, loadgen
+        yield ours, env.loadgen
     finally:
         ours.stop()
         target.stop()
