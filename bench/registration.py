@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import tempfile
 import time
 import urllib.request
@@ -52,7 +53,7 @@ def until_registered(ours: Ours, handle: FaninHandle, interval: float, timeout: 
         if held >= handle.n:
             break
         if elapsed > timeout:
-            raise TimeoutError(f"{held} of {handle.n} agents registered after {timeout:.0f} s")
+            raise TimeoutError(f"{held} of {handle.n} agents registered after {timeout:g} s")
         time.sleep(interval)
     server, agents = (after - before for after, before in zip(_cpu_seconds(handle), cpu, strict=True))
     return {"first_s": first or elapsed, "all_s": elapsed, "server_cpu_s": server, "agents_cpu_s": agents}
@@ -85,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
             started = until_registered(ours, handle, args.interval, args.timeout)
             handle.restart_server()  # returns once the new server listens
             restarted = until_registered(ours, handle, args.interval, args.timeout)
+        except TimeoutError as exc:
+            print(f"bench.registration: {exc}", file=sys.stderr)
+            return 1
         finally:
             handle.stop()
     print(f"{args.agents} agents in one fleet process, one server worker, no client probing:")
