@@ -29,7 +29,7 @@ from urllib.parse import unquote, urlsplit
 import h11
 
 from clusterproxy_protocol.config import InvalidValue
-from clusterproxy_protocol.wire import format_authority
+from clusterproxy_protocol.wire import format_authority, port_number
 
 __all__ = [
     "HTTPS_PROXY_VARIABLES",
@@ -252,9 +252,10 @@ class NoProxyEntry:
 
 
 def _entry_port(text: str, port_text: str) -> int:
-    if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
+    port = port_number(port_text)
+    if port is None:
         raise InvalidValue(f"NO_PROXY entry {text!r}: the port must be 1-65535, not {port_text!r}")
-    return int(port_text)
+    return port
 
 
 @dataclass(frozen=True)

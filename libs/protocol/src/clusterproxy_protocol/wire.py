@@ -72,9 +72,19 @@ def split_hostport(text: str) -> tuple[str, str]:
     return host, port_text
 
 
+def port_number(text: str) -> int | None:
+    """``text`` as a TCP port 1-65535, or None. ASCII digits only: ``str.isdigit`` alone takes "¹"
+    too, which ``int`` then refuses."""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    port = int(text)
+    return port if 0 < port < 65536 else None
+
+
 def parse_authority(text: str) -> tuple[str, int]:
     """``host:port`` or ``[v6]:port`` with a port 1-65535 -> (host without brackets, port)."""
     host, port_text = split_hostport(text)
-    if not (port_text.isascii() and port_text.isdigit()) or not 0 < int(port_text) < 65536:
-        raise MalformedAddress(f"port must be 1-65535, not {port_text!r}")  # isdigit alone: "¹" too
-    return host, int(port_text)
+    port = port_number(port_text)
+    if port is None:
+        raise MalformedAddress(f"port must be 1-65535, not {port_text!r}")
+    return host, port

@@ -27,7 +27,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from clusterproxy_protocol.config import InvalidValue
-from clusterproxy_protocol.wire import EXPECTED_HOSTPORT, MalformedAddress, format_authority, split_hostport
+from clusterproxy_protocol.wire import (
+    EXPECTED_HOSTPORT,
+    MalformedAddress,
+    format_authority,
+    port_number,
+    split_hostport,
+)
 
 __all__ = [
     "BUILTIN_DENY",
@@ -111,10 +117,8 @@ def parse_ports(text: str) -> PortRanges:
 
 def _port(text: str) -> int:
     text = text.strip()
-    if not text.isdigit() or not text.isascii():
-        raise ValueError(text)
-    port = int(text)
-    if not 1 <= port <= 65535:
+    port = port_number(text)
+    if port is None:
         raise ValueError(text)
     return port
 
