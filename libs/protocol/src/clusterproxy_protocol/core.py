@@ -45,6 +45,7 @@ import h2.settings
 
 from clusterproxy_protocol import events as ev
 from clusterproxy_protocol.errors import clean_reason
+from clusterproxy_protocol.windows import Budget, next_window
 from clusterproxy_protocol.wire import REASON_HEADER
 from clusterproxy_protocol.workarounds import TunnelH2Connection
 
@@ -72,7 +73,11 @@ class Role(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class TunnelSettings:
-    stream_window: int = 1 << 20
+    stream_window: int = 1 << 20  # the largest receive window a stream is granted
+    # The window a stream starts with (SETTINGS_INITIAL_WINDOW_SIZE); it doubles each time the peer
+    # used it up and the reader emptied the buffer (the stream keeps up), up to ``stream_window``,
+    # as far as the stream's Budget allows. 0: every stream gets ``stream_window`` at once.
+    initial_stream_window: int = 0
     connection_window: int = 32 << 20
     max_frame_size: int = 64 << 10
     max_concurrent_streams: int = 20_000
@@ -89,6 +94,16 @@ class TunnelSettings:
     def __post_init__(self) -> None:
         if not H2_DEFAULT_WINDOW <= self.stream_window <= 2**31 - 1:
             raise ValueError(f"stream window {self.stream_window} outside 65535..2^31-1")
+        if (
+            self.initial_stream_window
+            and not H2_DEFAULT_WINDOW <= self.initial_stream_window <= self.stream_window
+        ):
+            # Below 65535 a peer may send more than we allow on a stream it opens before it read
+            # our SETTINGS (RFC 9113 6.9.2): a flow-control error we would cause ourselves.
+            raise ValueError(
+                f"initial stream window {self.initial_stream_window} outside 65535..{self.stream_window} "
+                "(the stream window)"
+            )
         if not H2_DEFAULT_WINDOW <= self.connection_window <= 2**31 - 1:
             raise ValueError(f"connection window {self.connection_window} outside 65535..2^31-1")
         if not 16384 <= self.max_frame_size <= 16777215:
@@ -104,10 +119,17 @@ class TunnelSettings:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name.replace('_', ' ')} {getattr(self, name)} is negative")
 
+    @property
+    def first_window(self) -> int:
+        return self.initial_stream_window or self.stream_window
+
 
 @dataclass(slots=True)
 class StreamState:
     stream_id: int
+    window: int = 0  # the receive window granted: at most this much is ever buffered
+    budget: Budget | None = None  # charged ``window`` while the stream is known
+    starved: bool = False  # the peer used up the window since it last grew
     chunks: deque[bytes] = field(default_factory=deque)
     buffered: int = 0
     remote_ended: bool = False
@@ -130,9 +152,11 @@ class TunnelCore:
         role: Role,
         settings: TunnelSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
+        budget: Budget | None = None,
     ) -> None:
         self.role = role
         self.settings = settings or TunnelSettings()
+        self.budget = budget  # what the peer's streams' windows are charged to
         self._clock = clock
         config = h2.config.H2Configuration(client_side=role is Role.OPENER, header_encoding="utf-8")
         self._conn = TunnelH2Connection(config=config)
@@ -168,7 +192,7 @@ class TunnelCore:
         self._conn.local_settings = h2.settings.Settings(
             client=self.role is Role.OPENER,
             initial_values={
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: s.stream_window,
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: s.first_window,
                 h2.settings.SettingCodes.MAX_FRAME_SIZE: s.max_frame_size,
                 h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: s.max_concurrent_streams,
                 h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: s.max_header_list_size,
@@ -218,9 +242,15 @@ class TunnelCore:
             return False
         return self._conn.open_outbound_streams < self._conn.remote_settings.max_concurrent_streams
 
-    def open_connect(self, authority: str, headers: list[tuple[str, str]] = ()) -> int:  # type: ignore[assignment]
+    def open_connect(
+        self,
+        authority: str,
+        headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        budget: Budget | None = None,
+    ) -> int:
+        """Open a CONNECT stream; its receive window is charged to ``budget`` (else the connection's)."""
         request = [(":method", "CONNECT"), (":authority", authority), *headers]
-        return self._open(request, end_stream=False)
+        return self._open(request, end_stream=False, budget=budget)
 
     def open_request(
         self,
@@ -243,12 +273,25 @@ class TunnelCore:
             self.end_stream(stream_id)
         return stream_id
 
-    def _open(self, request: list[tuple[str, str]], *, end_stream: bool) -> int:
+    def _open(self, request: list[tuple[str, str]], *, end_stream: bool, budget: Budget | None = None) -> int:
         stream_id = self._conn.get_next_available_stream_id()
         self._conn.send_headers(stream_id, request, end_stream=end_stream)
-        state = StreamState(stream_id, local_ended=end_stream)
-        self._streams[stream_id] = state
+        self._add_stream(stream_id, budget or self.budget, local_ended=end_stream)
         return stream_id
+
+    def _add_stream(
+        self, stream_id: int, budget: Budget | None, *, local_ended: bool = False, remote_ended: bool = False
+    ) -> StreamState:
+        window = self.settings.first_window
+        state = StreamState(stream_id, window, budget, local_ended=local_ended, remote_ended=remote_ended)
+        if budget is not None:
+            budget.take(window)  # promised by our SETTINGS already: charged whatever the budget says
+        self._streams[stream_id] = state
+        return state
+
+    def _forget(self, state: StreamState) -> None:
+        if self._streams.pop(state.stream_id, None) is state and state.budget is not None:
+            state.budget.give(state.window)
 
     # -- acceptor ---------------------------------------------------------------------------------
 
@@ -378,7 +421,7 @@ class TunnelCore:
 
     def _forget_if_finished(self, state: StreamState) -> None:
         if state.finished or self.closed:
-            self._streams.pop(state.stream_id, None)
+            self._forget(state)
 
     def _drop_buffer(self, state: StreamState) -> None:
         if state.buffered:
@@ -387,9 +430,21 @@ class TunnelCore:
 
     def _ack_stream(self, state: StreamState, count: int) -> None:
         state.unacked += count
-        if state.unacked >= self.settings.stream_window // 4 and not state.remote_ended and self._wire_open():
+        if state.remote_ended or not self._wire_open():
+            return
+        growth = 0
+        if state.starved and not state.buffered:
+            # The peer sent as fast as the window let it and the reader took it all: a bigger window
+            # would have kept the peer sending. A reader that stops never empties its buffer, so a
+            # stalled stream keeps the window it had.
+            state.starved = False
+            bigger = next_window(state.window, self.settings.stream_window)
+            if state.budget is None or state.budget.try_take(bigger - state.window):
+                growth = bigger - state.window
+                state.window = bigger
+        if growth or state.unacked >= state.window // 4:
             try:
-                self._conn.increment_flow_control_window(state.unacked, stream_id=state.stream_id)
+                self._conn.increment_flow_control_window(state.unacked + growth, stream_id=state.stream_id)
             except h2.exceptions.StreamClosedError:
                 pass
             state.unacked = 0
@@ -554,7 +609,7 @@ class TunnelCore:
                     self._refuse_stream(sid, self._conn.local_settings.max_concurrent_streams, out)
                     return
                 fields = dict(headers or [])
-                self._streams[sid] = StreamState(sid, remote_ended=ended is not None)
+                self._add_stream(sid, self.budget, remote_ended=ended is not None)
                 out.append(
                     ev.RequestReceived(
                         sid,
@@ -655,6 +710,10 @@ class TunnelCore:
             state.buffered += len(data)
             state.bytes_in += len(data)
             self.bytes_in += len(data)
+            if state.window < self.settings.stream_window and (
+                state.window - state.buffered - state.unacked <= state.window // 8
+            ):
+                state.starved = True  # (almost) no window left: the peer waits for us
             out.append(ev.DataArrived(sid))
 
     def _close_all_streams(self) -> None:
@@ -666,7 +725,7 @@ class TunnelCore:
             if state.reset_code is None:
                 state.reset_code = CANCEL
                 self._drop_buffer(state)
-            del self._streams[state.stream_id]
+            self._forget(state)
 
 
 def error_reply(reason: str) -> tuple[list[tuple[str, str]], bytes]:

@@ -40,6 +40,7 @@ from clusterproxy_protocol.core import (
 from clusterproxy_protocol.errors import TunnelClosed, TunnelError, refusal
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.transport import input_waiting, receive_batch, send_all
+from clusterproxy_protocol.windows import Budget
 from clusterproxy_protocol.wire import REASON_HEADER
 
 _log = get_logger("tunnel")
@@ -363,10 +364,11 @@ class Mux:
         handler: RequestHandler | None,
         received: bytes = b"",
         on_limit: LimitHandler | None = None,
+        budget: Budget | None = None,
     ) -> None:
         self.transport = transport
         self._received = received
-        self.core = TunnelCore(role, settings, clock=trio.current_time)
+        self.core = TunnelCore(role, settings, clock=trio.current_time, budget=budget)
         self._handler = handler
         self._on_limit = on_limit
         self.limits_tripped: dict[str, int] = {}  # limit -> how many times on this connection
@@ -413,10 +415,16 @@ class Mux:
     def accepts_streams(self) -> bool:
         return not self.dead and self.core.can_open_stream()
 
-    async def open_connect(self, authority: str, headers: list[tuple[str, str]] = ()) -> TunnelStream:  # type: ignore[assignment]
-        """Open a CONNECT stream; returns it once the peer answered 200, else raises ConnectRefused."""
+    async def open_connect(
+        self,
+        authority: str,
+        headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        budget: Budget | None = None,
+    ) -> TunnelStream:
+        """Open a CONNECT stream; returns it once the peer answered 200, else raises ConnectRefused.
+        Its receive window is charged to ``budget`` (the client it is opened for), else the connection's."""
         await self._peer_settings()
-        stream = self._open(lambda: self.core.open_connect(authority, list(headers)))
+        stream = self._open(lambda: self.core.open_connect(authority, list(headers), budget))
         try:
             await stream.wait_response()
             if stream.status == 200:
@@ -805,6 +813,7 @@ async def open_mux(
     ping_when_quiet: bool = False,
     received: bytes = b"",
     on_limit: LimitHandler | None = None,
+    budget: Budget | None = None,
 ) -> AsyncIterator[Mux]:
     """Run an HTTP/2 tunnel connection over ``transport`` for the duration of the block.
 
@@ -815,8 +824,9 @@ async def open_mux(
     ``received`` are bytes the caller already read from ``transport`` (to tell the protocol apart);
     they are processed first.
     ``on_limit`` hears of every abuse limit that trips (see the module's docstring).
+    ``budget`` is charged the receive windows of the streams the peer opens (core.TunnelSettings).
     """
-    mux = Mux(transport, role, settings, handler, received, on_limit)
+    mux = Mux(transport, role, settings, handler, received, on_limit, budget)
     async with trio.open_nursery() as nursery:
         await nursery.start(mux.run)
         if keepalive is not None:
