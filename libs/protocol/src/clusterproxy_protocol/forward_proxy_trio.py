@@ -24,7 +24,7 @@ from clusterproxy_protocol.errors import describe_exception
 from clusterproxy_protocol.forward_proxy import ConnectExchange, ForwardProxyError, ProxyURL
 from clusterproxy_protocol.wire import format_authority
 
-__all__ = ["ForwardProxy", "open_tcp_or_proxy"]
+__all__ = ["ForwardProxy", "Prefixed", "open_tcp_or_proxy"]
 
 READ_SIZE = 4096
 
@@ -61,7 +61,7 @@ class ForwardProxy:
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
-        return _Prefixed(early, stream) if early else stream
+        return Prefixed(early, stream) if early else stream
 
     async def _tls(self, tcp: trio.SocketStream) -> trio.SSLStream[trio.SocketStream]:
         proxy = self.url
@@ -105,9 +105,10 @@ class ForwardProxy:
             ) from exc
 
 
-class _Prefixed(trio.abc.Stream):
-    """``stream`` with ``prefix`` read first: the destination's first bytes, when they came in the same
-    read as the proxy's answer (only for a destination that speaks first; TLS servers do not)."""
+class Prefixed(trio.abc.Stream):
+    """``stream`` with ``prefix`` read first: bytes already read from it (here the destination's first
+    bytes, when they came in the same read as the proxy's answer: only for a destination that speaks
+    first; TLS servers do not)."""
 
     def __init__(self, prefix: bytes, stream: trio.abc.Stream) -> None:
         self._prefix = prefix

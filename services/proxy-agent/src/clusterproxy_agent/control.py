@@ -25,6 +25,7 @@ import h11
 import trio
 
 from clusterproxy_agent.dialer import Connector, Resolver, connect_any, resolve
+from clusterproxy_protocol import request_heads
 from clusterproxy_protocol.agent_control import CONTROL_CLIENT_HEADER, CONTROL_HOST, SERVICEACCOUNT_PATH
 from clusterproxy_protocol.driver import IncomingRequest, TunnelStream
 from clusterproxy_protocol.errors import describe_exception
@@ -276,7 +277,13 @@ class ControlEndpoint:
         head: h11.Request | None = None
         body = bytearray()
         while True:
-            event = connection.next_event()
+            try:
+                event = request_heads.next_event(connection)
+            except h11.RemoteProtocolError as exc:
+                reason = request_heads.malformed_reason(exc)
+                self.log.info("control_request_malformed", client=client, error=reason)
+                await _reply(stream, connection, exc.error_status_hint, {"message": reason})
+                return
             if event is h11.NEED_DATA:
                 data = await stream.receive_some(65536)
                 connection.receive_data(data)
@@ -380,8 +387,9 @@ async def _reply(
             ("Connection", "close"),
         ],
     )
-    if connection.our_state is not h11.SEND_RESPONSE:
-        return  # the client broke the protocol: nothing can be answered
+    if connection.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+        return  # our side has answered or failed: nothing more can be sent
+    # IDLE: h11 refused the request head (their state ERROR); a server may still answer it
     await stream.send_all(
         connection.send(head) + connection.send(h11.Data(data=body)) + connection.send(h11.EndOfMessage())
     )

@@ -11,13 +11,18 @@ identity is its certificate, checked inside; ``X-Forwarded-For`` only names the 
 
 from __future__ import annotations
 
+import h11
 import structlog
 import trio
 from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_stream
 
+from clusterproxy_protocol import request_heads
+from clusterproxy_protocol.forward_proxy_trio import Prefixed
 from clusterproxy_protocol.websocket import MAX_MESSAGE, READ_SIZE, WebSocketStream
 from clusterproxy_protocol.wire import WEBSOCKET_PATH, WEBSOCKET_SUBPROTOCOL, format_address
 from clusterproxy_server.agent_port import AgentPort
+from clusterproxy_server.frontends.connection import send_and_close
+from clusterproxy_server.frontends.http1_messages import MAX_REQUEST_HEAD, error_response
 from clusterproxy_server.metrics import ServerMetrics
 
 PORT = "agent-websocket"  # the label of this port's refusals and limits
@@ -57,8 +62,15 @@ class AgentWebSocketPort:
         counted, logged, answered with a status and the reason)."""
         try:
             with trio.fail_after(self.handshake_timeout):
+                try:
+                    head = await _checked_head(tcp)
+                except h11.RemoteProtocolError as exc:
+                    reason = request_heads.malformed_reason(exc)
+                    self._refused(peer, "malformed request", reason)
+                    await send_and_close(tcp, error_response(exc.error_status_hint, reason))
+                    return None
                 request = await wrap_server_stream(
-                    tasks, tcp, max_message_size=MAX_MESSAGE, receive_buffer_size=READ_SIZE
+                    tasks, Prefixed(head, tcp), max_message_size=MAX_MESSAGE, receive_buffer_size=READ_SIZE
                 )
                 forwarded = _forwarded_for(request)
                 if forwarded:
@@ -81,6 +93,20 @@ class AgentWebSocketPort:
     def _refused(self, peer: str, label: str, reason: str) -> None:
         self.metrics.rejected.labels(PORT, label).inc()
         self.log.info("websocket_upgrade_refused", port=PORT, peer=peer, error=reason)
+
+
+async def _checked_head(tcp: trio.SocketStream) -> bytes:
+    """The bytes read until the upgrade request's head was whole (or the peer closed), once h11 and
+    :mod:`~clusterproxy_protocol.request_heads` accept it; their RemoteProtocolError when they do not.
+    wsproto parses the head again from these bytes, but answers what it cannot parse with a bare 400
+    and no reason: a malformed head is refused here, with its reason, before wsproto sees it."""
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_HEAD)
+    received = bytearray()
+    while request_heads.next_event(conn) is h11.NEED_DATA:
+        data = await tcp.receive_some(READ_SIZE)
+        received += data
+        conn.receive_data(data)  # b"" (the peer closed): h11 ends in ConnectionClosed or an error
+    return bytes(received)
 
 
 def _refusal(request: WebSocketRequest) -> tuple[int, str, str] | None:

@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 import h11
 import trio
 
+from clusterproxy_protocol import request_heads
 from clusterproxy_protocol.errors import STATUS_PHRASES, clean_reason
 from clusterproxy_protocol.wire import REASON_HEADER, format_authority
 
@@ -57,9 +58,9 @@ async def read_request(stream: trio.abc.ReceiveStream, received: bytes = b"") ->
         conn.receive_data(received)
     while True:
         try:
-            event = conn.next_event()
+            event = request_heads.next_event(conn)
         except h11.RemoteProtocolError as exc:
-            raise BadRequest(exc.error_status_hint, f"malformed HTTP request: {exc}") from None
+            raise BadRequest(exc.error_status_hint, request_heads.malformed_reason(exc)) from None
         if event is h11.NEED_DATA:
             data = await stream.receive_some(MAX_REQUEST_HEAD)
             if not data and conn.their_state is h11.IDLE and not conn.trailing_data[0]:
