@@ -23,6 +23,7 @@ import structlog
 import trio
 from cryptography import x509
 
+from clusterproxy_protocol import request_heads
 from clusterproxy_protocol.closing import close_cleanly
 from clusterproxy_protocol.logs import get_logger
 
@@ -147,7 +148,7 @@ class _Connection:
                 head, body = await self._read_request(stream, conn)
             except h11.RemoteProtocolError as exc:
                 response = self.error_response(
-                    exc.error_status_hint, "bad_request", f"malformed HTTP request: {exc}"
+                    exc.error_status_hint, "bad_request", request_heads.malformed_reason(exc)
                 )
             except _Oversized:
                 response = self.error_response(
@@ -195,7 +196,7 @@ class _Connection:
         head: h11.Request | None = None
         body = bytearray()
         while True:
-            event = conn.next_event()
+            event = request_heads.next_event(conn)
             if event is h11.NEED_DATA:
                 data = await stream.receive_some(16 << 10)
                 if not data:
