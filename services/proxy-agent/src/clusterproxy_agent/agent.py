@@ -26,6 +26,7 @@ from clusterproxy_agent.control import ControlEndpoint, is_control_target
 from clusterproxy_agent.dialer import ConnectFailed, Connector, ResolveFailed, Resolver, connect_any, resolve
 from clusterproxy_agent.egress import EgressPolicy, Target, TargetError, normalize_name, parse_target
 from clusterproxy_agent.metrics import AgentMetrics
+from clusterproxy_protocol.closing import reset_if_process_dies
 from clusterproxy_protocol.driver import IncomingRequest, Mux
 from clusterproxy_protocol.errors import TunnelError, clean_reason
 from clusterproxy_protocol.logs import get_logger
@@ -417,6 +418,10 @@ class Agent:
         if stream is None:
             dials.labels("timeout").inc()
             return 504, f"dial to {target} timed out after {_seconds(timeout)} ({phase})", None
+        # A target is often a plain TCP service: it cannot tell the FIN the kernel sends for a killed
+        # agent from the end of an upload. Armed, this socket ends with RST unless the relay ends it
+        # cleanly (closing.close_cleanly); a half-close (send_eof) is a FIN as before.
+        reset_if_process_dies(stream)
         return 0, "", stream
 
 
