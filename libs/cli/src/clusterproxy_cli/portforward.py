@@ -2,7 +2,8 @@
 
 Every accepted local connection becomes one CONNECT stream over a single shared HTTP/2 connection
 to the proxy-server (re-dialed when it dies). A refused CONNECT is logged with its status and reason
-and the local connection is closed.
+and the local connection is reset. Every local connection ends with RST unless its relay ended cleanly,
+also when this process dies (see docs/protocol.md, "Resets that reach the target").
 
 The client certificate files are followed, not loaded once: each dial presents what the files hold
 then, so a port-forward outlives its certificate as long as something renews the files (in local mode
@@ -19,6 +20,7 @@ from typing import Any, TextIO
 
 import trio
 
+from clusterproxy_protocol.closing import reset_if_process_dies
 from clusterproxy_protocol.errors import ConnectRefused, TunnelError
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.relay import relay
@@ -58,6 +60,10 @@ def _format_sockaddr(sockaddr: tuple) -> str:  # type: ignore[type-arg]
 async def _handle(
     pf: PortForward, shared: SharedTunnel, local: trio.SocketStream, log, counter: list[int]
 ) -> None:  # type: ignore[no-untyped-def]
+    # The local client may read a close-delimited answer (HTTP/1.0, a raw TCP protocol): the FIN the
+    # kernel sends for a killed port-forward would end it as if complete. Armed, every close but the
+    # relay's clean one is a RST: this process dying, a refused CONNECT, the tunnel unavailable.
+    reset_if_process_dies(local)
     counter[0] += 1
     conn_id = counter[0]
     try:

@@ -25,6 +25,7 @@ from urllib.parse import unquote
 import h11
 import trio
 
+from clusterproxy_protocol.closing import reset_if_process_dies
 from clusterproxy_protocol.errors import (
     ConnectRefused,
     DialTimeout,
@@ -304,6 +305,11 @@ class ClusterProxy:
         Sec-WebSocket-Accept/-Protocol, X-Stream-Protocol-Version ...), then bytes flow both ways."""
         relayed = [(k, v) for k, v in head.headers if k.lower() not in (b"connection", b"keep-alive")]
         relayed.append((b"Connection", b"Upgrade"))
+        # After the 101 only the connection's end ends the bytes, and the aggregator (Go's TLS) takes a
+        # bare FIN for a clean end: the one the kernel sends for a killed gateway must be a RST instead.
+        # The relay's clean end disarms it (close_notify, then FIN). Ordinary answers need no arming:
+        # their length or chunked framing tells a cut answer.
+        reset_if_process_dies(http.stream)
         await http.send(h11.InformationalResponse(status_code=101, headers=relayed, reason=head.reason))
         # bytes that arrived behind either head are the new protocol's first ones
         from_caller, _ = http.conn.trailing_data
