@@ -6,6 +6,7 @@ import hashlib
 
 import pytest
 
+from clusterproxy_protocol import events as ev
 from clusterproxy_protocol.core import Role, TunnelCore, TunnelSettings
 from clusterproxy_protocol.windows import Budget, next_window
 from tests.support.cores import pump
@@ -165,3 +166,17 @@ def test_a_first_window_outside_its_range_is_refused(first: int) -> None:
 def test_windows_double_up_to_the_largest() -> None:
     assert next_window(FIRST, LARGEST) == 2 * FIRST
     assert next_window(LARGEST // 2 + 1, LARGEST) == LARGEST
+
+
+def test_a_stream_whose_first_window_does_not_fit_the_budget_is_refused_before_any_data() -> None:
+    connection = Budget(3 * FIRST, name="connection")
+    opener, acceptor = wired(GROWING, acceptor_budget=connection)
+    admitted = [open_stream(opener, acceptor) for _ in range(3)]
+    sid = opener.open_connect("target:443")
+    opener.send_data(sid, b"z" * 1000)
+    seen_by_opener, seen_by_acceptor = pump(opener, acceptor)
+    assert [e.limit for e in seen_by_acceptor if isinstance(e, ev.LimitExceeded)] == ["buffer_budget"]
+    assert any(isinstance(e, ev.StreamReset) and e.stream_id == sid for e in seen_by_opener)
+    assert acceptor.stream(sid) is None
+    assert connection.used == 3 * FIRST
+    assert all(acceptor.stream(s) is not None for s in admitted)

@@ -173,6 +173,15 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
 
 
+def format_size(count: int) -> str:
+    """A byte count as :func:`parse_size` reads it back, in the largest binary unit that keeps it whole
+    to a tenth (``64MiB``, ``1.5GiB``, ``900B``)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.1f}".removesuffix(".0") + unit
+    return f"{count}B"
+
+
 def parse_positive_int(text: str | int) -> int:
     """An integer >= 1."""
     try:

@@ -606,7 +606,17 @@ class TunnelCore:
             case h2.events.RequestReceived(stream_id=sid, headers=headers, stream_ended=ended):
                 if sid in self._conn.streams_over_limit:
                     self._conn.streams_over_limit.discard(sid)
-                    self._refuse_stream(sid, self._conn.local_settings.max_concurrent_streams, out)
+                    limit = self._conn.local_settings.max_concurrent_streams
+                    self._refuse_stream(
+                        sid, "concurrent_streams", f"more than {limit} concurrent streams", out
+                    )
+                    return
+                full = self.budget.exhausted(self.settings.first_window) if self.budget is not None else None
+                if full is not None:
+                    # Its first window cannot be granted: the peer's open streams hold the budget with
+                    # data nobody has read yet. Refused before it can send any.
+                    detail = f"stream windows held reach the {full.name or 'connection'} budget ({full.limit} bytes)"
+                    self._refuse_stream(sid, "buffer_budget", detail, out)
                     return
                 fields = dict(headers or [])
                 self._add_stream(sid, self.budget, remote_ended=ended is not None)
@@ -665,13 +675,14 @@ class TunnelCore:
             case h2.events.TrailersReceived(stream_id=sid):
                 pass  # a tunnel stream carries no trailers worth keeping; END_STREAM follows in its own event
 
-    def _refuse_stream(self, sid: int, limit: int, out: list[ev.Event]) -> None:
-        """A stream beyond the concurrent-stream limit: REFUSED_STREAM (the peer may retry it later)."""
+    def _refuse_stream(self, sid: int, limit: str, detail: str, out: list[ev.Event]) -> None:
+        """A stream beyond a limit (concurrent streams, the buffer budget): REFUSED_STREAM (the peer
+        may retry it later)."""
         try:
             self._conn.reset_stream(sid, REFUSED_STREAM)
         except h2.exceptions.StreamClosedError:
             pass  # already closed on the wire: nothing to refuse
-        out.append(ev.LimitExceeded("concurrent_streams", f"more than {limit} concurrent streams", sid))
+        out.append(ev.LimitExceeded(limit, detail, sid))
         if self._settings_acked:  # before that, a peer opening streams at once only raced our SETTINGS
             self._charge_reset(out)
 

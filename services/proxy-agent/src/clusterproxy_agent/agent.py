@@ -27,11 +27,13 @@ from clusterproxy_agent.dialer import ConnectFailed, Connector, ResolveFailed, R
 from clusterproxy_agent.egress import EgressPolicy, Target, TargetError, normalize_name, parse_target
 from clusterproxy_agent.metrics import AgentMetrics
 from clusterproxy_protocol.closing import reset_if_process_dies
+from clusterproxy_protocol.config import format_size
 from clusterproxy_protocol.driver import IncomingRequest, Mux
 from clusterproxy_protocol.errors import TunnelError, clean_reason
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.relay import relay
 from clusterproxy_protocol.steering import parse_worker
+from clusterproxy_protocol.windows import Budget
 from clusterproxy_protocol.wire import (
     FAULT_HEADER,
     FAULT_TARGET,
@@ -74,6 +76,9 @@ class AgentConfig:
     # how long the tunnel already holding a replica gets to answer a PING before a new tunnel to the
     # same replica replaces it (one that answers keeps its place and the new one is closed)
     holder_ping_timeout: float = 5.0
+    # bytes of stream windows (data from the hub its target has not read yet) held for every stream
+    # together: a new stream is refused with 503 beyond it; 0: no bound
+    buffer_budget: int = 256 << 20
 
 
 @dataclass
@@ -133,6 +138,8 @@ class Agent:
         control: ControlEndpoint | None = None,
     ) -> None:
         self.config = config
+        # Every tunnel's streams' receive windows: what targets that stop reading can make us hold.
+        self.buffers = Budget(config.buffer_budget, name="agent")
         self.control = control or ControlEndpoint(config.cluster, config.kube_apiserver, None)
         self._resolve = resolver
         self._connect = connector
@@ -350,6 +357,18 @@ class Agent:
         log = self.log.bind(stream_id=request.stream.stream_id, target=request.authority)
         metrics.open_streams.inc()
         try:
+            # This stream's first window is charged already; refused, with a reason the hub passes
+            # on, when the next would not fit (the tunnel's core would refuse that one with no reason).
+            full = self.buffers.exhausted(request.mux.core.settings.first_window)
+            if full is not None:
+                reason = (
+                    f"agent {self.config.agent_id} holds {format_size(full.used)} of stream windows for "
+                    f"targets that have not read them (--buffer-budget {format_size(full.limit)})"
+                )
+                metrics.dials.labels("buffer_full").inc()
+                log.info("stream_refused", status=503, error=reason)
+                await request.refuse(503, reason)
+                return
             try:
                 target = self.resolve_target(request.authority)
             except TargetError as exc:

@@ -32,6 +32,7 @@ from clusterproxy_protocol.config import (
     InvalidValue,
     add_flag,
     existing_file,
+    format_size,
     parse_args_or_exit,
     parse_count,
     parse_dialable_hostport,
@@ -156,7 +157,9 @@ def _default_agent_id() -> str:
 # The tunnel's abuse limits. No reset budget by default: the only peer is the authenticated hub, which
 # carries every hub client's resets (each client connection has its own budget there); a budget here
 # would let one client's abuse take down the tunnel every client shares.
-TUNNEL = TunnelSettings(stall_timeout=60.0)
+# Stream windows start at 64 KiB and grow while the target keeps up: a target that stops reading pins
+# 64 KiB per stream, not the whole window (charged to --buffer-budget).
+TUNNEL = TunnelSettings(initial_stream_window=64 << 10, stall_timeout=60.0)
 
 
 @dataclass
@@ -189,6 +192,7 @@ class AgentSettings:
     bootstrap_token: str | None = None
     trust_refresh: float = 60.0
     tunnel: TunnelSettings = TUNNEL  # HTTP/2 settings and abuse limits of the tunnel
+    buffer_budget: int = AgentConfig.buffer_budget  # every stream's window together (agent.Agent.buffers)
     # forward proxy for the hub and the signer: flags or HTTPS_PROXY / NO_PROXY (ProxySettings)
     proxy: ProxySettings = field(default_factory=ProxySettings)
     proxy_ca_file: Path | None = None
@@ -494,6 +498,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, how long open streams may take to finish",
     )
     flag(
+        "--buffer-budget",
+        type=parse_size,
+        default=format_size(AgentConfig.buffer_budget),
+        help="bytes of stream windows (data from the hub that targets have not read yet) the agent may "
+        "hold for all streams together; new streams get 503 beyond it; 0: no bound",
+    )
+    flag(
+        "--initial-stream-window",
+        type=parse_size,
+        default=format_size(TUNNEL.initial_stream_window),
+        help="HTTP/2 stream window a stream starts with; it doubles up to 1 MiB while its target keeps up",
+    )
+    flag(
         "--reset-budget",
         type=parse_count,
         default=str(TUNNEL.reset_budget),
@@ -609,6 +626,7 @@ def parse_settings(
     try:
         settings.tunnel = dataclasses.replace(
             TUNNEL,
+            initial_stream_window=args.initial_stream_window,
             reset_budget=args.reset_budget,
             max_reply_backlog=args.max_reply_backlog,
             frame_timeout=args.frame_timeout,
@@ -616,6 +634,7 @@ def parse_settings(
         )
     except ValueError as exc:
         parser.error(str(exc))
+    settings.buffer_budget = args.buffer_budget
     if args.signer:
         settings.signer = args.signer
         settings.bootstrap_token = (args.bootstrap_token or "").strip() or None
@@ -664,6 +683,7 @@ class Service:
                 kube_apiserver=settings.kube_apiserver,
                 dial_timeout=settings.dial_timeout,
                 policy=settings.policy(),
+                buffer_budget=settings.buffer_budget,
             ),
             control=ControlEndpoint(settings.cluster, settings.kube_apiserver, settings.serviceaccounts),
         )

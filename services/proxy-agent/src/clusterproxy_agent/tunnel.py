@@ -314,6 +314,7 @@ class TunnelRunner:
                 keepalive=self.options.keepalive,
                 ping_when_quiet=True,  # the hub PINGs every tunnel; ours only when it has gone quiet
                 on_limit=limit_reporter(self.log, self.agent.metrics.count_limit),
+                budget=self.agent.buffers,
             ) as mux:
                 with self.agent.tunnel(mux, self.options.address) as record:
                     self.record = record

@@ -50,13 +50,14 @@ from clusterproxy_server.authz import ClientIdentity, PolicyFile
 from clusterproxy_server.config import ServerConfig
 from clusterproxy_server.control import ControlAccess
 from clusterproxy_server.ejection import OutlierEjection
-from clusterproxy_server.frontends import FRONTENDS, ClientConnection
+from clusterproxy_server.frontends import FRONTENDS, REFUSALS, ClientConnection
 from clusterproxy_server.frontends.connection import Drain, send_and_close
 from clusterproxy_server.frontends.http1_messages import error_response
 from clusterproxy_server.frontends.sniff import client_protocol
 from clusterproxy_server.handshake import accept_tls
 from clusterproxy_server.metrics import ServerMetrics
 from clusterproxy_server.pending_dials import PendingDials
+from clusterproxy_server.quotas import ClientQuotas, ConnectionQuota, QuotaExceeded
 from clusterproxy_server.registry import Registry
 from clusterproxy_server.relaying import Relayer
 from clusterproxy_server.workers import WorkerSpec, listeners_from_fds
@@ -106,6 +107,7 @@ class ProxyServer:
                 RenewalPolicy(trust_refresh=config.trust_refresh),
             )
             self.metrics.watch_renewer(self.renewer)
+        self.quotas = ClientQuotas(config.quotas, self.metrics, self.log, config.tunnel.first_window)
         self.relayer = Relayer(
             self.registry,
             self.metrics,
@@ -118,6 +120,7 @@ class ProxyServer:
             ),
             startup_grace=config.startup_grace,
             control=ControlAccess(config.control_clients),
+            quotas=self.quotas,
         )
         self.drain = Drain()
         self.agent_port = AgentPort(
@@ -367,17 +370,30 @@ class ProxyServer:
             peer=peer,
             client=client.name,
         )
+        quota: ConnectionQuota | None = None
+        try:
+            quota = self.quotas.open_connection(client)
+        except QuotaExceeded as exc:
+            refusal = exc.reason
         connection = ClientConnection(
             stream,
             client,
             received,
-            self.relayer.connection_proxy(),
+            self.relayer.connection_proxy(quota),
             cfg.handshake_timeout,
             cfg.client_tunnel,
             on_limit,
             self.drain,
+            quota,
         )
-        await FRONTENDS[protocol](connection)
+        if quota is None:
+            self.metrics.rejected.labels("client", "client quota").inc()
+            await REFUSALS[protocol](connection, refusal)
+            return
+        try:
+            await FRONTENDS[protocol](connection)
+        finally:
+            self.quotas.close_connection(quota)
 
 
 async def _handle(handler: Callable[[trio.SocketStream], Awaitable[None]], stream: trio.SocketStream) -> None:

@@ -10,14 +10,22 @@ from pathlib import Path
 from clusterproxy_protocol.core import TunnelSettings
 from clusterproxy_server.control import DEFAULT_CONTROL_CLIENTS
 from clusterproxy_server.ejection import EjectionPolicy
+from clusterproxy_server.quotas import QuotaSettings
 
 # The HTTP/2 abuse limits' defaults (main.py's flags say the same). A client connection gets a few
 # hundred streams and is closed when idle; an agent opens no streams, so a reset budget costs it
 # nothing, and its tunnel is kept up by PINGs, not by streams.
+# Stream windows start at 64 KiB and grow for streams that keep up (clusterproxy_server.quotas): a
+# client that reads nothing pins 64 KiB per stream and direction, not the whole window.
+FIRST_WINDOW = 64 << 10
 CLIENT_TUNNEL = TunnelSettings(
-    max_concurrent_streams=256, reset_budget=500, stall_timeout=60.0, idle_timeout=300.0
+    initial_stream_window=FIRST_WINDOW,
+    max_concurrent_streams=256,
+    reset_budget=500,
+    stall_timeout=60.0,
+    idle_timeout=300.0,
 )
-AGENT_TUNNEL = TunnelSettings(reset_budget=500, stall_timeout=60.0)
+AGENT_TUNNEL = TunnelSettings(initial_stream_window=FIRST_WINDOW, reset_budget=500, stall_timeout=60.0)
 
 
 @dataclass
@@ -38,6 +46,7 @@ class ServerConfig:
     ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
     max_pending_dials_per_connection: int = 128
     max_pending_dials_per_client: int = 512
+    quotas: QuotaSettings = field(default_factory=QuotaSettings)  # per client identity (quotas.py)
     handshake_timeout: float = 10.0
     keepalive_interval: float = 10.0
     keepalive_timeout: float = 20.0

@@ -22,6 +22,7 @@ from clusterproxy_protocol.config import (
     InvalidValue,
     add_flag,
     existing_file,
+    format_size,
     parse_args_or_exit,
     parse_count,
     parse_duration,
@@ -35,8 +36,9 @@ from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_log
 from clusterproxy_protocol.wire import CLUSTER_NAME
 from clusterproxy_server.app import ProxyServer, ServerConfig
 from clusterproxy_server.authz import load_policy
-from clusterproxy_server.config import AGENT_TUNNEL, CLIENT_TUNNEL
+from clusterproxy_server.config import AGENT_TUNNEL, CLIENT_TUNNEL, FIRST_WINDOW
 from clusterproxy_server.ejection import EjectionPolicy
+from clusterproxy_server.quotas import QuotaSettings
 from clusterproxy_server.workers import (
     WORKER_ENV,
     Supervisor,
@@ -69,6 +71,16 @@ def _fraction(text: str) -> float:
         raise InvalidValue(f"invalid fraction {text!r}: expected a number in (0, 1], e.g. 0.5") from None
     if not 0 < value <= 1:
         raise InvalidValue(f"invalid fraction {text!r}: must be greater than 0 and at most 1")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidValue(f"invalid number {text!r}: expected a number >= 0, e.g. 500") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidValue(f"invalid number {text!r}: must be a finite number >= 0")
     return value
 
 
@@ -268,6 +280,51 @@ def build_parser() -> argparse.ArgumentParser:
         help="dials one client identity (certificate subject), over all its connections, may have "
         "waiting for an agent's answer; more get 429",
     )
+    # Per client identity (quotas.py; docs/protocol.md, "Budgets per client"); 0 turns a bound off.
+    flag(
+        "--client-max-connections",
+        type=parse_count,
+        default=str(QuotaSettings.max_connections),
+        help="client connections one identity (certificate subject) may hold; more are refused with 429",
+    )
+    flag(
+        "--client-max-concurrent-streams",
+        type=parse_count,
+        default=str(QuotaSettings.max_streams),
+        help="streams one client identity may have open over all its connections; more get 429",
+    )
+    flag(
+        "--client-stream-rate",
+        type=_non_negative_float,
+        default=f"{QuotaSettings.stream_rate:g}",
+        help="new streams per second one client identity may open (a token bucket of "
+        "--client-stream-burst); more get 429",
+    )
+    flag(
+        "--client-stream-burst",
+        type=parse_count,
+        default=str(QuotaSettings.stream_burst),
+        help="new streams one client identity may open at once before --client-stream-rate applies",
+    )
+    flag(
+        "--client-buffer-budget",
+        type=parse_size,
+        default=format_size(QuotaSettings.buffer),
+        help="bytes of stream windows (data received and not read yet by the other end) the server "
+        "may hold for one client identity; its new streams get 429 beyond it",
+    )
+    flag(
+        "--connection-buffer-budget",
+        type=parse_size,
+        default=format_size(QuotaSettings.connection_buffer),
+        help="the same for one client connection",
+    )
+    flag(
+        "--buffer-budget",
+        type=parse_size,
+        default=format_size(QuotaSettings.process_buffer),
+        help="the same for all clients together; new streams get 503 beyond it",
+    )
     flag(
         "--handshake-timeout",
         type=parse_duration,
@@ -296,7 +353,18 @@ def build_parser() -> argparse.ArgumentParser:
         "(a Kubernetes Service dropping the pod: a few seconds). 0: drain at once (a balancer that "
         "retries a refused connection elsewhere, like haproxy with option redispatch, needs none)",
     )
-    flag("--stream-window", type=parse_size, default="1MiB", help="HTTP/2 stream window")
+    flag(
+        "--stream-window",
+        type=parse_size,
+        default="1MiB",
+        help="largest HTTP/2 stream window a stream grows to while its reader keeps up",
+    )
+    flag(
+        "--initial-stream-window",
+        type=parse_size,
+        default=format_size(FIRST_WINDOW),
+        help="HTTP/2 stream window a stream starts with (65535 .. --stream-window)",
+    )
     flag("--connection-window", type=parse_size, default="32MiB", help="HTTP/2 connection window")
     flag("--max-frame-size", type=parse_size, default="64KiB", help="HTTP/2 max frame size")
     # HTTP/2 abuse limits (docs/protocol.md, "Abuse limits"); defaults as in config.CLIENT_TUNNEL/AGENT_TUNNEL
@@ -350,6 +418,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     try:
         tunnel = TunnelSettings(
             stream_window=args.stream_window,
+            initial_stream_window=args.initial_stream_window,
             connection_window=args.connection_window,
             max_frame_size=args.max_frame_size,
             max_concurrent_streams=AGENT_TUNNEL.max_concurrent_streams,
@@ -360,6 +429,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         )
         client_tunnel = dataclasses.replace(
             tunnel, max_concurrent_streams=args.client_max_streams, idle_timeout=args.client_idle_timeout
+        )
+        quotas = QuotaSettings(
+            max_connections=args.client_max_connections,
+            max_streams=args.client_max_concurrent_streams,
+            stream_rate=args.client_stream_rate,
+            stream_burst=args.client_stream_burst,
+            buffer=args.client_buffer_budget,
+            connection_buffer=args.connection_buffer_budget,
+            process_buffer=args.buffer_budget,
         )
         ejection = EjectionPolicy(
             cooldown=args.ejection_cooldown,
@@ -395,6 +473,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ejection=ejection,
         max_pending_dials_per_connection=args.max_pending_dials_per_connection,
         max_pending_dials_per_client=args.max_pending_dials_per_client,
+        quotas=quotas,
         handshake_timeout=args.handshake_timeout,
         keepalive_interval=args.keepalive_interval,
         keepalive_timeout=args.keepalive_timeout,

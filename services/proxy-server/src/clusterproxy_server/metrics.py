@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from clusterproxy_protocol.renewal_metrics import RenewerCollector, RenewerCounters
 
@@ -93,6 +95,26 @@ class ServerMetrics:
             registry=r,
         )
 
+        self.client_refusals = Counter(
+            "cluster_proxy_server_client_refusals_total",
+            "Client connections and streams refused at a per-identity bound (connections, streams, rate, "
+            "buffer) or at the process's buffer budget (server_buffer), by client common name",
+            ["client", "bound"],
+            registry=r,
+        )
+        self.buffer_bytes = Gauge(
+            "cluster_proxy_server_buffer_bytes",
+            "Bytes of stream windows granted for client streams (the most the server may be made to hold "
+            "for data not read yet), scope process",
+            ["scope"],
+            registry=r,
+        )
+
+    def watch_client_buffers(self, read: Callable[[], dict[str, int]]) -> None:
+        """Export ``read()`` (client common name -> bytes of stream windows held) at each scrape: only
+        the identities connected now, so a client that left leaves no series behind."""
+        self.registry.register(_ClientBuffers(read))
+
     def count_limit(self, port: str) -> Callable[[str], None]:
         """Count an HTTP/2 abuse limit that tripped on a connection of ``port`` (client or agent)."""
         return lambda limit: self.http2_limits.labels(port, limit).inc()
@@ -100,3 +122,18 @@ class ServerMetrics:
     def watch_renewer(self, renewer: RenewerCounters) -> None:
         """Export a :class:`~clusterproxy_protocol.reloader.CertRenewer`'s counters."""
         self.registry.register(RenewerCollector(renewer, "cluster_proxy_server_"))
+
+
+class _ClientBuffers(Collector):
+    def __init__(self, read: Callable[[], dict[str, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "cluster_proxy_server_client_buffer_bytes",
+            "Bytes of stream windows granted for one client identity's streams, by client common name",
+            labels=["client"],
+        )
+        for client, used in sorted(self._read().items()):
+            family.add_metric([client], used)
+        return [family]

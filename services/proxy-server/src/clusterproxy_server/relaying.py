@@ -13,6 +13,7 @@ register rather than being refused at once, within the client's dial timeout.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Awaitable, Callable, Mapping
@@ -33,11 +34,13 @@ from clusterproxy_protocol.errors import (
     UnknownCluster,
 )
 from clusterproxy_protocol.relay import relay
+from clusterproxy_protocol.windows import Budget
 from clusterproxy_protocol.wire import FAULT_HEADER, FAULT_TARGET
 from clusterproxy_server.authz import ClientIdentity, PolicyFile
 from clusterproxy_server.control import ControlAccess
 from clusterproxy_server.metrics import ServerMetrics
 from clusterproxy_server.pending_dials import ConnectionDials, PendingDials, ScopedTooManyRequests
+from clusterproxy_server.quotas import ClientQuotas, ConnectionQuota
 from clusterproxy_server.registry import AgentTunnel, Registry
 from clusterproxy_server.routing import Route, may_name_unknown_cluster, resolve
 
@@ -87,8 +90,10 @@ class Relayer:
         pending: PendingDials | None = None,
         startup_grace: float = 0.0,
         control: ControlAccess | None = None,
+        quotas: ClientQuotas | None = None,
     ) -> None:
         self.registry = registry
+        self.quotas = quotas
         self.control = control or ControlAccess()
         self.metrics = metrics
         self.policy = policy
@@ -120,23 +125,44 @@ class Relayer:
         """Until no stream is being relayed."""
         await self._idle.wait()
 
-    def connection_proxy(self) -> Callable[[ClientRequest], Awaitable[None]]:
-        """:meth:`proxy` for the requests of one client connection (its pending dials counted together)."""
-        return functools.partial(self.proxy, connection=ConnectionDials())
+    def connection_proxy(
+        self, quota: ConnectionQuota | None = None
+    ) -> Callable[[ClientRequest], Awaitable[None]]:
+        """:meth:`proxy` for the requests of one client connection (its pending dials counted together,
+        its streams within ``quota``)."""
+        return functools.partial(self.proxy, connection=ConnectionDials(), quota=quota)
 
-    async def proxy(self, request: ClientRequest, connection: ConnectionDials | None = None) -> None:
+    async def proxy(
+        self,
+        request: ClientRequest,
+        connection: ConnectionDials | None = None,
+        quota: ConnectionQuota | None = None,
+    ) -> None:
+        with contextlib.ExitStack() as held:
+            await self._proxy(request, connection, quota, held)
+
+    async def _proxy(
+        self,
+        request: ClientRequest,
+        connection: ConnectionDials | None,
+        quota: ConnectionQuota | None,
+        held: contextlib.ExitStack,
+    ) -> None:
         log = self.log.bind(frontend=request.frontend, client=request.client.name, target=request.authority)
         deadline = trio.current_time() + self.dial_timeout
         try:
             route = await self._route(request, deadline)
             log = log.bind(cluster=route.cluster)
             self._authorize(request.client, route.cluster)
+            if quota is not None and self.quotas is not None:
+                held.enter_context(self.quotas.stream(quota))  # counted until the stream ends
             marks = self.control.headers_for(request.client, route.authority, route.cluster)
             with self.pending.hold(connection or ConnectionDials(), request.client.describe()):
                 self.metrics.pending_dials.inc()
                 try:
                     with self.metrics.dial_seconds.time():
-                        upstream, tunnel = await self._dial(route, log, deadline, marks)
+                        budget = quota.budget if quota is not None else None
+                        upstream, tunnel = await self._dial(route, log, deadline, marks, budget)
                 finally:
                     self.metrics.pending_dials.dec()
         except ConnectRefused as exc:
@@ -208,6 +234,7 @@ class Relayer:
         log: structlog.stdlib.BoundLogger,
         deadline: float,
         headers: list[tuple[str, str]] | None = None,
+        budget: Budget | None = None,
     ) -> tuple[TunnelStream, AgentTunnel]:
         """Open the stream on the least-loaded tunnel in routing. A tunnel that dies meanwhile makes us
         try the next; an agent that fails by itself (:func:`agent_fault`, or no answer within the agent
@@ -235,7 +262,9 @@ class Relayer:
             wait = min(self.agent_answer_timeout, deadline - trio.current_time())
             try:
                 with trio.fail_after(max(wait, 0)):
-                    stream = await tunnel.mux.open_connect(route.authority, headers or [])
+                    # The stream's receive window (what the agent may send ahead of the client's reads)
+                    # is charged to the client's budgets.
+                    stream = await tunnel.mux.open_connect(route.authority, headers or [], budget)
             except TunnelClosed:
                 lost.add(tunnel)
                 continue

@@ -18,5 +18,10 @@ FRONTENDS: dict[ClientProtocol, Callable[[ClientConnection], Awaitable[None]]] =
     "http1": http1.serve,
     "h2": http2.serve,
 }
+# How each refuses a connection as a whole (a client identity over its connection bound), with a reason.
+REFUSALS: dict[ClientProtocol, Callable[[ClientConnection, str], Awaitable[None]]] = {
+    "http1": http1.refuse_connection,
+    "h2": http2.refuse_connection,
+}
 
-__all__ = ["FRONTENDS", "ClientConnection"]
+__all__ = ["FRONTENDS", "REFUSALS", "ClientConnection"]

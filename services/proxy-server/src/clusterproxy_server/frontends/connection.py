@@ -12,6 +12,7 @@ from clusterproxy_protocol.closing import abort, close_cleanly
 from clusterproxy_protocol.core import CANCEL, TunnelSettings
 from clusterproxy_protocol.driver import LimitHandler, Mux
 from clusterproxy_server.authz import ClientIdentity
+from clusterproxy_server.quotas import ConnectionQuota
 from clusterproxy_server.relaying import ClientRequest
 
 
@@ -60,6 +61,7 @@ class ClientConnection:
     tunnel_settings: TunnelSettings
     on_limit: LimitHandler | None = None  # an HTTP/2 abuse limit tripped (metrics, one log line)
     drain: Drain = field(default_factory=Drain)
+    quota: ConnectionQuota | None = None  # the client identity's share this connection draws on
 
 
 SEND_TIMEOUT = 5.0  # seconds a refusal may take to reach a slow reader

@@ -65,3 +65,8 @@ async def serve(connection: ClientConnection) -> None:
     await connection.proxy(
         Http1Request(stream, connection.client, authority, request.headers, early_data, is_connect)
     )
+
+
+async def refuse_connection(connection: ClientConnection, reason: str) -> None:
+    """Refuse the whole connection before reading its request: ``429`` with ``reason``."""
+    await send_and_close(connection.stream, messages.error_response(429, reason))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import trio
 
-from clusterproxy_protocol.core import Role
+from clusterproxy_protocol.core import ENHANCE_YOUR_CALM, Role
 from clusterproxy_protocol.driver import IncomingRequest, Mux, open_mux
 from clusterproxy_protocol.errors import TunnelError
 from clusterproxy_server.authz import ClientIdentity
@@ -93,6 +93,7 @@ async def serve(connection: ClientConnection) -> None:
             handler=handle,
             received=connection.received,
             on_limit=connection.on_limit,
+            budget=connection.quota.budget if connection.quota is not None else None,
         ) as mux,
         trio.open_nursery() as watch,
     ):
@@ -116,3 +117,11 @@ async def _drain_when_told(mux: Mux, connection: ClientConnection, first_stream:
         return
     await mux.wait_idle()
     mux.close(DRAINED)
+
+
+async def refuse_connection(connection: ClientConnection, reason: str) -> None:
+    """Refuse the whole connection: GOAWAY ``ENHANCE_YOUR_CALM`` with ``reason`` (h2 clients show it)."""
+    async with open_mux(
+        connection.stream, Role.ACCEPTOR, settings=connection.tunnel_settings, received=connection.received
+    ) as mux:
+        mux.close(reason, error_code=ENHANCE_YOUR_CALM)
