@@ -97,7 +97,7 @@ async def test_cli_rows_follow_an_agents_death_and_return(system: System) -> Non
     # no collector: straight from the proxy-server (one round of the collector's own command)
     hub, pki = system.hub, system.pki
     direct = [
-        f"--admin-url=http://127.0.0.1:{hub.admin_port}",
+        f"--admin-url=https://127.0.0.1:{hub.admin_port}",
         f"--proxy=127.0.0.1:{hub.client_port}",
         f"--ca={pki.ca}",
         f"--cert={pki.client.cert}",

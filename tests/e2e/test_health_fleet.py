@@ -19,7 +19,7 @@ from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.pki import DevCA
 from tests.support.health import CollectorProcess
 from tests.support.pki import PkiFiles
-from tests.support.procs import Hub, Process, http_get
+from tests.support.procs import Hub, Process
 from tests.support.rss import rss_kib
 from tests.support.targets import serve_http
 from tests.support.waiting import wait_until
@@ -56,7 +56,7 @@ def fleet_spec(hub: Hub, pki: PkiFiles, directory: Path) -> Path:
 
 def connected(hub: Hub) -> int:
     try:
-        status, body = http_get(f"http://127.0.0.1:{hub.admin_port}/api/v1/clusters", timeout=20)
+        status, body = hub.api_get("/api/v1/clusters", timeout=20)
     except OSError:  # busy registering a thousand agents on a loaded machine: ask again
         return 0
     assert status == 200

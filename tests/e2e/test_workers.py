@@ -32,7 +32,11 @@ SIZE = 256 << 10
 
 
 def admin_json(hub: Hub, path: str) -> Any:
-    status, body = http_get(f"http://127.0.0.1:{hub.admin_port}{path}")
+    status, body = (
+        http_get(f"http://127.0.0.1:{hub.admin_port}{path}")
+        if path == "/api/v1/workers"
+        else hub.api_get(path)
+    )
     assert status == 200, body
     return json.loads(body)
 
@@ -124,11 +128,14 @@ async def test_streams_spread_over_workers_each_agent_holds_both(hub: Hub, pki: 
 
         merged = admin_json(hub, "/api/v1/clusters")
         assert merged["cluster1"] == {"agents": 1} and merged["cluster2"] == {"agents": 1}, merged
-        status, metrics = http_get(f"http://127.0.0.1:{hub.admin_port}/metrics")
+        status, metrics = hub.api_get("/metrics")  # every label: the hub client's view
         assert status == 200
         text = metrics.decode()
         # summed over the workers, as one process counts: 2 tunnels per cluster, the 20 streams once
         assert 'cluster_proxy_server_agent_tunnels{cluster="cluster1"} 2.0' in text, text
+        status, plain = http_get(f"http://127.0.0.1:{hub.admin_port}/metrics")  # the probes' view
+        assert status == 200 and b'cluster="' not in plain, plain
+        assert b"\ncluster_proxy_server_agent_tunnels 4.0\n" in plain, plain
         # each agent's second dial aimed at the worker it lacked (clusterproxy_protocol.steering):
         # none reached the worker it held (by the kernel's hash alone, each had 1 chance in 2)
         assert "cluster_proxy_server_agent_duplicate_dials_total" in text, text

@@ -9,6 +9,7 @@ process: :class:`ClientParty` bootstraps it and runs its renewer.
 from __future__ import annotations
 
 import datetime as dt
+import ssl
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +23,13 @@ from clusterproxy_certsigner.models import Binding
 from clusterproxy_cli.commands import SignerFlags, signer_serve_argv
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
+from clusterproxy_protocol.pki import PemPair
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
-from tests.support.procs import Hub, Process
+from tests.support.procs import Hub, Process, client_tls
 
 SERVER_HOSTS = ("localhost", "127.0.0.1")
+
+HUB_CLIENT = "test-admin"  # the hub client certificate the tests read the admin API with
 
 
 class SignerProcess:
@@ -114,6 +118,16 @@ class SignedHub(Hub):
         files = self.files["proxy-server"] = signer.party(self.log_dir / "proxy-server")
         flags = SignerFlags(signer.url, trust_refresh, signer.server_token())
         await self.launch_server(self.server_argv(files, signer=flags, tls_hosts=SERVER_HOSTS, options=extra))
+        if HUB_CLIENT not in self.files:  # what reads the admin port's agents and clusters
+            client = self.files[HUB_CLIENT] = signer.party(self.log_dir / HUB_CLIENT)
+            token = signer.client_token(HUB_CLIENT)
+            await certclient.bootstrap_files(
+                signer.endpoint(client.ca), token, client, lambda key: certclient.client_csr(key, HUB_CLIENT)
+            )
+
+    def api_tls(self) -> ssl.SSLContext:
+        files = self.files[HUB_CLIENT]
+        return client_tls(PemPair(files.cert, files.key), files.ca)
 
     def start_agent(  # type: ignore[override]
         self,

@@ -44,7 +44,7 @@ from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.pki import DevCA
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from tests.support.pki import PkiFiles, make_pki
-from tests.support.procs import AGENT_FLAGS, ANY_PORT, POLL, Process, http_get
+from tests.support.procs import AGENT_FLAGS, ANY_PORT, POLL, Process, client_tls, http_get
 from tests.support.proxies import accepts, binary
 from tests.support.traffic import BYE
 
@@ -269,7 +269,10 @@ class Fleet:
 
     def agents_of(self, server_id: str) -> list[dict[str, Any]]:
         """``/api/v1/agents`` of a live replica."""
-        status, body = http_get(f"http://127.0.0.1:{self.replicas[server_id].place.admin}/api/v1/agents")
+        status, body = http_get(
+            f"https://127.0.0.1:{self.replicas[server_id].place.admin}/api/v1/agents",
+            context=client_tls(self.pki.client, self.pki.ca),
+        )
         assert status == 200, body
         return json.loads(body)
 

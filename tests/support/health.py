@@ -104,7 +104,7 @@ class CollectorProcess:
         argv = [
             str(BIN / "cluster-proxy-health-collector"),
             "--listen=127.0.0.1:0",
-            f"--admin-url=http://127.0.0.1:{hub.admin_port}",
+            f"--admin-url=https://127.0.0.1:{hub.admin_port}",
             f"--proxy=127.0.0.1:{hub.client_port}",
             f"--ca={pki.ca}",
             f"--cert={pki.client.cert}",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import urllib.error
@@ -24,6 +25,9 @@ import trio
 from clusterproxy_cli.commands import agent_argv, server_argv
 from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.forward_proxy import without_proxy_variables
+from clusterproxy_protocol.pki import PemPair
+from clusterproxy_protocol.tls import client_context
+from clusterproxy_protocol.wire import ALPN_HTTP1
 from tests.support.pki import PkiFiles
 
 BIN = Path(sys.executable).parent
@@ -154,9 +158,15 @@ class Process:
         self._log.close()
 
 
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+def client_tls(pair: PemPair, ca: Path) -> ssl.SSLContext:
+    """A hub client's TLS (verifies the server with ``ca``, presents ``pair``): what a proxy-server's
+    admin port wants for its agents and clusters (``https://`` on the same port)."""
+    return client_context(pair.cert, pair.key, ca, alpn=[ALPN_HTTP1])
+
+
+def http_get(url: str, timeout: float = 5.0, context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
@@ -218,8 +228,16 @@ class Hub:
         self.agents[name] = process
         return process
 
+    def api_tls(self) -> ssl.SSLContext:
+        """The hub client's TLS toward the admin port's agents and clusters."""
+        return client_tls(self.pki.client, self.pki.ca)
+
+    def api_get(self, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
+        """``path`` of the admin port over mutual TLS, as the hub client (the agents and clusters)."""
+        return http_get(f"https://127.0.0.1:{self.admin_port}{path}", timeout, self.api_tls())
+
     def agents_connected(self) -> list[dict[str, Any]]:
-        status, body = http_get(f"http://127.0.0.1:{self.admin_port}/api/v1/agents")
+        status, body = self.api_get("/api/v1/agents")
         assert status == 200, body
         return json.loads(body)
 

@@ -66,6 +66,7 @@ def test_local_json_shape_round_trips(tmp_path: Path) -> None:
     assert loaded["proxy"] == {
         "client_url": "https://127.0.0.1:40000",
         "admin_url": "http://127.0.0.1:40002",
+        "api_url": "https://127.0.0.1:40002",  # the same port over mutual TLS: agents, clusters
         "ca": str((tmp_path / "ca.crt").resolve()),
         "cert": str((tmp_path / "a.crt").resolve()),
         "key": str((tmp_path / "a.key").resolve()),

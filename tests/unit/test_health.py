@@ -57,28 +57,35 @@ def test_bad_probe_urls_are_refused_with_the_value(text: str) -> None:
         parse_probe_url(text)
 
 
-def test_collector_flags_refuse_what_cannot_work(capsys: pytest.CaptureFixture[str]) -> None:
+def test_collector_flags_refuse_what_cannot_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    files = []
+    for name in ("ca", "cert", "key"):
+        (tmp_path / name).write_text("")
+        files.append(f"--{name}={tmp_path / name}")
     with pytest.raises(SystemExit) as exited:
-        parse_settings([], environ={})
+        parse_settings(files, environ={})
     assert exited.value.code == 2
     assert "--admin-url" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parse_settings(["--admin-url", "http://h:1", "--proxy", "h:2"], environ={})
-    assert "--proxy needs --ca, --cert, --key" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit):  # the admin API (agents, clusters) wants the client certificate
         parse_settings(["--admin-url", "https://h:1"], environ={})
-    assert "invalid admin URL 'https://h:1'" in capsys.readouterr().err
+    assert "give --ca, --cert, --key: the hub client certificate" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_settings(["--admin-url", "http://h:1", *files], environ={})
+    assert "served over mutual TLS only: https://h:1 (the same port)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_settings(["--admin-url", "https://h:1/x", *files], environ={})
+    assert "invalid admin URL 'https://h:1/x'" in capsys.readouterr().err
     settings, once = parse_settings(
-        ["--once"], environ={"CLUSTER_PROXY_HEALTH_ADMIN_URL": "http://a:1,http://b:2"}
+        ["--once", *files], environ={"CLUSTER_PROXY_HEALTH_ADMIN_URL": "https://a:1,https://b:2"}
     )
-    assert once and settings.admin_urls == ["http://a:1", "http://b:2"] and settings.proxy is None
+    assert once and settings.admin_urls == ["https://a:1", "https://b:2"] and settings.proxy is None
 
 
 def test_signer_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """With --signer the certificate files need not exist yet (the collector writes them); without it
     each must; a token needs a signer, a signer needs the probes' --proxy."""
     files = [f"--ca={tmp_path / 'ca.crt'}", f"--cert={tmp_path / 'tls.crt'}", f"--key={tmp_path / 'tls.key'}"]
-    base = ["--admin-url=http://h:1", "--proxy=h:2", *files]
+    base = ["--admin-url=https://h:1", "--proxy=h:2", *files]
     with pytest.raises(SystemExit):
         parse_settings(base, environ={})
     assert "argument --ca: file not found" in capsys.readouterr().err
@@ -86,7 +93,7 @@ def test_signer_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
         parse_settings(base, environ={"CLUSTER_PROXY_HEALTH_BOOTSTRAP_TOKEN": "t"})
     assert "--bootstrap-token needs --signer" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        parse_settings(["--admin-url=http://h:1", "--signer=signer:8443", *files], environ={})
+        parse_settings(["--admin-url=https://h:1", "--signer=signer:8443", *files], environ={})
     assert "--signer needs --proxy" in capsys.readouterr().err
     settings, _ = parse_settings(
         [*base, "--signer=signer.ns.svc:8443"], environ={"CLUSTER_PROXY_HEALTH_BOOTSTRAP_TOKEN": " tok \n"}

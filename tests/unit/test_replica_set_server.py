@@ -19,7 +19,7 @@ from clusterproxy_server.app import ProxyServer
 from clusterproxy_server.main import build_parser, config_from_args
 from tests.support.inprocess import start_server
 from tests.support.pki import PkiFiles
-from tests.support.procs import http_get
+from tests.support.procs import client_tls, http_get
 from tests.support.targets import serve_echo
 from tests.support.waiting import wait_until
 
@@ -110,7 +110,8 @@ async def test_an_agent_holding_this_replica_declines_a_second_tunnel(
     assert len(server.registry.tunnels("cluster1")) == 1
     assert service.agent.held_replicas() == {"hub-0"}
     assert server.metrics.rejected.labels("agent", "duplicate_identity")._value.get() == 0
-    rows = json.loads((await get(f"http://127.0.0.1:{bound.admin[1]}/api/v1/agents"))[1])
+    url = f"https://127.0.0.1:{bound.admin[1]}/api/v1/agents"
+    rows = json.loads((await trio.to_thread.run_sync(http_get, url, 5.0, client_tls(pki.client, pki.ca)))[1])
     assert [(r["cluster"], r["server_id"]) for r in rows] == [("cluster1", "hub-0")]
     servers = service.agent.describe_servers()
     assert servers["held_replicas"] == ["hub-0"] and servers["expected_replicas"] == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 
 import h11
@@ -58,9 +59,13 @@ async def request(
     return HttpResponse(response.status_code, fields, bytes(received))
 
 
-async def get(host: str, port: int, path: str, *, timeout: float = 5.0) -> HttpResponse:
-    """``GET http://host:port/path`` over a new TCP connection."""
+async def get(
+    host: str, port: int, path: str, *, timeout: float = 5.0, tls: ssl.SSLContext | None = None
+) -> HttpResponse:
+    """``GET http://host:port/path`` over a new TCP connection; ``https://`` with ``tls``."""
     with trio.fail_after(timeout):
-        stream = await trio.open_tcp_stream(host, port)
+        stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
+        if tls is not None:
+            stream = trio.SSLStream(stream, tls, server_hostname=host)
         async with stream:
             return await request(stream, "GET", path, f"{host}:{port}")

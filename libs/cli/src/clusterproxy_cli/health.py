@@ -56,11 +56,21 @@ class NoAnswer(Exception):
     """Neither the collector nor the proxy-servers answered; the message says what to do."""
 
 
-def _http_url(text: str) -> str:
+def _url(scheme: str, text: str) -> str:
     value = text.strip().rstrip("/")
-    if not value.startswith("http://") or len(value) <= len("http://"):
-        raise InvalidValue(f"invalid URL {text!r}: expected http://HOST:PORT")
+    if not value.startswith(f"{scheme}://") or len(value) <= len(f"{scheme}://"):
+        raise InvalidValue(f"invalid URL {text!r}: expected {scheme}://HOST:PORT")
     return value
+
+
+def _http_url(text: str) -> str:
+    return _url("http", text)
+
+
+def _https_url(text: str) -> str:
+    """A proxy-server's admin port for its agents and clusters: mutual TLS (an ``http://`` one is the
+    probes' face of the same port, which serves no inventory)."""
+    return _url("https", text)
 
 
 def add_health_command(commands: Any) -> argparse.ArgumentParser:
@@ -77,8 +87,9 @@ def add_health_command(commands: Any) -> argparse.ArgumentParser:
     )
     add_flag(health, "--collector", env="CLUSTER_PROXY_HEALTH_COLLECTOR", type=_http_url, metavar="URL",
              help="a health-collector, http://HOST:PORT")  # fmt: skip
-    add_flag(health, "--admin-url", env="CLUSTER_PROXY_ADMIN_URL", type=_http_url, multiple=True, metavar="URL",
-             help="a proxy-server replica's admin port, http://HOST:PORT (repeat); probes go through --proxy")  # fmt: skip
+    add_flag(health, "--admin-url", env="CLUSTER_PROXY_ADMIN_URL", type=_https_url, multiple=True, metavar="URL",
+             help="a proxy-server replica's admin port, https://HOST:PORT (repeat; mutual TLS with --cert); "
+             "probes go through --proxy")  # fmt: skip
     add_flag(health, "--proxy", env="CLUSTER_PROXY_PROXY", metavar="HOST:PORT",
              help="the proxy-server's client port (with --admin-url)")  # fmt: skip
     add_flag(health, "--ca", env="CLUSTER_PROXY_CA", type=existing_file, help="CA bundle for the server")
@@ -140,9 +151,9 @@ def _direct_argv(
     server_name: str | None,
     probe_url: str | None,
 ) -> list[str]:
-    argv = [f"--admin-url={url}" for url in admin_urls]
+    argv = [*(f"--admin-url={url}" for url in admin_urls), f"--ca={ca}", f"--cert={cert}", f"--key={key}"]
     if proxy:
-        argv += [f"--proxy={proxy}", f"--ca={ca}", f"--cert={cert}", f"--key={key}"]
+        argv.append(f"--proxy={proxy}")
     if server_name:
         argv.append(f"--server-name={server_name}")
     if probe_url:
@@ -156,10 +167,12 @@ def resolve_source(args: argparse.Namespace) -> tuple[str, Callable[[], dict[str
     if args.collector:
         return f"the health-collector at {args.collector}", lambda: fetch_collector(args.collector, timeout)
     if args.admin_url:
-        if args.proxy:
-            missing = [f for f, v in (("--ca", args.ca), ("--cert", args.cert), ("--key", args.key)) if not v]
-            if missing:
-                raise ConfigError(f"--proxy needs {', '.join(missing)} (the hub client certificate)")
+        missing = [f for f, v in (("--ca", args.ca), ("--cert", args.cert), ("--key", args.key)) if not v]
+        if missing:
+            raise ConfigError(
+                f"--admin-url needs {', '.join(missing)}: the hub client certificate the proxy-servers "
+                "want for their agents and clusters (mutual TLS)"
+            )
         argv = _direct_argv(
             args.admin_url, args.proxy, args.ca, args.cert, args.key, args.server_name, args.probe_url
         )
@@ -169,7 +182,7 @@ def resolve_source(args: argparse.Namespace) -> tuple[str, Callable[[], dict[str
         if not (DEFAULT_STATE_DIR / LOCAL_JSON).exists():
             raise ConfigError(
                 "nothing to ask: give --collector http://HOST:PORT (a health-collector), or --admin-url "
-                "http://HOST:PORT with --proxy/--ca/--cert/--key (the proxy-servers), or run "
+                "https://HOST:PORT with --proxy/--ca/--cert/--key (the proxy-servers), or run "
                 "`cluster-proxy local up` (its local.json is read by default)"
             )
         state_dir = DEFAULT_STATE_DIR
@@ -179,10 +192,10 @@ def resolve_source(args: argparse.Namespace) -> tuple[str, Callable[[], dict[str
         url = health["url"].rstrip("/")
         return f"local mode's health-collector at {url}", lambda: fetch_collector(url, timeout)
     proxy = proxy_settings(doc, str(Path(state_dir) / LOCAL_JSON))
-    if not proxy.admin_url:
+    if not proxy.api_url:
         raise ConfigError(f"{Path(state_dir) / LOCAL_JSON} names no proxy-server admin URL")
     argv = _direct_argv(
-        [proxy.admin_url],
+        [proxy.api_url],
         f"{proxy.host}:{proxy.port}",
         proxy.ca,
         proxy.cert,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -48,6 +49,8 @@ from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import SignerEndpoint, SignerRequestError
 from clusterproxy_protocol.config import ConfigError, parse_duration
 from clusterproxy_protocol.reloader import CertRenewer, RenewalPolicy
+from clusterproxy_protocol.tls import client_context
+from clusterproxy_protocol.wire import ALPN_HTTP1
 
 from .commands import AGENT, SERVER, SIGNER, executable
 from .local_pki import SignerCommandError, issue_certificates, prepare_signer_pki
@@ -216,6 +219,7 @@ async def local_up(
         for cluster, url in proxied.items():
             doc["clusters"][cluster]["proxy_url"] = url
         doc["proxy"]["admin_urls"] = [server.admin_url for server in ports.servers]
+        doc["proxy"]["api_urls"] = [server.api_url for server in ports.servers]
         doc["proxy"]["agent_address"] = loopback(ports.agent)
         if signer is not None:
             doc["signer"] = {"url": signer.url, "store": str(signer.store)}
@@ -324,7 +328,7 @@ async def _start_health_collector(
     argv = [
         program,
         f"--listen={loopback(port)}",
-        *(f"--admin-url={server.admin_url}" for server in ports.servers),
+        *(f"--admin-url={server.api_url}" for server in ports.servers),
         f"--proxy={loopback(ports.client)}",
         f"--ca={proxy.ca}",
         f"--cert={proxy.cert}",
@@ -419,6 +423,12 @@ class Hub:
     proxied: dict[str, str]  # cluster -> the forward proxy's URL its agent dials through
     agent_restart: RestartPolicy
 
+    def api_tls(self) -> ssl.SSLContext:
+        """The hub client certificate as it is now (renewals followed), for the proxy-servers' agents
+        and clusters: their admin ports serve those over mutual TLS only."""
+        files = self.certs.client
+        return client_context(files.cert, files.key, files.ca, alpn=[ALPN_HTTP1])
+
     async def start(self, ready_timeout: float, out: TextIO) -> None:
         """Start everything; wait until tinyproxy listens, every agent holds a tunnel to every
         proxy-server, and haproxy has every replica in rotation."""
@@ -450,7 +460,7 @@ class Hub:
                     )
                     await supervisor.start(nursery, f"{cluster}-agent", argv, self.agent_restart)
                 admin_ports = [server.admin for server in ports.servers]
-                await wait_agents(LOOPBACK, ports.echo, admin_ports, self.clusters, out)
+                await wait_agents(LOOPBACK, ports.echo, admin_ports, self.clusters, out, self.api_tls)
                 if ports.balanced:
                     while down_replicas(await backend_states(ports.admin), ports.servers):
                         await trio.sleep(0.05)
@@ -516,6 +526,7 @@ def _hub_info(ports: Ports, state_dir: Path, proxied: dict[str, str]) -> dict[st
                 "client": loopback(server.client),
                 "agent": loopback(server.agent),
                 "admin_url": server.admin_url,
+                "api_url": server.api_url,
                 **({"server_id": server.name} if ports.balanced else {}),
             }
             for server in ports.servers

@@ -69,6 +69,11 @@ class ServerPorts:
     def admin_url(self) -> str:
         return f"http://{loopback(self.admin)}"
 
+    @property
+    def api_url(self) -> str:
+        """The admin port over mutual TLS: its agents and clusters, to a hub client certificate."""
+        return f"https://{loopback(self.admin)}"
+
 
 @dataclass(frozen=True)
 class Ports:

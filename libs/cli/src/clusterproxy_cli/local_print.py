@@ -101,12 +101,16 @@ async def print_ready(
         )
         for server in ports.servers:
             p(
-                f"  {server.name:<14}  admin {server.admin_url}/api/v1/agents  (own ports: client "
+                f"  {server.name:<14}  admin {server.api_url}/api/v1/agents  (own ports: client "
                 f"{loopback(server.client)}, agent {loopback(server.agent)})"
             )
     else:
         p(f"  proxy-server  client port {proxy.client_url}  (mTLS; HTTP/2 and HTTP/1.1 CONNECT)")
-        p(f"                admin       {proxy.admin_url}/api/v1/agents")
+        p(f"                admin       {proxy.api_url}/api/v1/agents  (mutual TLS: the client certificate)")
+    p(
+        f"  agents (mTLS)   curl -s --cacert {proxy.ca} --cert {proxy.cert} --key {proxy.key} "
+        f"{ports.servers[0].api_url}/api/v1/agents  (plain HTTP on that port: /healthz /readyz /metrics)"
+    )
     if ports.forward_proxy is not None and proxied:
         who = ", ".join(f"{cluster}'s agent" for cluster in proxied)
         p(

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import ssl
 import subprocess
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -208,10 +209,13 @@ async def signer_healthy(endpoint: SignerEndpoint) -> bool:
     return True
 
 
-async def connected_clusters(host: str, admin_port: int) -> set[str] | None:
-    """Clusters with at least one agent on the server's admin API, or None if it does not answer."""
+async def connected_clusters(
+    host: str, admin_port: int, tls: Callable[[], ssl.SSLContext]
+) -> set[str] | None:
+    """Clusters with at least one agent on the server's admin API (mutual TLS with the hub client
+    certificate ``tls()`` presents), or None if it does not answer."""
     try:
-        response = await _http.get(host, admin_port, "/api/v1/agents", timeout=2)
+        response = await _http.get(host, admin_port, "/api/v1/agents", timeout=2, tls=tls())
     except Exception:  # not up yet: refused, reset, timeout, garbage
         return None
     if response.status != 200:
@@ -232,7 +236,12 @@ async def wait_signer(endpoint: SignerEndpoint) -> None:
 
 
 async def wait_agents(
-    host: str, echo_ports: dict[str, int], admin_ports: Sequence[int], clusters: Sequence[str], out: TextIO
+    host: str,
+    echo_ports: dict[str, int],
+    admin_ports: Sequence[int],
+    clusters: Sequence[str],
+    out: TextIO,
+    tls: Callable[[], ssl.SSLContext],
 ) -> None:
     """Wait until the echo services listen and every cluster has an agent on every proxy-server (each
     one's admin API at ``admin_ports``), showing the count of clusters so connected as it changes (the
@@ -242,7 +251,7 @@ async def wait_agents(
             await trio.sleep(POLL)
     shown = -1
     while True:
-        views = [await connected_clusters(host, port) or set() for port in admin_ports]
+        views = [await connected_clusters(host, port, tls) or set() for port in admin_ports]
         ready = [c for c in clusters if all(c in view for view in views)]
         if len(ready) != shown:
             shown = len(ready)

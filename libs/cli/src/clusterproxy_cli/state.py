@@ -4,7 +4,11 @@ Shape (every path absolute)::
 
     {
       "proxy": {"client_url": "https://127.0.0.1:PORT", "admin_url": "http://127.0.0.1:PORT",
-                "ca": "...", "cert": "...", "key": "..."},
+                "api_url": "https://127.0.0.1:PORT", "ca": "...", "cert": "...", "key": "..."},
+
+``admin_url`` is a proxy-server's admin port as plain HTTP (``/healthz``, ``/readyz``, ``/metrics``);
+``api_url`` the same port over mutual TLS, where its agents and clusters are served to the hub client
+certificate ``cert``/``key`` (``/api/v1/agents``, ``/api/v1/clusters``).
       "clusters": {"cluster1": {"agent_id": "cluster1-agent-1", "kube_apiserver": "127.0.0.1:PORT",
                                 "targets": [{"name": "echo", "address": "127.0.0.1:PORT"}]}, ...},
       "pids": {"cluster-proxy": PID, "proxy-server": PID, "cluster1-agent": PID, ...},
@@ -58,6 +62,17 @@ class ProxySettings:
     def client_url(self) -> str:
         return f"https://{format_authority(self.host, self.port)}"
 
+    @property
+    def api_url(self) -> str | None:
+        """The admin port over mutual TLS (its agents and clusters): the same port as ``admin_url``."""
+        return api_url(self.admin_url) if self.admin_url else None
+
+
+def api_url(admin_url: str) -> str:
+    """``https://`` for a proxy-server's ``http://`` admin URL: the port serves both (TLS told apart by
+    its first byte), the inventory over TLS only."""
+    return "https://" + admin_url.removeprefix("http://")
+
 
 def build_local_json(
     proxy: ProxySettings,
@@ -81,6 +96,7 @@ def build_local_json(
         "proxy": {
             "client_url": proxy.client_url,
             "admin_url": proxy.admin_url,
+            "api_url": proxy.api_url,
             "ca": str(Path(proxy.ca).resolve()),
             "cert": str(Path(proxy.cert).resolve()),
             "key": str(Path(proxy.key).resolve()),

@@ -1,8 +1,10 @@
 """The one small HTTP/1.1 server of the admin-style ports (the services' admin ports, the cert-signer's
 API): trio + h11, one request per connection, everything bounded.
 
-- plain TCP, or TLS from a callable read at each handshake (a reloading context); the client
-  certificate, when one was presented and verified, is handed to the handler;
+- plain TCP, or TLS from a callable read at each handshake (a reloading context), or both on one
+  port (``tls_optional``: a connection whose first byte opens a TLS handshake record gets TLS, any
+  other is plain HTTP); the client certificate, when one was presented and verified, is handed to
+  the handler;
 - request head <= ``max_head`` bytes (431/400 from h11), body <= ``max_body`` (413 before reading a
   declared oversized body), handshake and request deadlines, a cap on concurrent connections;
 - a handler that raises costs that request a 500 (details only in the log), never the server;
@@ -12,6 +14,7 @@ API): trio + h11, one request per connection, everything bounded.
 from __future__ import annotations
 
 import json
+import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -86,6 +89,7 @@ async def serve_http(
     limits: HttpLimits = HttpLimits(),
     *,
     tls: Callable[[], ssl.SSLContext] | None = None,
+    tls_optional: bool = False,
     error_response: ErrorResponse = text_error,
     log: structlog.stdlib.BoundLogger | None = None,
     log_requests: bool = False,
@@ -103,7 +107,10 @@ async def serve_http(
             return
         try:
             server = _Connection(handler, limits, error_response, log, log_requests)
-            await server.serve(tcp, tls() if tls is not None else None)
+            context = tls() if tls is not None else None
+            if context is not None and tls_optional and not await _opens_tls(tcp, limits.handshake_timeout):
+                context = None
+            await server.serve(tcp, context)
         except Exception:
             log.exception("connection_handler_failed")
             await trio.aclose_forcefully(tcp)
@@ -113,6 +120,22 @@ async def serve_http(
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, handle, listeners)
         task_status.started()
+
+
+TLS_HANDSHAKE_RECORD = 0x16  # the first byte of every TLS ClientHello; never the first of an HTTP method
+
+
+async def _opens_tls(tcp: trio.SocketStream, timeout: float) -> bool:
+    """Whether the client's first byte starts a TLS handshake, read without taking it off the socket
+    (``MSG_PEEK``), so that TLS or h11 then reads the connection from its first byte. A client that
+    sends nothing within ``timeout`` is taken as plain: the request deadline then ends it."""
+    with trio.move_on_after(timeout):
+        try:
+            first = await tcp.socket.recv(1, socket.MSG_PEEK)
+        except OSError:
+            return False
+        return first[:1] == bytes([TLS_HANDSHAKE_RECORD])
+    return False
 
 
 @dataclass

@@ -187,6 +187,14 @@ def certificate_role(cert: x509.Certificate) -> RoleCheck:
     return RoleCheck(role)
 
 
+def role_refusal(check: RoleCheck, port: str, accepted: CertRole) -> str | None:
+    """Why a certificate with ``check``'s role is refused on ``port``, or None when it is accepted."""
+    if check.role is accepted:
+        return None
+    found = f"role {check.role}" if check.role is not None else f"no role ({check.problem})"
+    return f"a certificate with {found} is refused on the {port} port, which accepts {accepted} certificates only"
+
+
 def _san_strings(cert: x509.Certificate) -> list[str]:
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value

@@ -18,12 +18,15 @@ from typing import Any
 
 import trio
 
+from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol.tls import client_context
+from clusterproxy_protocol.wire import ALPN_HTTP1
 
 from .credentials import DEFAULT_CLIENT_NAME, ClientCertificate
 from .metrics import CollectorMetrics
 from .probe import ProbeSpec, StreamOpener, probe_cluster
-from .servers import resolve_admin_service, server_views
+from .servers import AdminTLS, resolve_admin_service, server_views
 from .state import AddonsView, State
 
 __all__ = ["Collector", "CollectorSettings"]
@@ -117,6 +120,18 @@ class Collector:
             urls += [u for u in found if u not in urls]
         return urls
 
+    def admin_tls(self) -> AdminTLS | str:
+        """The TLS the admin ports want (they list clusters and agents to hub clients only), with the
+        certificate files as they are now (renewed ones included); or why there is none yet."""
+        s = self.settings
+        if s.ca is None or s.cert is None or s.key is None:
+            return "the admin API needs a hub client certificate: give --ca, --cert and --key"
+        try:
+            context = client_context(s.cert, s.key, s.ca, alpn=[ALPN_HTTP1])
+        except ConfigError as exc:
+            return f"no hub client certificate for the admin API yet: {exc}"
+        return AdminTLS(context, s.server_name or (s.proxy[0] if s.proxy is not None else None))
+
     async def round(self) -> None:
         started = trio.current_time()
         now = self.clock()
@@ -129,7 +144,8 @@ class Collector:
         async with trio.open_nursery() as nursery:
 
             async def read_servers() -> None:
-                views.extend(await server_views(urls, timeout=self.settings.server_timeout, now=now))
+                tls = self.admin_tls()
+                views.extend(await server_views(urls, timeout=self.settings.server_timeout, now=now, tls=tls))
 
             async def read_kube() -> None:
                 nonlocal addons

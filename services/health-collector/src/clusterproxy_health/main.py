@@ -2,7 +2,7 @@
 
 ::
 
-    cluster-proxy-health-collector --admin-url http://hub:8092 --proxy hub:8090 \\
+    cluster-proxy-health-collector --admin-url https://hub:8092 --proxy hub:8090 \\
         --ca ca.crt --cert client.crt --key client.key [--kubernetes --kubeconfig hub.kubeconfig]
 
 ``--once`` runs one round, prints the ``/api/v1/clusters`` document on stdout and exits (0): what
@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--listen", type=parse_hostport, default="0.0.0.0:8080", metavar="HOST:PORT",
          help="plain HTTP: / /api/v1/clusters /metrics /healthz /readyz (port 0: any free port)")  # fmt: skip
     flag("--admin-url", type=parse_admin_url, multiple=True, metavar="URL",
-         help="admin port of a proxy-server replica, http://HOST:PORT (repeat for every replica)")  # fmt: skip
+         help="admin port of a proxy-server replica, https://HOST:PORT (repeat for every replica): its "
+         "agents and clusters, read over mutual TLS with --cert")  # fmt: skip
     flag("--admin-service", type=_dialable, metavar="HOST:PORT",
          help="a name whose every address is a replica's admin port, resolved each round (Kubernetes: "
          "the headless Service, cluster-proxy-admin.NAMESPACE.svc:8092)")  # fmt: skip
@@ -131,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     flag(
         "--server-name",
         metavar="NAME",
-        help="name checked on the proxy-server's certificate (default: its host)",
+        help="name checked on the proxy-server's certificate, on its client and admin ports (default: "
+        "the --proxy host; for --admin-url without --proxy, the URL's host)",
     )
     flag("--probe-url", type=parse_probe_url, default="https://{cluster}:443/healthz", metavar="URL",
          help="what each probe requests inside each cluster; {cluster} is the cluster's name (the bare "
@@ -170,12 +172,12 @@ def parse_settings(
     parser = build_parser()
     args = parse_args_or_exit(parser, argv, environ=environ)
     tls_files = (("--ca", args.ca), ("--cert", args.cert), ("--key", args.key))
-    if args.proxy is not None:
-        missing = [f for f, v in tls_files if v is None]
-        if missing:
-            parser.error(
-                f"--proxy needs {', '.join(missing)} (the hub client certificate the probes present)"
-            )
+    missing = [f for f, v in tls_files if v is None]
+    if missing:
+        parser.error(
+            f"give {', '.join(missing)}: the hub client certificate that the proxy-servers' admin API "
+            "(agents and clusters, mutual TLS) and the probes want"
+        )
     if args.bootstrap_token and args.bootstrap_secret:
         parser.error("give the token once: --bootstrap-token or --bootstrap-secret")
     if args.signer is None:
@@ -194,7 +196,7 @@ def parse_settings(
         parser.error("--signer needs --proxy: the client certificate is for the probes through it")
     if not args.admin_url and args.admin_service is None:
         parser.error(
-            "name the proxy-servers: --admin-url http://HOST:PORT (repeat) or --admin-service HOST:PORT"
+            "name the proxy-servers: --admin-url https://HOST:PORT (repeat) or --admin-service HOST:PORT"
         )
     probe = args.probe_url
     if args.probe_ca is not None or args.probe_server_name:

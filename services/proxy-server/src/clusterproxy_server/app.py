@@ -31,11 +31,12 @@ import os
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import trio
 from cryptography import x509
 
-from clusterproxy_protocol.admin import serve_admin
+from clusterproxy_protocol.admin import Authenticated, serve_admin
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
 from clusterproxy_protocol.closing import close_cleanly
 from clusterproxy_protocol.driver import limit_reporter
@@ -43,7 +44,7 @@ from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.pki import CertRole
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
 from clusterproxy_protocol.wire import ALPN_H2, ALPN_HTTP1, format_address
-from clusterproxy_server.admin import admin_routes
+from clusterproxy_server.admin import admin_routes, visibility
 from clusterproxy_server.agent_port import AgentPort
 from clusterproxy_server.agent_websocket import AgentWebSocketPort
 from clusterproxy_server.authz import ClientIdentity, PolicyFile
@@ -97,13 +98,17 @@ class ProxyServer:
         self._client_tls = ReloadingContext.server(
             config.cert, config.key, config.ca, alpn=[ALPN_HTTP1, ALPN_H2]
         )
+        # The admin port's authenticated API (the inventory) speaks TLS to hub clients on the same
+        # port as the plain probes (clusterproxy_protocol.admin); a worker's admin port is the
+        # parent's private channel and needs none.
+        self._admin_tls = ReloadingContext.server(config.cert, config.key, config.ca, alpn=[ALPN_HTTP1])
         self.policy = PolicyFile(config.client_policy) if config.client_policy is not None else None
         self.renewer: CertRenewer | None = None
         if config.signer:
             self.renewer = CertRenewer(
                 SignerEndpoint.parse(config.signer, config.ca),
                 CertFiles(config.cert, config.key, config.ca),
-                [self._agent_tls, self._client_tls],
+                [self._agent_tls, self._client_tls, self._admin_tls],
                 RenewalPolicy(trust_refresh=config.trust_refresh),
             )
             self.metrics.watch_renewer(self.renewer)
@@ -167,8 +172,15 @@ class ProxyServer:
             agent_websocket=websocket_listeners[0].socket.getsockname()[:2] if websocket_listeners else None,
         )
         async with trio.open_nursery() as nursery:
-            routes = admin_routes(self.registry, self.metrics, self._not_ready, cfg.server_id)
-            await nursery.start(serve_admin, admin_listeners, routes)
+            plain, private = admin_routes(
+                self.registry, self.metrics, self._not_ready, cfg.server_id, visibility(self.policy)
+            )
+            if self.worker is None:
+                api = Authenticated(private, lambda: self._admin_tls.context)
+                await nursery.start(partial(serve_admin, admin_listeners, plain, authenticated=api))
+            else:  # the parent asks for everything and answers for the pod (workers.Supervisor.routes)
+                everything = {**plain, **{path: partial(route, None) for path, route in private.items()}}
+                await nursery.start(serve_admin, admin_listeners, everything)
             if self.renewer is not None:
                 await nursery.start(self.renewer.run)
             async with trio.open_nursery() as agents, trio.open_nursery() as clients:

@@ -11,16 +11,8 @@ import structlog
 import trio
 from cryptography import x509
 
-from clusterproxy_protocol.pki import CertRole, RoleCheck, certificate_role
+from clusterproxy_protocol.pki import CertRole, certificate_role, role_refusal
 from clusterproxy_server.metrics import ServerMetrics
-
-
-def role_refusal(check: RoleCheck, port: str, accepted: CertRole) -> str | None:
-    """Why a certificate with ``check``'s role is refused on ``port``, or None when it is accepted."""
-    if check.role is accepted:
-        return None
-    found = f"role {check.role}" if check.role is not None else f"no role ({check.problem})"
-    return f"a certificate with {found} is refused on the {port} port, which accepts {accepted} certificates only"
 
 
 class Peer(NamedTuple):

@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-listen",
         type=parse_hostport,
         default="0.0.0.0:8092",
-        help="plain HTTP: /healthz /readyz /metrics /api/v1/agents",
+        help="plain HTTP: /healthz /readyz /metrics (no cluster or agent labels); mutual TLS with a hub "
+        "client certificate on the same port: /api/v1/agents /api/v1/clusters /metrics (every label)",
     )
     flag(
         "--ca", type=existing_file, required=True, help="CA bundle trusted for agent and client certificates"

@@ -32,23 +32,27 @@ import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import h11
 import trio
+from cryptography import x509
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from clusterproxy_protocol.admin import Response, Route, metrics_response, serve_admin
+from clusterproxy_protocol.admin import Authenticated, PeerRoute, Response, Route, serve_admin
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
 from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
 from clusterproxy_protocol.renewal_metrics import RenewerCollector
 from clusterproxy_protocol.steering import attach_steering
-from clusterproxy_protocol.wire import format_address
+from clusterproxy_protocol.wire import ALPN_HTTP1, format_address
+from clusterproxy_server.admin import metrics_routes, visibility
+from clusterproxy_server.authz import PolicyFile
 from clusterproxy_server.config import ServerConfig
 
 __all__ = ["WORKER_ENV", "Supervisor", "WorkerSpec", "default_workers", "worker_server_id"]
@@ -237,8 +241,9 @@ class Supervisor:
             registry=self.metrics,
         )
         self.renewer: CertRenewer | None = None
+        self.visible = visibility(PolicyFile(config.client_policy) if config.client_policy else None)
 
-    def _start_renewer(self) -> None:
+    def _start_renewer(self, contexts: list[ReloadingContext]) -> None:
         """One renewer for the pod (after the bootstrap): it writes the files, each worker reloads
         them (``follow_cert_files``); N renewers would race the signer with the same certificate."""
         config = self.config
@@ -246,7 +251,7 @@ class Supervisor:
             self.renewer = CertRenewer(
                 SignerEndpoint.parse(config.signer, config.ca),
                 CertFiles(config.cert, config.key, config.ca),
-                [],
+                contexts,
                 RenewalPolicy(trust_refresh=config.trust_refresh),
             )
             self.metrics.register(RenewerCollector(self.renewer, "cluster_proxy_server_"))
@@ -320,7 +325,11 @@ class Supervisor:
 
     async def run(self) -> int:
         """Until SIGTERM/SIGINT (drained: 0) or a worker's crash loop (1)."""
-        self._start_renewer()
+        # the pod's admin port serves the inventory over mutual TLS (clusterproxy_server.admin)
+        admin_tls = ReloadingContext.server(
+            self.config.cert, self.config.key, self.config.ca, alpn=[ALPN_HTTP1]
+        )
+        self._start_renewer([admin_tls])
         self._bind()
         self._pipes = [os.pipe() for _ in range(self.count)]
         admin_listeners = await trio.open_tcp_listeners(
@@ -329,7 +338,9 @@ class Supervisor:
         try:
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(serve_admin, admin_listeners, self.routes())
+                    plain, private = self.routes()
+                    api = Authenticated(private, lambda: admin_tls.context)
+                    await nursery.start(partial(serve_admin, admin_listeners, plain, authenticated=api))
                     if self.renewer is not None:
                         await nursery.start(self.renewer.run)
                     async with trio.open_nursery() as workers:
@@ -477,7 +488,7 @@ class Supervisor:
                 nursery.start_soon(ask, index)
         return answers
 
-    def routes(self) -> dict[str, Route]:
+    def routes(self) -> tuple[dict[str, Route], dict[str, PeerRoute]]:
         async def ready() -> Response:
             if self.stopping:
                 return Response.text("not ready: draining", 503)
@@ -492,20 +503,33 @@ class Supervisor:
                 else Response.text("ready")
             )
 
-        async def metrics() -> Response:
+        # The workers answer everything on their private channel; the pod's port authenticates and
+        # filters as one process does (clusterproxy_server.admin).
+        plain_metrics, full_metrics = metrics_routes(self.metrics, self.visible)
+
+        async def merge_metrics() -> None:
             self.merged.texts = [
                 body.decode() for status, body in await self._ask_all("/metrics") if status == 200
             ]
-            return metrics_response(self.metrics)
 
-        async def agents() -> Response:
+        async def metrics() -> Response:
+            await merge_metrics()
+            return plain_metrics()
+
+        async def authenticated_metrics(cert: x509.Certificate | None) -> Response:
+            await merge_metrics()
+            return full_metrics(cert)
+
+        async def agents(cert: x509.Certificate | None) -> Response:
+            shown = self.visible(cert)
             merged: list[object] = []
             for status, body in await self._ask_all("/api/v1/agents"):
                 if status == 200:
-                    merged.extend(json.loads(body))
+                    merged.extend(entry for entry in json.loads(body) if shown(entry["cluster"]))
             return Response.json(merged)
 
-        async def clusters() -> Response:
+        async def clusters(cert: x509.Certificate | None) -> Response:
+            shown = self.visible(cert)
             agents_of: dict[str, set[str]] = {}
             for status, body in await self._ask_all("/api/v1/clusters"):
                 if status == 200:
@@ -515,7 +539,9 @@ class Supervisor:
                 if status == 200:
                     for entry in json.loads(body):
                         agents_of.setdefault(entry["cluster"], set()).add(entry["agent_id"])
-            return Response.json({name: {"agents": len(ids)} for name, ids in sorted(agents_of.items())})
+            return Response.json(
+                {name: {"agents": len(ids)} for name, ids in sorted(agents_of.items()) if shown(name)}
+            )
 
         async def workers() -> Response:
             metrics_answers = await self._ask_all("/metrics")
@@ -541,14 +567,18 @@ class Supervisor:
                 )
             return Response.json(listing)
 
-        return {
+        plain: dict[str, Route] = {
             "/healthz": lambda: Response.text("ok"),
             "/readyz": ready,
             "/metrics": metrics,
-            "/api/v1/agents": agents,
-            "/api/v1/clusters": clusters,
             "/api/v1/workers": workers,
         }
+        private: dict[str, PeerRoute] = {
+            "/api/v1/agents": agents,
+            "/api/v1/clusters": clusters,
+            "/metrics": authenticated_metrics,
+        }
+        return plain, private
 
 
 def _sum_samples(text: bytes, name: str) -> float:
