@@ -8,7 +8,8 @@ import pytest
 
 from clusterproxy_protocol import events as ev
 from clusterproxy_protocol.core import Role, TunnelCore, TunnelSettings
-from clusterproxy_protocol.windows import Budget, next_window
+from clusterproxy_protocol.windows import Budget, format_size, next_window
+from clusterproxy_protocol.wire import REASON_HEADER
 from tests.support.cores import pump
 
 FIRST = 65535
@@ -176,7 +177,31 @@ def test_a_stream_whose_first_window_does_not_fit_the_budget_is_refused_before_a
     opener.send_data(sid, b"z" * 1000)
     seen_by_opener, seen_by_acceptor = pump(opener, acceptor)
     assert [e.limit for e in seen_by_acceptor if isinstance(e, ev.LimitExceeded)] == ["buffer_budget"]
+    answer = next(e for e in seen_by_opener if isinstance(e, ev.ResponseReceived) and e.stream_id == sid)
+    assert answer.status == 503  # the budget has no parent: the whole process is full
+    assert answer.headers[REASON_HEADER] == (
+        "stream refused: connection: 192KiB of stream windows held for data not read yet, of 192KiB"
+    )
     assert any(isinstance(e, ev.StreamReset) and e.stream_id == sid for e in seen_by_opener)
     assert acceptor.stream(sid) is None
     assert connection.used == 3 * FIRST
     assert all(acceptor.stream(s) is not None for s in admitted)
+
+
+def test_an_identity_budget_refusal_is_a_429_naming_it() -> None:
+    process = Budget(0, name="process")
+    identity = Budget(FIRST, parent=process, name="client 'CN=alice'")
+    opener, acceptor = wired(GROWING, acceptor_budget=Budget(0, parent=identity, name="connection"))
+    open_stream(opener, acceptor)
+    sid = opener.open_connect("target:443")
+    seen_by_opener, _ = pump(opener, acceptor)
+    answer = next(e for e in seen_by_opener if isinstance(e, ev.ResponseReceived) and e.stream_id == sid)
+    assert answer.status == 429
+    assert "client 'CN=alice': 64KiB of stream windows held" in answer.headers[REASON_HEADER]
+
+
+@pytest.mark.parametrize(
+    ("count", "text"), [(900, "900B"), (64 << 10, "64KiB"), (1536 << 20, "1.5GiB"), (64 << 20, "64MiB")]
+)
+def test_sizes_read_as_the_flags_write_them(count: int, text: str) -> None:
+    assert format_size(count) == text

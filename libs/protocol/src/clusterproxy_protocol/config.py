@@ -26,7 +26,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from clusterproxy_protocol.windows import format_size
 from clusterproxy_protocol.wire import MalformedAddress, split_hostport
+
+__all__ = ["format_size"]  # re-exported: the inverse of parse_size, for flags' defaults
 
 __all__ = [
     "ConfigError",
@@ -171,15 +174,6 @@ def parse_size(text: str | int) -> int:
     if not match or match.group(2) not in _SIZE_UNITS:
         raise InvalidValue(f"invalid size {text!r}: expected bytes such as 65536, 64KiB, 4MiB or 1GB")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
-
-
-def format_size(count: int) -> str:
-    """A byte count as :func:`parse_size` reads it back, in the largest binary unit that keeps it whole
-    to a tenth (``64MiB``, ``1.5GiB``, ``900B``)."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if count >= size:
-            return f"{count / size:.1f}".removesuffix(".0") + unit
-    return f"{count}B"
 
 
 def parse_positive_int(text: str | int) -> int:

@@ -613,10 +613,9 @@ class TunnelCore:
                     return
                 full = self.budget.exhausted(self.settings.first_window) if self.budget is not None else None
                 if full is not None:
-                    # Its first window cannot be granted: the peer's open streams hold the budget with
-                    # data nobody has read yet. Refused before it can send any.
-                    detail = f"stream windows held reach the {full.name or 'connection'} budget ({full.limit} bytes)"
-                    self._refuse_stream(sid, "buffer_budget", detail, out)
+                    # Its first window cannot be granted: open streams hold the budget with data
+                    # nobody has read yet. Refused before it can send any.
+                    self._refuse_over_budget(sid, full, out)
                     return
                 fields = dict(headers or [])
                 self._add_stream(sid, self.budget, remote_ended=ended is not None)
@@ -684,6 +683,22 @@ class TunnelCore:
             pass  # already closed on the wire: nothing to refuse
         out.append(ev.LimitExceeded(limit, detail, sid))
         if self._settings_acked:  # before that, a peer opening streams at once only raced our SETTINGS
+            self._charge_reset(out)
+
+    def _refuse_over_budget(self, sid: int, full: Budget, out: list[ev.Event]) -> None:
+        """A whole answer at once (HEADERS are not flow-controlled, so even a peer with no window reads
+        the reason): 429, or 503 when the process's own budget is full, then RST_STREAM NO_ERROR so the
+        peer sends nothing more (RFC 9113 8.1)."""
+        reason = clean_reason(f"stream refused: {full.full_reason()}")
+        status = "503" if full.parent is None else "429"
+        try:
+            head = [(":status", status), (REASON_HEADER, reason), ("content-length", "0")]
+            self._conn.send_headers(sid, head, end_stream=True)
+            self._conn.reset_stream(sid, NO_ERROR)
+        except h2.exceptions.StreamClosedError:
+            pass  # already closed on the wire: nothing to refuse
+        out.append(ev.LimitExceeded("buffer_budget", reason, sid))
+        if self._settings_acked:  # a peer that keeps opening streams it is refused meets the reset budget
             self._charge_reset(out)
 
     def _charge_reset(self, out: list[ev.Event]) -> None:

@@ -14,7 +14,7 @@ Sans-IO like the core: plain integers, no clock, no I/O.
 
 from __future__ import annotations
 
-__all__ = ["Budget", "next_window"]
+__all__ = ["Budget", "format_size", "next_window"]
 
 
 class Budget:
@@ -59,11 +59,25 @@ class Budget:
             scope.used += count
             scope = scope.parent
 
+    def full_reason(self) -> str:
+        """Why this scope grants no more, for a refusal."""
+        held, limit = format_size(self.used), format_size(self.limit)
+        return f"{self.name or 'budget'}: {held} of stream windows held for data not read yet, of {limit}"
+
     def give(self, count: int) -> None:
         scope: Budget | None = self
         while scope is not None:
             scope.used -= count
             scope = scope.parent
+
+
+def format_size(count: int) -> str:
+    """A byte count as ``config.parse_size`` reads it back, in the largest binary unit that keeps it
+    whole to a tenth (``64MiB``, ``1.5GiB``, ``900B``)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.1f}".removesuffix(".0") + unit
+    return f"{count}B"
 
 
 def next_window(window: int, largest: int) -> int:

@@ -27,13 +27,12 @@ from clusterproxy_agent.dialer import ConnectFailed, Connector, ResolveFailed, R
 from clusterproxy_agent.egress import EgressPolicy, Target, TargetError, normalize_name, parse_target
 from clusterproxy_agent.metrics import AgentMetrics
 from clusterproxy_protocol.closing import reset_if_process_dies
-from clusterproxy_protocol.config import format_size
 from clusterproxy_protocol.driver import IncomingRequest, Mux
 from clusterproxy_protocol.errors import TunnelError, clean_reason
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.relay import relay
 from clusterproxy_protocol.steering import parse_worker
-from clusterproxy_protocol.windows import Budget
+from clusterproxy_protocol.windows import Budget, format_size
 from clusterproxy_protocol.wire import (
     FAULT_HEADER,
     FAULT_TARGET,
@@ -139,7 +138,7 @@ class Agent:
     ) -> None:
         self.config = config
         # Every tunnel's streams' receive windows: what targets that stop reading can make us hold.
-        self.buffers = Budget(config.buffer_budget, name="agent")
+        self.buffers = Budget(config.buffer_budget, name=f"agent {config.agent_id} (--buffer-budget)")
         self.control = control or ControlEndpoint(config.cluster, config.kube_apiserver, None)
         self._resolve = resolver
         self._connect = connector

@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 import structlog
 import trio
 
-from clusterproxy_protocol.config import format_size
 from clusterproxy_protocol.errors import ConnectRefused, TooManyRequests
-from clusterproxy_protocol.windows import Budget
+from clusterproxy_protocol.windows import Budget, format_size
 from clusterproxy_server.authz import ClientIdentity
 from clusterproxy_server.metrics import ServerMetrics
 
@@ -109,7 +108,7 @@ class ClientQuotas:
         self.log = log
         self.first_window = first_window  # what a new stream toward an agent is charged at once
         self.clock = clock
-        self.process = Budget(settings.process_buffer, name="process")
+        self.process = Budget(settings.process_buffer, name="the proxy-server (--buffer-budget)")
         self._ledgers: dict[str, ClientLedger] = {}
         metrics.buffer_bytes.labels("process").set_function(lambda: self.process.used)
         metrics.watch_client_buffers(self._buffers)
@@ -133,7 +132,7 @@ class ClientQuotas:
             ledger = ClientLedger(
                 client.name,
                 key,
-                Budget(self.settings.buffer, self.process, name=key),
+                Budget(self.settings.buffer, self.process, name=f"client {key!r} (--client-buffer-budget)"),
                 float(self.settings.stream_burst),
                 self.clock(),
             )
@@ -149,7 +148,12 @@ class ClientQuotas:
             )
         ledger.connections += 1
         return ConnectionQuota(
-            ledger, Budget(self.settings.connection_buffer, ledger.budget, name="connection")
+            ledger,
+            Budget(
+                self.settings.connection_buffer,
+                ledger.budget,
+                name="this connection (--connection-buffer-budget)",
+            ),
         )
 
     def close_connection(self, quota: ConnectionQuota) -> None:
