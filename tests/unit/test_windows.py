@@ -205,3 +205,23 @@ def test_an_identity_budget_refusal_is_a_429_naming_it() -> None:
 )
 def test_sizes_read_as_the_flags_write_them(count: int, text: str) -> None:
     assert format_size(count) == text
+
+
+def test_streams_the_peer_resets_or_ends_give_their_windows_back_at_once() -> None:
+    """50 streams opened and reset in one read, against a budget of 3 first windows: none is refused
+    (a reset stream can receive nothing more, whether or not the application has seen it yet)."""
+    connection = Budget(3 * FIRST, name="connection")
+    opener, acceptor = wired(GROWING, acceptor_budget=connection)
+    for _ in range(50):
+        opener.reset(opener.open_connect("target:443"))
+    _, seen = pump(opener, acceptor)
+    assert not [e for e in seen if isinstance(e, ev.LimitExceeded)]
+    assert connection.used == 0
+    ended = open_stream(opener, acceptor)
+    opener.send_data(ended, b"last words")
+    opener.end_stream(ended)
+    pump(opener, acceptor)
+    assert connection.used == len(b"last words")  # only what still waits to be read
+    assert acceptor.read(ended, 100) == b"last words"
+    acceptor.close_stream(ended)
+    assert connection.used == 0

@@ -128,7 +128,8 @@ class TunnelSettings:
 class StreamState:
     stream_id: int
     window: int = 0  # the receive window granted: at most this much is ever buffered
-    budget: Budget | None = None  # charged ``window`` while the stream is known
+    budget: Budget | None = None  # charged ``window`` while the peer may still send, then what is buffered
+    charged: int = 0
     starved: bool = False  # the peer used up the window since it last grew
     chunks: deque[bytes] = field(default_factory=deque)
     buffered: int = 0
@@ -286,12 +287,21 @@ class TunnelCore:
         state = StreamState(stream_id, window, budget, local_ended=local_ended, remote_ended=remote_ended)
         if budget is not None:
             budget.take(window)  # promised by our SETTINGS already: charged whatever the budget says
+            state.charged = window
         self._streams[stream_id] = state
         return state
 
     def _forget(self, state: StreamState) -> None:
-        if self._streams.pop(state.stream_id, None) is state and state.budget is not None:
-            state.budget.give(state.window)
+        if self._streams.pop(state.stream_id, None) is state:
+            self._release(state)
+
+    def _release(self, state: StreamState, keep: int = 0) -> None:
+        """The peer can send the stream nothing more: give back its charge but ``keep`` (what is still
+        buffered), so a rapid reset's or an ended stream's window is free at once, not when the
+        application gets round to it."""
+        if state.budget is not None and state.charged > keep:
+            state.budget.give(state.charged - keep)
+            state.charged = keep
 
     # -- acceptor ---------------------------------------------------------------------------------
 
@@ -424,9 +434,11 @@ class TunnelCore:
             self._forget(state)
 
     def _drop_buffer(self, state: StreamState) -> None:
+        """The stream was reset: its bytes will never be read, and no more can come."""
         if state.buffered:
             state.chunks.clear()
             state.buffered = 0
+        self._release(state)
 
     def _ack_stream(self, state: StreamState, count: int) -> None:
         state.unacked += count
@@ -442,6 +454,7 @@ class TunnelCore:
             if state.budget is None or state.budget.try_take(bigger - state.window):
                 growth = bigger - state.window
                 state.window = bigger
+                state.charged += growth
         if growth or state.unacked >= state.window // 4:
             try:
                 self._conn.increment_flow_control_window(state.unacked + growth, stream_id=state.stream_id)
@@ -637,6 +650,7 @@ class TunnelCore:
                 state = self._streams.get(sid)
                 if state is not None:
                     state.remote_ended = True
+                    self._release(state, keep=state.buffered)
                     self._forget_if_finished(state)
                     out.append(ev.RemoteEnded(sid))
             case h2.events.StreamReset(stream_id=sid, error_code=code):
