@@ -225,3 +225,31 @@ def test_streams_the_peer_resets_or_ends_give_their_windows_back_at_once() -> No
     assert acceptor.read(ended, 100) == b"last words"
     acceptor.close_stream(ended)
     assert connection.used == 0
+
+
+def test_a_reservation_pays_for_the_stream_opened_on_its_behalf() -> None:
+    """A proxy: each stream a client opens is charged its window and the window of the stream toward
+    the agent, which takes the reservation over: a burst of client streams cannot spend the budget on
+    their own windows and leave the streams that serve them none."""
+    identity = Budget(4 * FIRST, name="identity")
+    client = TunnelCore(Role.OPENER, GROWING)
+    proxy_side = TunnelCore(Role.ACCEPTOR, GROWING, budget=identity, reserve=FIRST)
+    client.initiate()
+    proxy_side.initiate()
+    pump(client, proxy_side)
+    toward_agent, _agent = wired(GROWING)
+    first, second, third = (client.open_connect(f"{name}:1") for name in "abc")
+    seen_by_client, _ = pump(client, proxy_side)
+    assert identity.used == 4 * FIRST  # two streams, each with its reservation
+    refusal = next(e for e in seen_by_client if isinstance(e, ev.ResponseReceived) and e.stream_id == third)
+    assert refusal.status == 503  # the third did not fit, reservation included
+    paid = proxy_side.take_reserve(first)
+    assert paid == FIRST and proxy_side.take_reserve(first) == 0
+    upstream = toward_agent.open_connect("a:1", budget=identity, prepaid=paid)
+    assert identity.used == 4 * FIRST  # moved over, not charged twice
+    toward_agent.reset(upstream)
+    toward_agent.close_stream(upstream)
+    assert identity.used == 3 * FIRST
+    client.reset(second)
+    pump(client, proxy_side)
+    assert identity.used == FIRST  # the second's window and unspent reservation are back

@@ -130,6 +130,7 @@ class StreamState:
     window: int = 0  # the receive window granted: at most this much is ever buffered
     budget: Budget | None = None  # charged ``window`` while the peer may still send, then what is buffered
     charged: int = 0
+    reserved: int = 0  # of ``charged``: held for the stream the application opens on its behalf
     starved: bool = False  # the peer used up the window since it last grew
     chunks: deque[bytes] = field(default_factory=deque)
     buffered: int = 0
@@ -154,10 +155,16 @@ class TunnelCore:
         settings: TunnelSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
         budget: Budget | None = None,
+        reserve: int = 0,
     ) -> None:
         self.role = role
         self.settings = settings or TunnelSettings()
         self.budget = budget  # what the peer's streams' windows are charged to
+        # Charged with each stream the peer opens, beside its window: the window of the stream the
+        # application will open on its behalf (a proxy's stream toward the agent), which takes it
+        # over (take_reserve). Admitting a burst of streams then cannot spend the whole budget on
+        # their own windows and leave none for the streams that serve them.
+        self.reserve = reserve
         self._clock = clock
         config = h2.config.H2Configuration(client_side=role is Role.OPENER, header_encoding="utf-8")
         self._conn = TunnelH2Connection(config=config)
@@ -248,10 +255,12 @@ class TunnelCore:
         authority: str,
         headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
         budget: Budget | None = None,
+        prepaid: int = 0,
     ) -> int:
-        """Open a CONNECT stream; its receive window is charged to ``budget`` (else the connection's)."""
+        """Open a CONNECT stream; its receive window is charged to ``budget`` (else the connection's),
+        of which ``prepaid`` bytes were charged already (a reservation, :meth:`take_reserve`)."""
         request = [(":method", "CONNECT"), (":authority", authority), *headers]
-        return self._open(request, end_stream=False, budget=budget)
+        return self._open(request, end_stream=False, budget=budget, prepaid=prepaid)
 
     def open_request(
         self,
@@ -274,22 +283,49 @@ class TunnelCore:
             self.end_stream(stream_id)
         return stream_id
 
-    def _open(self, request: list[tuple[str, str]], *, end_stream: bool, budget: Budget | None = None) -> int:
+    def _open(
+        self,
+        request: list[tuple[str, str]],
+        *,
+        end_stream: bool,
+        budget: Budget | None = None,
+        prepaid: int = 0,
+    ) -> int:
         stream_id = self._conn.get_next_available_stream_id()
         self._conn.send_headers(stream_id, request, end_stream=end_stream)
-        self._add_stream(stream_id, budget or self.budget, local_ended=end_stream)
+        budget = budget or self.budget
+        self._add_stream(stream_id, budget, local_ended=end_stream)
+        if budget is not None and prepaid:
+            budget.give(prepaid)  # the reservation it was paid from is over
         return stream_id
 
     def _add_stream(
-        self, stream_id: int, budget: Budget | None, *, local_ended: bool = False, remote_ended: bool = False
+        self,
+        stream_id: int,
+        budget: Budget | None,
+        *,
+        local_ended: bool = False,
+        remote_ended: bool = False,
+        reserve: int = 0,
     ) -> StreamState:
         window = self.settings.first_window
         state = StreamState(stream_id, window, budget, local_ended=local_ended, remote_ended=remote_ended)
         if budget is not None:
-            budget.take(window)  # promised by our SETTINGS already: charged whatever the budget says
-            state.charged = window
+            # Promised by our SETTINGS already: charged whatever the budget says.
+            budget.take(window + reserve)
+            state.charged, state.reserved = window + reserve, reserve
         self._streams[stream_id] = state
         return state
+
+    def take_reserve(self, stream_id: int) -> int:
+        """Hand over the stream's reservation (its bytes stay charged) to pay for the stream opened on its
+        behalf (``open_connect(prepaid=...)``); 0 when it has none left."""
+        state = self._streams.get(stream_id)
+        if state is None or not state.reserved:
+            return 0
+        taken, state.reserved = state.reserved, 0
+        state.charged -= taken
+        return taken
 
     def _forget(self, state: StreamState) -> None:
         if self._streams.pop(state.stream_id, None) is state:
@@ -302,6 +338,7 @@ class TunnelCore:
         if state.budget is not None and state.charged > keep:
             state.budget.give(state.charged - keep)
             state.charged = keep
+        state.reserved = 0  # given back with the rest: what is opened on its behalf pays for itself
 
     # -- acceptor ---------------------------------------------------------------------------------
 
@@ -624,14 +661,15 @@ class TunnelCore:
                         sid, "concurrent_streams", f"more than {limit} concurrent streams", out
                     )
                     return
-                full = self.budget.exhausted(self.settings.first_window) if self.budget is not None else None
+                need = self.settings.first_window + self.reserve
+                full = self.budget.exhausted(need) if self.budget is not None else None
                 if full is not None:
                     # Its first window cannot be granted: open streams hold the budget with data
                     # nobody has read yet. Refused before it can send any.
                     self._refuse_over_budget(sid, full, out)
                     return
                 fields = dict(headers or [])
-                self._add_stream(sid, self.budget, remote_ended=ended is not None)
+                self._add_stream(sid, self.budget, remote_ended=ended is not None, reserve=self.reserve)
                 out.append(
                     ev.RequestReceived(
                         sid,

@@ -222,6 +222,11 @@ class TunnelStream(trio.abc.HalfCloseableStream):
         self._mux.forget(self)
         self._wake()
 
+    def take_reserve(self) -> int:
+        """The bytes reserved with this stream for one opened on its behalf (core.TunnelCore.reserve),
+        handed over to pay for it; 0 after the first call."""
+        return self._mux.core.take_reserve(self.stream_id)
+
     @property
     def answerable(self) -> bool:
         """Not closed here, not reset by the peer, its connection alive: a response can still go out."""
@@ -365,10 +370,11 @@ class Mux:
         received: bytes = b"",
         on_limit: LimitHandler | None = None,
         budget: Budget | None = None,
+        reserve: int = 0,
     ) -> None:
         self.transport = transport
         self._received = received
-        self.core = TunnelCore(role, settings, clock=trio.current_time, budget=budget)
+        self.core = TunnelCore(role, settings, clock=trio.current_time, budget=budget, reserve=reserve)
         self._handler = handler
         self._on_limit = on_limit
         self.limits_tripped: dict[str, int] = {}  # limit -> how many times on this connection
@@ -420,11 +426,15 @@ class Mux:
         authority: str,
         headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
         budget: Budget | None = None,
+        prepaid: Callable[[], int] | None = None,
     ) -> TunnelStream:
         """Open a CONNECT stream; returns it once the peer answered 200, else raises ConnectRefused.
-        Its receive window is charged to ``budget`` (the client it is opened for), else the connection's."""
+        Its receive window is charged to ``budget`` (the client it is opened for), else the connection's;
+        ``prepaid()`` says how much of it a reservation pays (the client stream's ``take_reserve``)."""
         await self._peer_settings()
-        stream = self._open(lambda: self.core.open_connect(authority, list(headers), budget))
+        stream = self._open(
+            lambda: self.core.open_connect(authority, list(headers), budget, prepaid() if prepaid else 0)
+        )
         try:
             await stream.wait_response()
             if stream.status == 200:
@@ -814,6 +824,7 @@ async def open_mux(
     received: bytes = b"",
     on_limit: LimitHandler | None = None,
     budget: Budget | None = None,
+    reserve: int = 0,
 ) -> AsyncIterator[Mux]:
     """Run an HTTP/2 tunnel connection over ``transport`` for the duration of the block.
 
@@ -824,9 +835,10 @@ async def open_mux(
     ``received`` are bytes the caller already read from ``transport`` (to tell the protocol apart);
     they are processed first.
     ``on_limit`` hears of every abuse limit that trips (see the module's docstring).
-    ``budget`` is charged the receive windows of the streams the peer opens (core.TunnelSettings).
+    ``budget`` is charged the receive windows of the streams the peer opens (core.TunnelSettings), and
+    ``reserve`` more for each, held for a stream opened on its behalf (``TunnelStream.take_reserve``).
     """
-    mux = Mux(transport, role, settings, handler, received, on_limit, budget)
+    mux = Mux(transport, role, settings, handler, received, on_limit, budget, reserve)
     async with trio.open_nursery() as nursery:
         await nursery.start(mux.run)
         if keepalive is not None:

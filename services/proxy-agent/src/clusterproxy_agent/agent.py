@@ -32,7 +32,7 @@ from clusterproxy_protocol.errors import TunnelError, clean_reason
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.relay import relay
 from clusterproxy_protocol.steering import parse_worker
-from clusterproxy_protocol.windows import Budget, format_size
+from clusterproxy_protocol.windows import Budget
 from clusterproxy_protocol.wire import (
     FAULT_HEADER,
     FAULT_TARGET,
@@ -356,18 +356,6 @@ class Agent:
         log = self.log.bind(stream_id=request.stream.stream_id, target=request.authority)
         metrics.open_streams.inc()
         try:
-            # This stream's first window is charged already; refused, with a reason the hub passes
-            # on, when the next would not fit (the tunnel's core would refuse that one with no reason).
-            full = self.buffers.exhausted(request.mux.core.settings.first_window)
-            if full is not None:
-                reason = (
-                    f"agent {self.config.agent_id} holds {format_size(full.used)} of stream windows for "
-                    f"targets that have not read them (--buffer-budget {format_size(full.limit)})"
-                )
-                metrics.dials.labels("buffer_full").inc()
-                log.info("stream_refused", status=503, error=reason)
-                await request.refuse(503, reason)
-                return
             try:
                 target = self.resolve_target(request.authority)
             except TargetError as exc:

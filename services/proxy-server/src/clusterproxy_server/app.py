@@ -397,6 +397,7 @@ class ProxyServer:
             on_limit,
             self.drain,
             quota,
+            cfg.tunnel.first_window,
         )
         if quota is None:
             self.metrics.rejected.labels("client", "client quota").inc()

@@ -87,6 +87,24 @@ class ClientLedger:
 
 
 @dataclass(eq=False)
+class Prepaid:
+    """Bytes of a client stream's reservation (``TunnelStream.take_reserve``), still charged to
+    ``budget``, that pay for the window of the stream opened toward an agent on its behalf; what is
+    not spent on one is given back with :meth:`refund`."""
+
+    budget: Budget | None
+    amount: int = 0
+
+    def spend(self) -> int:
+        spent, self.amount = self.amount, 0
+        return spent
+
+    def refund(self) -> None:
+        if self.budget is not None and self.amount:
+            self.budget.give(self.spend())
+
+
+@dataclass(eq=False)
 class ConnectionQuota:
     """One client connection's share: its buffer budget (charged to the identity's) and its ledger."""
 
@@ -167,12 +185,13 @@ class ClientQuotas:
     # -- streams ----------------------------------------------------------------------------------
 
     @contextmanager
-    def stream(self, quota: ConnectionQuota) -> Iterator[None]:
+    def stream(self, quota: ConnectionQuota, prepaid: int = 0) -> Iterator[None]:
         """One stream of the connection for the duration of the block. Raises :class:`QuotaExceeded`
         (429) past the identity's concurrent streams, its rate, or a buffer budget of the connection or
-        the identity, and :class:`ServerBufferFull` (503) past the process's."""
+        the identity, and :class:`ServerBufferFull` (503) past the process's. ``prepaid``: bytes of the
+        window toward the agent already charged (a reservation)."""
         ledger = quota.ledger
-        self._admit(quota)
+        self._admit(quota, max(0, self.first_window - prepaid))
         ledger.streams += 1
         try:
             yield
@@ -180,7 +199,7 @@ class ClientQuotas:
             ledger.streams -= 1
             self._forget_if_idle(ledger)
 
-    def _admit(self, quota: ConnectionQuota) -> None:
+    def _admit(self, quota: ConnectionQuota, need: int) -> None:
         s, ledger = self.settings, quota.ledger
         if s.max_streams and ledger.streams >= s.max_streams:
             raise self._refusal(
@@ -189,7 +208,7 @@ class ClientQuotas:
                 f"client {ledger.key!r} already has {ledger.streams} streams open "
                 f"(--client-max-concurrent-streams {s.max_streams}): close some, or ask for a higher bound",
             )
-        full = quota.budget.exhausted(self.first_window)
+        full = quota.budget.exhausted(need) if need else None
         if full is self.process:
             raise self._refusal(
                 ledger,

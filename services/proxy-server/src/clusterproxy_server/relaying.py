@@ -40,7 +40,7 @@ from clusterproxy_server.authz import ClientIdentity, PolicyFile
 from clusterproxy_server.control import ControlAccess
 from clusterproxy_server.metrics import ServerMetrics
 from clusterproxy_server.pending_dials import ConnectionDials, PendingDials, ScopedTooManyRequests
-from clusterproxy_server.quotas import ClientQuotas, ConnectionQuota
+from clusterproxy_server.quotas import ClientQuotas, ConnectionQuota, Prepaid
 from clusterproxy_server.registry import AgentTunnel, Registry
 from clusterproxy_server.routing import Route, may_name_unknown_cluster, resolve
 
@@ -74,6 +74,11 @@ class ClientRequest(Protocol):
 
     async def refuse(self, status: int, reason: str) -> None:
         """Tell the client why not, with an HTTP status and a one-line reason."""
+        ...
+
+    def take_reserve(self) -> int:
+        """Bytes reserved (and charged) with the client's own stream for the window of the stream toward
+        the agent (``TunnelStream.take_reserve``), handed over; 0 when its frontend reserves none."""
         ...
 
 
@@ -154,15 +159,19 @@ class Relayer:
             route = await self._route(request, deadline)
             log = log.bind(cluster=route.cluster)
             self._authorize(request.client, route.cluster)
+            prepaid = Prepaid(quota.budget if quota is not None else None, request.take_reserve())
+            held.callback(prepaid.refund)  # what no stream toward an agent spent goes back at the end
             if quota is not None and self.quotas is not None:
-                held.enter_context(self.quotas.stream(quota))  # counted until the stream ends
+                held.enter_context(self.quotas.stream(quota, prepaid.amount))  # counted until it ends
             marks = self.control.headers_for(request.client, route.authority, route.cluster)
             with self.pending.hold(connection or ConnectionDials(), request.client.describe()):
                 self.metrics.pending_dials.inc()
                 try:
                     with self.metrics.dial_seconds.time():
                         budget = quota.budget if quota is not None else None
-                        upstream, tunnel = await self._dial(route, log, deadline, marks, budget)
+                        upstream, tunnel = await self._dial(
+                            route, log, deadline, marks, budget, prepaid.spend
+                        )
                 finally:
                     self.metrics.pending_dials.dec()
         except ConnectRefused as exc:
@@ -235,6 +244,7 @@ class Relayer:
         deadline: float,
         headers: list[tuple[str, str]] | None = None,
         budget: Budget | None = None,
+        prepaid: Callable[[], int] | None = None,
     ) -> tuple[TunnelStream, AgentTunnel]:
         """Open the stream on the least-loaded tunnel in routing. A tunnel that dies meanwhile makes us
         try the next; an agent that fails by itself (:func:`agent_fault`, or no answer within the agent
@@ -264,7 +274,7 @@ class Relayer:
                 with trio.fail_after(max(wait, 0)):
                     # The stream's receive window (what the agent may send ahead of the client's reads)
                     # is charged to the client's budgets.
-                    stream = await tunnel.mux.open_connect(route.authority, headers or [], budget)
+                    stream = await tunnel.mux.open_connect(route.authority, headers or [], budget, prepaid)
             except TunnelClosed:
                 lost.add(tunnel)
                 continue

@@ -62,6 +62,8 @@ class ClientConnection:
     on_limit: LimitHandler | None = None  # an HTTP/2 abuse limit tripped (metrics, one log line)
     drain: Drain = field(default_factory=Drain)
     quota: ConnectionQuota | None = None  # the client identity's share this connection draws on
+    # Charged with each HTTP/2 stream beside its own window: the window of its stream toward an agent.
+    stream_reserve: int = 0
 
 
 SEND_TIMEOUT = 5.0  # seconds a refusal may take to reach a slow reader

@@ -32,6 +32,9 @@ class Http1Request:
     async def refuse(self, status: int, reason: str) -> None:
         await send_and_close(self.stream, messages.error_response(status, reason))
 
+    def take_reserve(self) -> int:
+        return 0  # the client's side is a socket: its kernel buffers it, not our windows
+
 
 async def serve(connection: ClientConnection) -> None:
     stream = connection.stream

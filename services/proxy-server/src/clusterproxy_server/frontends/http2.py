@@ -46,6 +46,9 @@ class Http2ConnectRequest:
     async def refuse(self, status: int, reason: str) -> None:
         await self.request.refuse(status, reason)
 
+    def take_reserve(self) -> int:
+        return self.request.stream.take_reserve()
+
 
 def _is_connect(request: IncomingRequest) -> bool:
     return request.method == "CONNECT"
@@ -94,6 +97,7 @@ async def serve(connection: ClientConnection) -> None:
             received=connection.received,
             on_limit=connection.on_limit,
             budget=connection.quota.budget if connection.quota is not None else None,
+            reserve=connection.stream_reserve,
         ) as mux,
         trio.open_nursery() as watch,
     ):

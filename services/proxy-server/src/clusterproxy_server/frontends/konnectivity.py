@@ -114,6 +114,9 @@ class KonnectivityDial:
         )
         return DialStream(self)
 
+    def take_reserve(self) -> int:
+        return 0  # one gRPC stream carries many dials: each pays for its own stream toward an agent
+
     async def refuse(self, status: int, reason: str) -> None:
         del status  # Go's konnectivity client shows the error text only
         await self.session.send(
