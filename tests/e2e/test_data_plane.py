@@ -9,49 +9,20 @@ import math
 import pytest
 import trio
 
-from clusterproxy_sdk import TLSFiles, open_tunnel
+from clusterproxy_sdk import open_tunnel
 from tests.support.pki import PkiFiles
 from tests.support.procs import Hub
-from tests.support.targets import CHUNK, Target, pattern, pattern_digest, serve_digest, serve_source
+from tests.support.targets import digest_transfer as transfer
+from tests.support.targets import pattern, pattern_digest, serve_digest, serve_source
 
 pytestmark = pytest.mark.slow
 MiB = 1 << 20
 
 
-def tls_files(pki: PkiFiles) -> TLSFiles:
-    return TLSFiles(pki.ca, pki.client.cert, pki.client.key)
-
-
-async def transfer(tunnel, target: Target, token: str, up: int, down: int, cluster: str = "cluster1") -> None:
-    """Send ``up`` bytes, then EOF, while reading ``down`` bytes; both digests must match."""
-    stream = await tunnel.connect(cluster, target.host, target.port)
-    received = hashlib.sha256()
-    count = 0
-
-    async def send() -> None:
-        await stream.send_all(f"{token} {down}\n".encode())
-        for chunk in pattern(token + "-up", up):
-            await stream.send_all(chunk)
-        await stream.send_eof()
-
-    async def receive() -> None:
-        nonlocal count
-        while data := await stream.receive_some(CHUNK):
-            received.update(data)
-            count += len(data)
-
-    async with stream, trio.open_nursery() as nursery:
-        nursery.start_soon(send)
-        nursery.start_soon(receive)
-    assert count == down, f"{token}: got {count} of {down} bytes"
-    assert received.hexdigest() == pattern_digest(token, down), f"{token}: corrupted download"
-    assert target.received[token] == pattern_digest(token + "-up", up), f"{token}: corrupted upload"
-
-
 async def test_100_mib_each_way_through_one_stream(hub: Hub, pki: PkiFiles, nursery: trio.Nursery) -> None:
     target = await serve_digest(nursery)
     async with open_tunnel(
-        f"127.0.0.1:{hub.client_port}", tls_files(pki), server_hostname="localhost"
+        f"127.0.0.1:{hub.client_port}", pki.sdk_files(), server_hostname="localhost"
     ) as tunnel:
         with trio.fail_after(240):
             await transfer(tunnel, target, "one-stream", 100 * MiB, 100 * MiB)
@@ -63,7 +34,7 @@ async def test_100_mib_each_way_over_16_parallel_streams(
     target = await serve_digest(nursery)
     share = 100 * MiB // 16
     async with open_tunnel(
-        f"127.0.0.1:{hub.client_port}", tls_files(pki), server_hostname="localhost"
+        f"127.0.0.1:{hub.client_port}", pki.sdk_files(), server_hostname="localhost"
     ) as tunnel:
         with trio.fail_after(240):
             async with trio.open_nursery() as streams:
@@ -91,7 +62,7 @@ async def test_half_close_client_sends_eof_then_reads_whole_reply(
     port = listeners[0].socket.getsockname()[1]
     request = b"q" * (2 * MiB + 17)
     async with open_tunnel(
-        f"127.0.0.1:{hub.client_port}", tls_files(pki), server_hostname="localhost"
+        f"127.0.0.1:{hub.client_port}", pki.sdk_files(), server_hostname="localhost"
     ) as tunnel:
         stream = await tunnel.connect("cluster1", "127.0.0.1", port)
         await stream.send_all(request)
@@ -141,7 +112,7 @@ async def test_1000_concurrent_streams_over_one_tunnel(
     async with contextlib.AsyncExitStack() as connections:
         tunnels = [
             await connections.enter_async_context(
-                open_tunnel(f"127.0.0.1:{hub.client_port}", tls_files(pki), server_hostname="localhost")
+                open_tunnel(f"127.0.0.1:{hub.client_port}", pki.sdk_files(), server_hostname="localhost")
             )
             for _ in range(4)
         ]
@@ -177,7 +148,7 @@ async def test_stalled_reader_stops_only_itself_and_memory_stays_bounded(
         return 4 * 2 * size / (trio.current_time() - start)
 
     async with open_tunnel(
-        f"127.0.0.1:{hub.client_port}", tls_files(pki), server_hostname="localhost"
+        f"127.0.0.1:{hub.client_port}", pki.sdk_files(), server_hostname="localhost"
     ) as tunnel:
         with trio.fail_after(240):
             baseline = await four_transfers(tunnel, "baseline")

@@ -18,11 +18,11 @@ import pytest
 import trio
 
 from clusterproxy_sdk import open_tunnel
-from tests.e2e.test_data_plane import tls_files, transfer
 from tests.support.certs import SignedHub, SignerProcess, count_events
 from tests.support.pki import PkiFiles
 from tests.support.procs import Hub, alive, http_get
 from tests.support.targets import Target, serve_digest
+from tests.support.targets import digest_transfer as transfer
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +80,7 @@ async def one_stream(hub: Hub, pki: PkiFiles, cluster: str, target: Target, toke
     """One stream on its own client connection (so the kernel picks a worker for it), SIZE bytes each
     way, both digests checked."""
     async with open_tunnel(
-        f"127.0.0.1:{hub.client_port}", tls_files(pki), server_hostname="localhost"
+        f"127.0.0.1:{hub.client_port}", pki.sdk_files(), server_hostname="localhost"
     ) as tunnel:
         await transfer(tunnel, target, token, SIZE, SIZE, cluster)
 
@@ -146,7 +146,7 @@ async def test_streams_spread_over_workers_each_agent_holds_both(hub: Hub, pki: 
 
         # the wrong cluster for a target is refused by that agent's egress rule
         async with open_tunnel(
-            f"127.0.0.1:{hub.client_port}", tls_files(pki), server_hostname="localhost"
+            f"127.0.0.1:{hub.client_port}", pki.sdk_files(), server_hostname="localhost"
         ) as tunnel:
             with pytest.raises(Exception, match=r"403|egress|not allowed"):
                 await tunnel.connect("cluster1", "127.0.0.1", targets["cluster2"].port)

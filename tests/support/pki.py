@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clusterproxy_protocol.pki import DevCA, PemPair
+from clusterproxy_sdk import TLSFiles
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,11 @@ class PkiFiles:
 
     def agent(self, cluster: str, agent_id: str) -> PemPair:
         return self.agents[f"{cluster}/{agent_id}"]
+
+    def sdk_files(self, pair: PemPair | None = None) -> TLSFiles:
+        """What the SDK needs to reach the client port as ``pair`` (the hub client unless given)."""
+        pair = pair or self.client
+        return TLSFiles(self.ca, pair.cert, pair.key)
 
 
 def make_pki(directory: Path) -> PkiFiles:

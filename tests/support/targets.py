@@ -14,6 +14,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -209,3 +210,32 @@ class Blackhole:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def digest_transfer(
+    tunnel: Any, target: Target, token: str, up: int, down: int, cluster: str = "cluster1"
+) -> None:
+    """Through ``tunnel`` (an SDK tunnel) to a :func:`serve_digest` target: send ``up`` bytes, then EOF,
+    while reading ``down`` bytes; both digests must match."""
+    stream = await tunnel.connect(cluster, target.host, target.port)
+    received = hashlib.sha256()
+    count = 0
+
+    async def send() -> None:
+        await stream.send_all(f"{token} {down}\n".encode())
+        for chunk in pattern(token + "-up", up):
+            await stream.send_all(chunk)
+        await stream.send_eof()
+
+    async def receive() -> None:
+        nonlocal count
+        while data := await stream.receive_some(CHUNK):
+            received.update(data)
+            count += len(data)
+
+    async with stream, trio.open_nursery() as nursery:
+        nursery.start_soon(send)
+        nursery.start_soon(receive)
+    assert count == down, f"{token}: got {count} of {down} bytes"
+    assert received.hexdigest() == pattern_digest(token, down), f"{token}: corrupted download"
+    assert target.received[token] == pattern_digest(token + "-up", up), f"{token}: corrupted upload"
