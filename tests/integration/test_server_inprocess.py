@@ -8,52 +8,19 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
-import json
 
 import pytest
 import trio
 
-from clusterproxy_protocol import tls
 from clusterproxy_protocol.core import Role
-from clusterproxy_protocol.driver import IncomingRequest, open_mux
+from clusterproxy_protocol.driver import open_mux
 from clusterproxy_protocol.errors import NoAgentConnected, UnknownCluster
-from clusterproxy_protocol.relay import relay
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from tests.support.clients import client_context, h1_connect
-from tests.support.inprocess import start_server
+from tests.support.inprocess import run_wire_agent, start_server
 from tests.support.pki import PkiFiles
 from tests.support.targets import serve_echo
 from tests.support.waiting import wait_until
-
-
-async def run_wire_agent(
-    port: int,
-    pki: PkiFiles,
-    cluster: str,
-    agent_id: str,
-    *,
-    claim: str | None = None,
-    task_status=trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Dial the agent port and serve CONNECTs by dialing loopback targets; ``claim`` overrides the cluster."""
-    pair = pki.agent(cluster, agent_id)
-    context = tls.client_context(pair.cert, pair.key, pki.ca, alpn=["h2"])
-    stream = trio.SSLStream(
-        await trio.open_tcp_stream("127.0.0.1", port), context, server_hostname="localhost"
-    )
-
-    async def handle(request: IncomingRequest) -> None:
-        if request.path == "/v1/info":
-            body = json.dumps({"cluster": claim or cluster, "agent_id": agent_id, "version": "test"}).encode()
-            await request.respond(200, body)
-            return
-        host, _, target_port = request.authority.rpartition(":")
-        target = await trio.open_tcp_stream(host, int(target_port))
-        await relay(client=await request.accept(), target=target)
-
-    async with open_mux(stream, Role.ACCEPTOR, handler=handle) as mux:
-        task_status.started(mux)
-        await mux.closed.wait()
 
 
 async def test_both_frontends_reach_a_target_through_an_agent(nursery: trio.Nursery, pki: PkiFiles) -> None:

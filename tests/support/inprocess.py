@@ -1,11 +1,17 @@
-"""A proxy-server running in the test's own trio nursery, on loopback ports chosen by the OS."""
+"""A proxy-server running in the test's own trio nursery, on loopback ports chosen by the OS, and a
+minimal agent written against the wire protocol only."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import trio
 
+from clusterproxy_protocol import tls
+from clusterproxy_protocol.core import Role
+from clusterproxy_protocol.driver import IncomingRequest, open_mux
+from clusterproxy_protocol.relay import relay
 from clusterproxy_server.app import ProxyServer, ServerConfig
 from tests.support.pki import PkiFiles
 
@@ -25,3 +31,33 @@ async def start_server(nursery: trio.Nursery, pki: PkiFiles, **overrides: Any) -
     server = ProxyServer(config)
     bound = await nursery.start(server.run)
     return server, bound
+
+
+async def run_wire_agent(
+    port: int,
+    pki: PkiFiles,
+    cluster: str,
+    agent_id: str,
+    *,
+    claim: str | None = None,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Dial the agent port and serve CONNECTs by dialing loopback targets; ``claim`` overrides the cluster."""
+    pair = pki.agent(cluster, agent_id)
+    context = tls.client_context(pair.cert, pair.key, pki.ca, alpn=["h2"])
+    stream = trio.SSLStream(
+        await trio.open_tcp_stream("127.0.0.1", port), context, server_hostname="localhost"
+    )
+
+    async def handle(request: IncomingRequest) -> None:
+        if request.path == "/v1/info":
+            body = json.dumps({"cluster": claim or cluster, "agent_id": agent_id, "version": "test"}).encode()
+            await request.respond(200, body)
+            return
+        host, _, target_port = request.authority.rpartition(":")
+        target = await trio.open_tcp_stream(host, int(target_port))
+        await relay(client=await request.accept(), target=target)
+
+    async with open_mux(stream, Role.ACCEPTOR, handler=handle) as mux:
+        task_status.started(mux)
+        await mux.closed.wait()

@@ -140,6 +140,10 @@ class ClientQuotas:
     def ledger(self, client: ClientIdentity) -> ClientLedger | None:
         return self._ledgers.get(client.describe())
 
+    def ledger_count(self) -> int:
+        """Identities with a connection or a stream now."""
+        return len(self._ledgers)
+
     # -- connections ------------------------------------------------------------------------------
 
     def open_connection(self, client: ClientIdentity) -> ConnectionQuota:
