@@ -9,7 +9,8 @@ Started as child processes, each with its log in ``STATE/logs/<name>.log``:
 - with ``--proxied-cluster NAME``: ``tinyproxy``, a forward proxy on loopback (:mod:`.local_proxies`);
 - ``proxy-server``: client port, agent port, admin port; with ``--servers N`` (N > 1) the replicas
   ``proxy-server-1`` .. ``-N`` (``--server-id`` their name, ``--server-count N``), each on its own
-  ports, and ``haproxy`` in front of them on the hub's client and agent ports;
+  ports, and ``haproxy`` in front of them on the hub's client and agent ports; its audit records in
+  ``STATE/logs/audit.jsonl`` (a replica's in ``audit.<name>.jsonl``);
 - per cluster a ``proxy-agent`` dialing the hub's agent port (the proxied cluster's through tinyproxy).
 
 Before the signer starts, its own commands create the CA (once), write every party's trust bundle
@@ -67,6 +68,7 @@ from .local_plan import (
     Ports,
     SignerPlan,
     agent_id,
+    audit_log_path,
     busy_ports,
     echo_argv,
     echo_target,
@@ -444,7 +446,8 @@ class Hub:
                     while not await port_open(LOOPBACK, ports.forward_proxy):
                         await trio.sleep(0.05)
                 for server in ports.servers:
-                    argv = local_server_argv(ports, self.certs, self.clusters, self.signer, server)
+                    audit = audit_log_path(self.state_dir / "logs", ports, server)
+                    argv = local_server_argv(ports, self.certs, self.clusters, self.signer, server, audit)
                     await supervisor.start(
                         nursery, server.name, argv, REPLICA_RESTART if ports.balanced else None
                     )
@@ -527,6 +530,7 @@ def _hub_info(ports: Ports, state_dir: Path, proxied: dict[str, str]) -> dict[st
                 "agent": loopback(server.agent),
                 "admin_url": server.admin_url,
                 "api_url": server.api_url,
+                "audit_log": str(audit_log_path(state_dir / "logs", ports, server)),
                 **({"server_id": server.name} if ports.balanced else {}),
             }
             for server in ports.servers

@@ -314,17 +314,26 @@ def local_signer_argv(store: Path, ports: Ports, cert_ttl: str) -> list[str]:
     )
 
 
+def audit_log_path(logs: Path, ports: Ports, server: ServerPorts) -> Path:
+    """Where ``server`` writes its audit records: ``logs/audit.jsonl``, or with replicas one file each
+    (``logs/audit.proxy-server-1.jsonl``): two processes rotating one file would lose records."""
+    return logs / (f"audit.{server.name}.jsonl" if ports.balanced else "audit.jsonl")
+
+
 def local_server_argv(
     ports: Ports,
     certs: Certificates,
     clusters: Sequence[str],
     signer: SignerPlan | None = None,
     server: ServerPorts | None = None,
+    audit_log: Path | None = None,
 ) -> list[str]:
     """The command line of ``server`` (default: the first proxy-server). A replica is told its id (its
-    name) and the replica count, which the agents learn from it."""
+    name) and the replica count, which the agents learn from it; ``audit_log``: its audit records' file
+    (:func:`audit_log_path`)."""
     server = server or ports.servers[0]
     replica = ["--server-id", server.name, "--server-count", str(len(ports.servers))]
+    audit = ["--audit-log", str(audit_log)] if audit_log is not None else []
     return server_argv(
         certs.servers[server.name],
         agent_listen=loopback(server.agent),
@@ -334,7 +343,7 @@ def local_server_argv(
         tls_hosts=SERVER_HOSTS if signer is not None else (),
         known_clusters=clusters,
         drain_timeout=DRAIN_TIMEOUT,
-        options=replica if ports.balanced else (),
+        options=[*(replica if ports.balanced else ()), *audit],
     )
 
 

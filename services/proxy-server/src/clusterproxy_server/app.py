@@ -37,6 +37,7 @@ import trio
 from cryptography import x509
 
 from clusterproxy_protocol.admin import Authenticated, serve_admin
+from clusterproxy_protocol.audit import open_sink
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
 from clusterproxy_protocol.closing import close_cleanly
 from clusterproxy_protocol.driver import limit_reporter
@@ -113,6 +114,9 @@ class ProxyServer:
             )
             self.metrics.watch_renewer(self.renewer)
         self.quotas = ClientQuotas(config.quotas, self.metrics, self.log, config.tunnel.first_window)
+        # Opened now, so that a path that cannot be written stops the start (ConfigError); closed when
+        # run() ends.
+        self.audit = open_sink(config.audit_log)
         self.relayer = Relayer(
             self.registry,
             self.metrics,
@@ -126,6 +130,8 @@ class ProxyServer:
             startup_grace=config.startup_grace,
             control=ControlAccess(config.control_clients),
             quotas=self.quotas,
+            audit=self.audit,
+            server_id=config.server_id,
         )
         self.drain = Drain()
         self.agent_port = AgentPort(
@@ -153,6 +159,12 @@ class ProxyServer:
         self._drain_cut = trio.Event()  # a second signal: stop waiting for open streams
 
     async def run(self, *, task_status: trio.TaskStatus[BoundAddresses] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self._run(task_status)
+        finally:
+            self.audit.close()  # every connection's handler has ended: no record is still to come
+
+    async def _run(self, task_status: trio.TaskStatus[BoundAddresses]) -> None:
         cfg = self.config
         if self.worker is not None:
             agent_listeners = listeners_from_fds(self.worker.agent)
@@ -401,6 +413,7 @@ class ProxyServer:
         )
         if quota is None:
             self.metrics.rejected.labels("client", "client quota").inc()
+            self.relayer.audit_refused_connection(client, protocol, 429, refusal)
             await REFUSALS[protocol](connection, refusal)
             return
         try:

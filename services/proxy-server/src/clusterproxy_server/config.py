@@ -69,3 +69,5 @@ class ServerConfig:
     client_policy: Path | None = None
     # common names of the hub clients that may reach the agents' control endpoint (control.py)
     control_clients: tuple[str, ...] = DEFAULT_CONTROL_CLIENTS
+    # where audit records go (clusterproxy_protocol.audit.open_sink): "off", "-" or a file that rotates
+    audit_log: str = "off"

@@ -15,6 +15,7 @@ import structlog
 import trio
 
 from clusterproxy_protocol import allocator, certclient, workarounds
+from clusterproxy_protocol.audit import add_audit_flag, worker_spec
 from clusterproxy_protocol.bootstrap import bootstrap_with_retry
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
 from clusterproxy_protocol.config import (
@@ -412,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
         "connection whose peer reads nothing this long is closed; 0: never",
     )
     add_log_flags(flag)
+    add_audit_flag(flag)
     return p
 
 
@@ -487,6 +489,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ),
         tunnel=tunnel,
         client_tunnel=client_tunnel,
+        audit_log=args.audit_log,
     )
     if args.server_id:
         config.server_id = args.server_id
@@ -532,9 +535,11 @@ async def bootstrap(config: ServerConfig) -> None:
 
 def worker_config(config: ServerConfig, args: argparse.Namespace, spec: WorkerSpec) -> ServerConfig:
     """A worker's settings: its replica id and count from the parent; no signer (the parent bootstraps
-    and renews the files, the worker reloads them)."""
+    and renews the files, the worker reloads them); an audit log file of its own (``audit.w0.jsonl``:
+    two processes rotating one file would lose records)."""
     return dataclasses.replace(
         config,
+        audit_log=worker_spec(config.audit_log, spec.index),
         server_id=spec.server_id,
         server_count=spec.server_count,
         worker=(spec.index, spec.workers),

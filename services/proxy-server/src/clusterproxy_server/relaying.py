@@ -16,12 +16,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
 import trio
 
+from clusterproxy_protocol.audit import AuditRecord, AuditSink
 from clusterproxy_protocol.driver import TunnelStream
 from clusterproxy_protocol.errors import (
     ConnectRefused,
@@ -33,7 +36,7 @@ from clusterproxy_protocol.errors import (
     TunnelClosed,
     UnknownCluster,
 )
-from clusterproxy_protocol.relay import relay
+from clusterproxy_protocol.relay import RelayResult, relay
 from clusterproxy_protocol.windows import Budget
 from clusterproxy_protocol.wire import FAULT_HEADER, FAULT_TARGET
 from clusterproxy_server.authz import ClientIdentity, PolicyFile
@@ -82,6 +85,25 @@ class ClientRequest(Protocol):
         ...
 
 
+class Described(Protocol):
+    """What an audit record names of a request: a :class:`ClientRequest`, or a refused connection."""
+
+    frontend: str
+    client: ClientIdentity
+    authority: str
+
+
+@dataclass
+class Audited:
+    """What the audit record of one request will say (docs/protocol.md, "Audit records"), gathered as the
+    request goes; written once, when it ends."""
+
+    start: float = field(default_factory=time.time)  # unix time, for the record
+    clock: float = field(default_factory=trio.current_time)  # for its duration: immune to clock steps
+    cluster: str | None = None
+    agents: list[str] = field(default_factory=list)  # the agents asked, in order: the last answered
+
+
 class Relayer:
     def __init__(
         self,
@@ -96,8 +118,12 @@ class Relayer:
         startup_grace: float = 0.0,
         control: ControlAccess | None = None,
         quotas: ClientQuotas | None = None,
+        audit: AuditSink | None = None,
+        server_id: str | None = None,
     ) -> None:
         self.registry = registry
+        self.audit = audit  # one record per request that reaches this path (and per refused connection)
+        self.server_id = server_id
         self.quotas = quotas
         self.control = control or ControlAccess()
         self.metrics = metrics
@@ -154,9 +180,11 @@ class Relayer:
         held: contextlib.ExitStack,
     ) -> None:
         log = self.log.bind(frontend=request.frontend, client=request.client.name, target=request.authority)
+        audited = Audited()
         deadline = trio.current_time() + self.dial_timeout
         try:
             route = await self._route(request, deadline)
+            audited.cluster = route.cluster
             log = log.bind(cluster=route.cluster)
             self._authorize(request.client, route.cluster)
             prepaid = Prepaid(quota.budget if quota is not None else None, request.take_reserve())
@@ -170,7 +198,7 @@ class Relayer:
                     with self.metrics.dial_seconds.time():
                         budget = quota.budget if quota is not None else None
                         upstream, tunnel = await self._dial(
-                            route, log, deadline, marks, budget, prepaid.spend
+                            route, log, deadline, marks, budget, prepaid.spend, audited.agents
                         )
                 finally:
                     self.metrics.pending_dials.dec()
@@ -179,8 +207,13 @@ class Relayer:
                 self.metrics.pending_dial_refusals.labels(exc.scope).inc()
             self.metrics.streams.labels(request.frontend, str(exc.status)).inc()
             log.info("stream_refused", status=exc.status, error=exc.reason)
+            # Written before the answer goes out: a client that reads its refusal finds the record there.
+            self._audit(request, audited, "refused", exc.status, exc.reason)
             await request.refuse(exc.status, exc.reason)
             return
+        except trio.Cancelled:  # the client gave up before an agent answered (or the server stopped)
+            self._audit(request, audited, "failed", None, "cancelled before the dial was answered")
+            raise
         self.metrics.streams.labels(request.frontend, "200").inc()
         log = log.bind(agent_id=tunnel.agent_id, stream_id=upstream.stream_id)
         if self.open == 0:
@@ -188,6 +221,8 @@ class Relayer:
         self.open += 1
         gauge = self.metrics.streams_open.labels(request.frontend)
         gauge.inc()
+        result: RelayResult | None = None
+        error: str | None = None
         try:
             downstream = await request.accept()
             if request.early_data:
@@ -202,10 +237,13 @@ class Relayer:
                 bytes_to_client=result.bytes_to_client,
                 error=result.error,
             )
+            error = result.error
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            log.info("stream_failed", error=str(exc))
+            error = str(exc) or type(exc).__name__
+            log.info("stream_failed", error=error)
         except trio.Cancelled:  # the server is stopping (its drain timeout): relay() aborted both ends
-            log.warning("stream_aborted", error="proxy-server shutting down")
+            error = "proxy-server shutting down"
+            log.warning("stream_aborted", error=error)
             raise
         finally:
             # Bookkeeping first: under cancellation every await below would raise at once.
@@ -214,6 +252,58 @@ class Relayer:
             if self.open == 0:
                 self._idle.set()
             upstream.abort()  # a no-op when the relay closed it already
+            if result is not None:  # what the relay moved, and the early data before it
+                to_target = len(request.early_data) + result.bytes_to_target
+                to_client = result.bytes_to_client
+            else:  # cut short: what went through the tunnel (to the client: some may not have arrived)
+                to_target, to_client = upstream.bytes_out, upstream.bytes_in
+            self._audit(
+                request,
+                audited,
+                "failed" if error else "ok",
+                200,
+                error,
+                (to_target, to_client),
+                tunnel.agent_id,
+            )
+
+    def _audit(
+        self,
+        request: Described,
+        audited: Audited,
+        outcome: str,
+        status: int | None,
+        reason: str | None,
+        moved: tuple[int, int] = (0, 0),
+        agent_id: str | None = None,
+    ) -> None:
+        if self.audit is None:
+            return
+        self.audit.write(
+            AuditRecord(
+                start=audited.start,
+                end=audited.start + (trio.current_time() - audited.clock),
+                client=request.client.describe(),
+                client_kind="certificate",
+                cluster=audited.cluster,
+                target=request.authority,
+                frontend=request.frontend,
+                outcome=outcome,
+                status=status,
+                reason=reason,
+                bytes_to_target=moved[0],
+                bytes_to_client=moved[1],
+                agent_id=agent_id or (audited.agents[-1] if audited.agents else None),
+                server_id=self.server_id,
+            )
+        )
+
+    def audit_refused_connection(
+        self, client: ClientIdentity, frontend: str, status: int, reason: str
+    ) -> None:
+        """The record of a client connection refused as a whole (its identity over a connection bound):
+        no target, no cluster."""
+        self._audit(_WholeConnection(frontend, client), Audited(), "refused", status, reason)
 
     async def _route(self, request: ClientRequest, deadline: float) -> Route:
         """The cluster and target asked for; a bare name that may be a cluster this young replica has
@@ -245,6 +335,7 @@ class Relayer:
         headers: list[tuple[str, str]] | None = None,
         budget: Budget | None = None,
         prepaid: Callable[[], int] | None = None,
+        asked: list[str] | None = None,
     ) -> tuple[TunnelStream, AgentTunnel]:
         """Open the stream on the least-loaded tunnel in routing. A tunnel that dies meanwhile makes us
         try the next; an agent that fails by itself (:func:`agent_fault`, or no answer within the agent
@@ -270,6 +361,8 @@ class Relayer:
                     ) from None
                 raise
             wait = min(self.agent_answer_timeout, deadline - trio.current_time())
+            if asked is not None:
+                asked.append(tunnel.agent_id)
             try:
                 with trio.fail_after(max(wait, 0)):
                     # The stream's receive window (what the agent may send ahead of the client's reads)
@@ -319,3 +412,12 @@ class Relayer:
             others_dials=ejection.others_total,
             cooldown=ejection.cooldown,
         )
+
+
+@dataclass
+class _WholeConnection:
+    """A refused connection as the audit record sees it: who, on which frontend, and no target."""
+
+    frontend: str
+    client: ClientIdentity
+    authority: str = ""
