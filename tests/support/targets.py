@@ -121,10 +121,13 @@ async def serve_digest(nursery: trio.Nursery) -> Target:
     return await serve(nursery, _digest)
 
 
+SOURCE_BLOCK = 16 << 10  # small enough that ``sent`` moves while a peer's windows are nearly full
+
+
 async def _source(stream: trio.SocketStream, target: Target) -> None:
     token = f"source-{target.connections}"
     target.sent[token] = 0
-    block = random.Random(token).randbytes(CHUNK)
+    block = random.Random(token).randbytes(SOURCE_BLOCK)
     while True:
         await stream.send_all(block)
         target.sent[token] += len(block)

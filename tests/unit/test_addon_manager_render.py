@@ -292,6 +292,9 @@ def test_manifest_work_holds_the_agent(ca_pem: str) -> None:
         ("Namespace", render.SERVICEACCOUNT_NAMESPACE),
         ("Role", render.SERVICEACCOUNT_ROLE),
         ("RoleBinding", render.SERVICEACCOUNT_ROLE),
+        # the service proxy's ServiceAccount there: reviews and impersonation only
+        ("ClusterRole", render.SERVICE_PROXY_ROLE),
+        ("ClusterRoleBinding", render.SERVICE_PROXY_ROLE),
         ("Deployment", "cluster-proxy-proxy-agent"),
     ]
     for manifest in manifests[1:3] + manifests[-1:]:

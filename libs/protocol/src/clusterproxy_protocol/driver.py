@@ -136,6 +136,10 @@ class TunnelStream(trio.abc.HalfCloseableStream):
                     await self._wait_for_window()
                     self._check_send()
 
+    def send_room(self) -> int:
+        """Bytes :meth:`send_all` would send now without waiting for the peer's window."""
+        return self._mux.core.send_window(self.stream_id)
+
     async def wait_send_all_might_not_block(self) -> None:
         with self._send_busy:
             await trio.lowlevel.checkpoint()

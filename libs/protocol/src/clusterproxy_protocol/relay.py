@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -12,10 +13,22 @@ from clusterproxy_protocol.transport import read_in_bulk, receive_batch, send_al
 __all__ = ["CHUNK", "RelayResult", "relay"]
 
 CHUNK = 256 << 10
+# Toward a stream that says how much it takes now (``send_room``: a tunnel stream's flow-control
+# window), a read takes at most that, and at least this: bytes read beyond what the destination can
+# take wait in this process, and a destination that takes nothing (a client that reads nothing) would
+# otherwise have a whole chunk held here per stream on top of the window buffered before it.
+LEAST_READ = 16 << 10
 # A read this long was most of a 64 KiB socket read: more waited. Streams of small messages
 # (watches, requests and answers) never reach it and keep small reads and their memory.
 BULK_HINT = 32 << 10
 _TRANSPORT_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+async def _readable(dst: trio.abc.Stream, room: Callable[[], int]) -> int:
+    """How much to read for ``dst`` (which has ``send_room``): once it takes something, what it takes."""
+    if room() <= 0:
+        await dst.wait_send_all_might_not_block()  # the same wait (and stall timeout) as send_all's
+    return min(CHUNK, max(LEAST_READ, room()))
 
 
 @dataclass
@@ -42,8 +55,11 @@ async def relay(client: trio.abc.Stream, target: trio.abc.Stream) -> RelayResult
 
             async def pump(src: trio.abc.Stream, dst: trio.abc.Stream, to_target: bool) -> None:
                 bulk = False
+                room = getattr(dst, "send_room", None)
                 try:
-                    while data := await receive_batch(src, CHUNK):
+                    while data := await receive_batch(
+                        src, CHUNK if room is None else await _readable(dst, room)
+                    ):
                         if not bulk and len(data) >= BULK_HINT:
                             bulk = True
                             read_in_bulk(src)  # an end moving bulk: big socket reads from now on

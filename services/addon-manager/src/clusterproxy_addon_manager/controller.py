@@ -886,25 +886,29 @@ class Controller:
         self._set_addon_status(addon, [_manifest_applied(work), self._available(name)], agent_ns)
 
     def _ensure_gateway_serviceaccount(self, cluster: str, addon_uid: str) -> None:
-        """The cluster-gateway's ManagedServiceAccount in the cluster's namespace, created when missing. A
-        hub without its CRD (no gateway) or a refused write is logged, never the addon's failure."""
-        try:
-            if self.kube.get_or_none(MANAGED_SERVICE_ACCOUNT, render.GATEWAY_SERVICEACCOUNT, cluster) is None:
-                self.kube.create(
-                    MANAGED_SERVICE_ACCOUNT, render.gateway_managed_serviceaccount(cluster, addon_uid)
-                )
-                self.log.info(
-                    "gateway_serviceaccount_created", cluster=cluster, name=render.GATEWAY_SERVICEACCOUNT
-                )
-        except KubeError as exc:
-            if exc.status != 409:
-                self.log.warning("gateway_serviceaccount_failed", cluster=cluster, error=str(exc))
+        """The cluster-gateway's ManagedServiceAccounts (its own and its service proxy's) in the cluster's
+        namespace, created when missing. A hub without their CRD (no gateway) or a refused write is
+        logged, never the addon's failure."""
+        for name in render.GATEWAY_SERVICEACCOUNTS:
+            try:
+                if self.kube.get_or_none(MANAGED_SERVICE_ACCOUNT, name, cluster) is None:
+                    self.kube.create(
+                        MANAGED_SERVICE_ACCOUNT,
+                        render.gateway_managed_serviceaccount(cluster, addon_uid, name),
+                    )
+                    self.log.info("gateway_serviceaccount_created", cluster=cluster, name=name)
+            except KubeError as exc:
+                if exc.status != 409:
+                    self.log.warning(
+                        "gateway_serviceaccount_failed", cluster=cluster, name=name, error=str(exc)
+                    )
 
     def _delete_gateway_serviceaccount(self, cluster: str) -> None:
-        try:
-            self.kube.delete(MANAGED_SERVICE_ACCOUNT, render.GATEWAY_SERVICEACCOUNT, cluster)
-        except KubeError as exc:
-            self.log.warning("gateway_serviceaccount_failed", cluster=cluster, error=str(exc))
+        for name in render.GATEWAY_SERVICEACCOUNTS:
+            try:
+                self.kube.delete(MANAGED_SERVICE_ACCOUNT, name, cluster)
+            except KubeError as exc:
+                self.log.warning("gateway_serviceaccount_failed", cluster=cluster, name=name, error=str(exc))
 
     def _available(self, cluster: str) -> Condition:
         if self.availability is None:

@@ -92,6 +92,11 @@ AGENT_ADMIN_PORT = 8093
 # namespace of the managed cluster (upstream's), where the agent may manage them and nothing else.
 SERVICEACCOUNT_NAMESPACE = "open-cluster-management-managed-serviceaccount"
 SERVICEACCOUNT_ROLE = "cluster-proxy-agent-serviceaccounts"
+# The cluster-gateway's service proxy (docs/cluster-gateway.md, "The HTTPS endpoint"): its ServiceAccount
+# there (a ManagedServiceAccount of the hub) and the ClusterRole that lets it review tokens and access and
+# impersonate, nothing else.
+SERVICE_PROXY_SERVICEACCOUNT = "cluster-proxy-service-proxy"
+SERVICE_PROXY_ROLE = "cluster-proxy-service-proxy"
 POD_SERVICEACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 TOKEN_KEY = "bootstrap-token"
@@ -672,6 +677,7 @@ def agent_manifests(inputs: AgentInputs) -> list[dict[str, Any]]:
             "data": data,
         },
         *serviceaccount_manifests(ns),
+        *service_proxy_rbac(),
         agent_deployment(inputs),
     ]
 
@@ -711,6 +717,52 @@ def serviceaccount_manifests(agent_namespace: str) -> list[dict[str, Any]]:
     ]
 
 
+def service_proxy_rbac() -> list[dict[str, Any]]:
+    """What the service proxy's ServiceAccount may do in the managed cluster: ``create`` TokenReviews (is
+    a caller's token this cluster's?) and SubjectAccessReviews (may a hub caller impersonate whom it asks
+    for?), and ``impersonate`` users, groups and ServiceAccounts (a hub caller's identity, or the one it
+    was allowed to ask for). No ``uids`` or ``userextras``: the service proxy carries neither. It can
+    read or change nothing by itself: every request it makes for a caller is authorized as that caller."""
+    meta = {"name": SERVICE_PROXY_ROLE, "labels": labels("proxy-agent")}
+    return [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": meta,
+            "rules": [
+                {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
+                {
+                    "apiGroups": ["authorization.k8s.io"],
+                    "resources": ["subjectaccessreviews"],
+                    "verbs": ["create"],
+                },
+                {
+                    "apiGroups": [""],
+                    "resources": ["users", "groups", "serviceaccounts"],
+                    "verbs": ["impersonate"],
+                },
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": meta,
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": SERVICE_PROXY_ROLE,
+            },
+            "subjects": [
+                {
+                    "kind": "ServiceAccount",
+                    "name": SERVICE_PROXY_SERVICEACCOUNT,
+                    "namespace": SERVICEACCOUNT_NAMESPACE,
+                }
+            ],
+        },
+    ]
+
+
 def agent_manifest_work(inputs: AgentInputs) -> dict[str, Any]:
     return {
         "apiVersion": "work.open-cluster-management.io/v1",
@@ -743,19 +795,22 @@ def agent_manifest_work(inputs: AgentInputs) -> dict[str, Any]:
     }
 
 
-# The cluster-gateway's own ManagedServiceAccount per cluster: its token Secret is the gateway's
-# --token-secret (docs/managed-serviceaccount.md).
+# The cluster-gateway's own ManagedServiceAccounts per cluster: their token Secrets are the gateway's
+# --token-secret and --service-proxy-credential-secret (docs/managed-serviceaccount.md).
 GATEWAY_SERVICEACCOUNT = "cluster-gateway"
+GATEWAY_SERVICEACCOUNTS = (GATEWAY_SERVICEACCOUNT, SERVICE_PROXY_SERVICEACCOUNT)
 
 
-def gateway_managed_serviceaccount(cluster: str, addon_uid: str) -> dict[str, Any]:
+def gateway_managed_serviceaccount(
+    cluster: str, addon_uid: str, name: str = GATEWAY_SERVICEACCOUNT
+) -> dict[str, Any]:
     """Created once with the addon (never overwritten: an admin may change its rotation), owned by the
     ManagedClusterAddOn so that a hub's garbage collector removes it with the addon."""
     return {
         "apiVersion": "authentication.open-cluster-management.io/v1beta1",
         "kind": "ManagedServiceAccount",
         "metadata": {
-            "name": GATEWAY_SERVICEACCOUNT,
+            "name": name,
             "namespace": cluster,
             "labels": {"app.kubernetes.io/part-of": PART_OF, "app.kubernetes.io/managed-by": MANAGED_BY},
             "ownerReferences": [

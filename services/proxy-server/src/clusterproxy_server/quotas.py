@@ -42,9 +42,9 @@ class QuotaSettings:
     max_streams: int = 1024  # concurrent streams
     stream_rate: float = 500.0  # new streams per second, refilled evenly ...
     stream_burst: int = 1000  # ... into a bucket of this many
-    buffer: int = 64 << 20  # bytes of receive window held for the identity's streams
-    connection_buffer: int = 16 << 20  # the same for one client connection
-    process_buffer: int = 512 << 20  # the same for every client together
+    buffer: int = 128 << 20  # bytes of receive window held for the identity's streams
+    connection_buffer: int = 32 << 20  # the same for one client connection
+    process_buffer: int = 1 << 30  # the same for every client together
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_streams", "stream_burst", "buffer", "connection_buffer"):
