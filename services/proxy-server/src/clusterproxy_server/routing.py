@@ -11,12 +11,11 @@ A client names the cluster in one of three ways, tried in this order:
 
 from __future__ import annotations
 
-import base64
-import binascii
 import ipaddress
 from dataclasses import dataclass
 
 from clusterproxy_protocol.errors import MalformedTarget
+from clusterproxy_protocol.proxy_requests import cluster_from_proxy_authorization
 from clusterproxy_protocol.wire import CLUSTER_HEADER, CLUSTER_NAME, MalformedAddress, parse_authority
 
 
@@ -25,20 +24,6 @@ class Route:
     cluster: str
     authority: str  # host:port as the agent should see it
     named_by: str  # "header", "proxy-user" or "bare-cluster-name"
-
-
-def cluster_from_proxy_authorization(value: str | None) -> str | None:
-    """The user name of ``Proxy-Authorization: Basic ...`` (the proxy URL's ``NAME@``), if any."""
-    if not value:
-        return None
-    scheme, _, token = value.strip().partition(" ")
-    if scheme.lower() != "basic":
-        return None
-    try:
-        decoded = base64.b64decode(token.strip(), validate=True).decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError):
-        raise MalformedTarget("Proxy-Authorization is not valid base64 of 'cluster:'") from None
-    return decoded.partition(":")[0] or None
 
 
 def resolve(authority: str, headers: dict[str, str], known_clusters: set[str]) -> Route:
