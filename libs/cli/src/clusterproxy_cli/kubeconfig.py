@@ -66,11 +66,13 @@ def _hub_kubeconfig_path(given: Path | None) -> Path:
     return path
 
 
-def _named(items: list[dict[str, Any]] | None, name: str, kind: str, path: Path) -> dict[str, Any]:
+def _named(
+    items: list[dict[str, Any]] | None, name: str, kind: str, path: Path, *, what: str | None = None
+) -> dict[str, Any]:
     for item in items or []:
         if item.get("name") == name:
             return copy.deepcopy(item)
-    raise ConfigError(f"the hub kubeconfig {path} has no {kind} named {name!r}")
+    raise ConfigError(f"{what or f'the hub kubeconfig {path}'} has no {kind} named {name!r}")
 
 
 def _absolute(entry: dict[str, Any], keys: tuple[str, ...], base: Path) -> None:

@@ -7,6 +7,9 @@
     cluster-proxy local down [--state-dir DIR]
     cluster-proxy port-forward CLUSTER HOST:PORT [--listen ADDR] (--state-dir DIR | --proxy HOST:PORT
                   --ca FILE --cert FILE --key FILE) [--server-name NAME]
+    cluster-proxy proxy [--listen 127.0.0.1:1080] [--allow-remote] [--cluster NAME] (hub flags as port-forward)
+    cluster-proxy kubectl CLUSTER [--cluster-ca FILE | --insecure] [--token T | --token-file F |
+                  --client-certificate F --client-key F | --kubeconfig F [--context C]] [hub flags] -- ARGS
     cluster-proxy certs status [--json] [--store DIR]
     cluster-proxy certs rotate-ca [start|activate|retire] [--force] [--store DIR]
     cluster-proxy certs token create|list|delete [--store DIR] ...
@@ -35,7 +38,6 @@ from clusterproxy_protocol.config import (
     ConfigError,
     InvalidValue,
     add_flag,
-    existing_file,
     parse_args_or_exit,
     parse_duration,
     parse_hostport,
@@ -45,16 +47,19 @@ from clusterproxy_protocol.config import (
 )
 from clusterproxy_protocol.errors import TunnelError
 from clusterproxy_protocol.logs import LOG_LEVELS, configure_logging, get_logger
-from clusterproxy_sdk import TLSFiles, check_cluster
+from clusterproxy_sdk import check_cluster
 
 from . import certs as certs_command
 from .commands import SIGNER
 from .enroll import add_enroll_command, run_enroll
 from .health import add_health_command, run_health
+from .hubtunnel import add_hub_flags, followed_tls, resolve_hub
 from .kubeconfig import add_kubeconfig_command, run_kubeconfig
+from .kubectl import add_kubectl_command, run_kubectl
 from .local_down import add_local_down_command, run_local_down
 from .local_supervise import AGENT_RESTART_DELAY, REPLICA_RESTART
-from .state import DEFAULT_STATE_DIR, LOCAL_JSON, proxy_settings, read_local_json
+from .proxy import add_proxy_command, run_proxy
+from .state import DEFAULT_STATE_DIR
 
 # --- converters --------------------------------------------------------------------------------------
 
@@ -71,21 +76,6 @@ def parse_target(text: str) -> tuple[str, int]:
     host, port = parse_hostport(text)
     if port == 0:
         raise InvalidValue(f"invalid target {text!r}: port 0 cannot be dialed")
-    return host, port
-
-
-def parse_proxy(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``https://HOST:PORT`` of the proxy-server's client port."""
-    raw = text
-    if text.startswith("https://"):
-        text = text[len("https://") :].rstrip("/").rpartition("@")[2]
-    elif "://" in text:
-        raise InvalidValue(
-            f"invalid proxy {raw!r}: the client port speaks TLS; use HOST:PORT or https://HOST:PORT"
-        )
-    host, port = parse_hostport(text)
-    if port == 0:
-        raise InvalidValue(f"invalid proxy {raw!r}: port 0 cannot be dialed")
     return host, port
 
 
@@ -181,17 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("target", metavar="HOST:PORT", type=parse_target, help="target inside the cluster")
     add_flag(pf, "--listen", env="CLUSTER_PROXY_LISTEN", type=parse_hostport, default="127.0.0.1:0",
              help="local address (port 0: a free port, shown in the Forwarding line)")  # fmt: skip
-    add_flag(pf, "--proxy", env="CLUSTER_PROXY_PROXY", type=parse_proxy,
-             help="proxy-server client port, HOST:PORT")  # fmt: skip
-    add_flag(pf, "--ca", env="CLUSTER_PROXY_CA", type=existing_file, help="CA bundle for the server")
-    add_flag(pf, "--cert", env="CLUSTER_PROXY_CERT", type=existing_file, help="client certificate (PEM)")
-    add_flag(pf, "--key", env="CLUSTER_PROXY_KEY", type=existing_file, help="client private key (PEM)")
-    add_flag(pf, "--server-name", env="CLUSTER_PROXY_SERVER_NAME",
-             help="name checked against the server certificate (default: the proxy host)")  # fmt: skip
-    add_flag(pf, "--state-dir", env="CLUSTER_PROXY_STATE_DIR", type=Path,
-             help=f"take the proxy settings from DIR/{LOCAL_JSON} (written by `local up`)")  # fmt: skip
-    add_flag(pf, "--connect-timeout", env="CLUSTER_PROXY_CONNECT_TIMEOUT", type=parse_duration, default="10s",
-             help="TCP+TLS connect timeout to the proxy-server")  # fmt: skip
+    add_hub_flags(pf)
 
     enrolment = add_enroll_command(commands)
     enrolment.set_defaults(run=run_enroll, subparser=enrolment)
@@ -199,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     health.set_defaults(run=run_health, subparser=health)
     kubeconfig = add_kubeconfig_command(commands)
     kubeconfig.set_defaults(run=run_kubeconfig, subparser=kubeconfig)
+    local_proxy = add_proxy_command(commands)
+    local_proxy.set_defaults(run=run_proxy, subparser=local_proxy)
+    kubectl = add_kubectl_command(commands)
+    kubectl.set_defaults(run=run_kubectl, subparser=kubectl)
 
     up.set_defaults(run=_local_up, subparser=up)
     certs.set_defaults(run=_certs, subparser=certs)
@@ -216,38 +200,17 @@ def resolve_port_forward(args: argparse.Namespace, parser: argparse.ArgumentPars
     """Turn parsed flags into a PortForward: explicit flags win over ``local.json``."""
     from .portforward import PortForward
 
-    proxy, ca, cert, key = args.proxy, args.ca, args.cert, args.key
-    server_name = args.server_name
-    state_dir = args.state_dir
-    if state_dir is None and proxy is None and (DEFAULT_STATE_DIR / LOCAL_JSON).exists():
-        state_dir = DEFAULT_STATE_DIR
-    if state_dir is not None:
-        try:
-            settings = proxy_settings(read_local_json(state_dir), str(Path(state_dir) / LOCAL_JSON))
-        except ConfigError as exc:
-            parser.error(f"--state-dir {str(state_dir)!r}: {exc}")
-        proxy = proxy or (settings.host, settings.port)
-        ca, cert, key = ca or settings.ca, cert or settings.cert, key or settings.key
-    missing = [
-        flag
-        for flag, value in (("--proxy", proxy), ("--ca", ca), ("--cert", cert), ("--key", key))
-        if not value
-    ]
-    if missing:
-        parser.error(
-            f"port-forward needs {', '.join(missing)} (or --state-dir DIR with a {LOCAL_JSON} from "
-            "`cluster-proxy local up`)"
-        )
+    hub = resolve_hub(args, parser, "port-forward")
     return PortForward(
         cluster=args.cluster,
         target_host=args.target[0],
         target_port=args.target[1],
         listen_host=args.listen[0],
         listen_port=args.listen[1],
-        proxy=proxy,
-        tls=TLSFiles(ca, cert, key),
-        server_name=server_name,
-        connect_timeout=args.connect_timeout,
+        proxy=hub.proxy,
+        tls=hub.tls,
+        server_name=hub.server_name,
+        connect_timeout=hub.connect_timeout,
     )
 
 
@@ -256,12 +219,7 @@ def _port_forward(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
     pf = resolve_port_forward(args, parser)
     configure_logging(args.log_level)
-    try:
-        # Followed, not loaded once: a renewer (local up, cert-manager) may replace the files while
-        # this runs, and the next dial must present the new certificate.
-        tls = pf.tls.reloading(log=get_logger("port-forward"))  # type: ignore[union-attr]
-    except ConfigError as exc:
-        parser.error(str(exc))
+    tls = followed_tls(pf.tls, parser, get_logger("port-forward"))  # type: ignore[arg-type]
     try:
         trio.run(partial(run_port_forward, replace(pf, tls=tls), stop_on_signals=True))
     except KeyboardInterrupt:

@@ -16,7 +16,7 @@ import contextlib
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TextIO
 
 import trio
 
@@ -25,15 +25,9 @@ from clusterproxy_protocol.errors import ConnectRefused, TunnelError
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.relay import relay
 from clusterproxy_protocol.wire import format_address
-from clusterproxy_sdk import (
-    ReloadingTLSFiles,
-    SharedTunnel,
-    TLSFiles,
-    TLSSource,
-    Tunnel,
-    format_authority,
-    open_shared_tunnel,
-)
+from clusterproxy_sdk import SharedTunnel, TLSSource, format_authority
+
+from .hubtunnel import expiry_hint, open_hub_tunnel
 
 
 @dataclass(frozen=True)
@@ -78,7 +72,7 @@ async def _handle(
         await trio.aclose_forcefully(local)
         return
     except TunnelError as exc:  # ProxyConnectionError, TunnelClosed
-        log.error("tunnel_unavailable", error=str(exc), **_expiry_hint(shared.tls))
+        log.error("tunnel_unavailable", error=str(exc), **expiry_hint(shared.tls))
         await trio.aclose_forcefully(local)
         return
     except BaseException:
@@ -98,29 +92,6 @@ async def _handle(
     )
 
 
-def _expiry_hint(tls: TLSSource) -> dict[str, Any]:
-    """When the client certificate in use has expired, say so: the likely reason a dial failed."""
-    if not isinstance(tls, ReloadingTLSFiles) or not tls.loaded.expired():
-        return {}
-    not_after = tls.loaded.not_after
-    return {
-        "client_cert_expired": not_after.isoformat() if not_after else None,
-        "hint": f"the client certificate {tls.cert} has expired and was not replaced: renew it (in "
-        "local mode `cluster-proxy local up` renews it while it runs)",
-    }
-
-
-def _log_connected(log: Any, shared: SharedTunnel, tunnel: Tunnel) -> None:
-    cert = tunnel.client_certificate
-    log.info(
-        "tunnel_connected",
-        proxy=format_authority(*tunnel.address),
-        client_cert_serial=format(cert.serial_number, "x") if cert is not None else None,
-        client_cert_not_after=cert.not_valid_after_utc.isoformat() if cert is not None else None,
-        connections_made=shared.connections_made,
-    )
-
-
 async def run_port_forward(
     pf: PortForward,
     *,
@@ -134,7 +105,6 @@ async def run_port_forward(
     ends it (normally, returning)."""
     out = out or sys.stdout
     log = get_logger("port-forward")
-    tls = pf.tls.reloading(log=log) if isinstance(pf.tls, TLSFiles) else pf.tls
     with contextlib.ExitStack() as stack:
         # Open before the Forwarding line: a signal sent as soon as it shows must stop us cleanly
         # (exit status 0), not kill us; one that arrives during the first dial waits for its end.
@@ -143,14 +113,9 @@ async def run_port_forward(
             if stop_on_signals
             else None
         )
-        async with open_shared_tunnel(
-            pf.proxy,
-            tls,
-            server_hostname=pf.server_name,
-            connect_timeout=pf.connect_timeout,
-            on_connected=lambda tunnel: _log_connected(log, shared, tunnel),
+        async with open_hub_tunnel(
+            pf.proxy, pf.tls, server_name=pf.server_name, connect_timeout=pf.connect_timeout, log=log
         ) as shared:
-            await shared.tunnel()
             listeners = await trio.open_tcp_listeners(pf.listen_port, host=pf.listen_host)
             bound = [listener.socket.getsockname()[:2] for listener in listeners]
             for address in bound:
