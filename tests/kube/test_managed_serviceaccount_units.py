@@ -166,3 +166,27 @@ def test_the_serviceaccount_namespace_outlives_the_addons_work() -> None:
             ]
         },
     }
+
+
+def test_the_service_proxy_gets_reviews_and_impersonation_only() -> None:
+    """The service proxy's ServiceAccount (the gateway's HTTPS endpoint, docs/cluster-gateway.md): create
+    TokenReviews and SubjectAccessReviews, impersonate users, groups and ServiceAccounts; no read, no
+    write, no uids or userextras. It rides in the agent's ManifestWork, beside the agent's own rights."""
+    role, binding = render.service_proxy_rbac()
+    assert role["kind"] == "ClusterRole" and role["metadata"]["name"] == render.SERVICE_PROXY_ROLE
+    assert role["rules"] == [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
+        {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["users", "groups", "serviceaccounts"], "verbs": ["impersonate"]},
+    ]
+    assert binding["kind"] == "ClusterRoleBinding" and binding["roleRef"]["name"] == render.SERVICE_PROXY_ROLE
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": "cluster-proxy-service-proxy",
+            "namespace": render.SERVICEACCOUNT_NAMESPACE,
+        }
+    ]
+    msa = render.gateway_managed_serviceaccount("c1", "uid-1", render.SERVICE_PROXY_SERVICEACCOUNT)
+    assert (msa["metadata"]["name"], msa["metadata"]["namespace"]) == ("cluster-proxy-service-proxy", "c1")
+    assert render.GATEWAY_SERVICEACCOUNTS == ("cluster-gateway", "cluster-proxy-service-proxy")

@@ -697,7 +697,9 @@ class Controller:
         token = self.credentials.ensure_token(
             cfg.namespace,
             hub_client.group,
-            client_binding(hub_client.name),
+            server_binding(hub_client.name, list(hub_client.hosts))
+            if hub_client.hosts
+            else client_binding(hub_client.name),
             render.token_from_secret(current),
         )
         if token.minted:

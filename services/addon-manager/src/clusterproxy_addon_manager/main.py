@@ -73,6 +73,20 @@ def _hub_client(text: str) -> render.HubClient:
     return render.HubClient(_name(name), _name(secret), _name(namespace) if namespace else "")
 
 
+def _hub_server(text: str) -> render.HubClient:
+    """``NAME=[NAMESPACE/]SECRET=HOST[,HOST...]``: a hub server's bootstrap Secret (a server token)."""
+    where, sep, hosts = text.strip().rpartition("=")
+    names = tuple(h.strip() for h in hosts.split(",") if h.strip())
+    if not sep or not names or "=" not in where:
+        raise InvalidValue(
+            f"invalid hub server {text!r}: expected NAME=[NAMESPACE/]SECRET=HOST[,HOST...] (e.g. cluster-proxy-"
+            "service-proxy=cluster-gateway-service-proxy-bootstrap=cluster-gateway.NS.svc): the serving "
+            "certificate's CN, the Secret that receives its bootstrap token, the names it may carry"
+        )
+    client = _hub_client(where)
+    return render.HubClient(client.name, client.secret, client.namespace, names)
+
+
 def _admin_url(text: str) -> str:
     value = text.strip().rstrip("/")
     if not value.startswith("http://") or len(value) <= len("http://"):
@@ -212,6 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
         "for a client certificate CN=NAME, replaced once used or expiring) and ca.crt; the Secret in "
         "NAMESPACE, by default the proxy-server namespace",
     )
+    flag(
+        "--hub-server",
+        type=_hub_server,
+        multiple=True,
+        metavar="NAME=[NAMESPACE/]SECRET=HOST[,HOST...]",
+        help="keep a bootstrap Secret for a hub server NAME (repeat; the cluster-gateway's HTTPS endpoint): as "
+        "--hub-client, with a server token for a certificate CN=NAME naming the HOSTs",
+    )
     flag("--workers", type=parse_positive_int, default="4", help="reconciles run at once")
     flag(
         "--admin-listen",
@@ -241,7 +263,7 @@ def parse_settings(
         store_prefix=args.store_prefix,
         cert_signer_image=args.cert_signer_image.strip() or "cluster-proxy/cert-signer:dev",
         workers=args.workers,
-        hub_clients=_unique_hub_clients(args.hub_client),
+        hub_clients=_unique_hub_clients([*args.hub_client, *args.hub_server]),
         admin_listen=args.admin_listen,
         log_level=args.log_level,
         log_format=args.log_format,

@@ -239,6 +239,9 @@ class HubClient:
     name: str
     secret: str
     namespace: str = ""
+    # a server of the hub (``--hub-server NAME=[NAMESPACE/]SECRET=HOST,...``: the cluster-gateway's HTTPS
+    # endpoint): its token is a server token for CN ``name`` and these names, not a client's
+    hosts: tuple[str, ...] = ()
 
     def where(self, default_namespace: str) -> tuple[str, str]:
         return self.namespace or default_namespace, self.secret
@@ -246,7 +249,7 @@ class HubClient:
     @property
     def group(self) -> str:
         """The token group (the description of the tokens minted for it: ``addon-manager <group>``)."""
-        return f"hub-client {self.name}"
+        return f"hub-server {self.name}" if self.hosts else f"hub-client {self.name}"
 
 
 def hub_client_secret(
