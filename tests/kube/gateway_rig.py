@@ -25,7 +25,16 @@ from tests.support.kubeapi import KubeCluster, KubeClusters, free_port
 from tests.support.procs import BIN, Process
 from tests.support.workagent import AddonStack, poll_until
 
-__all__ = ["APISERVICE", "SA_NAME", "SA_NAMESPACE", "SA_USER", "Gateway", "Managed", "running_gateway"]
+__all__ = [
+    "APISERVICE",
+    "SA_NAME",
+    "SA_NAMESPACE",
+    "SA_USER",
+    "SERVICE_PROXY_SA",
+    "Gateway",
+    "Managed",
+    "running_gateway",
+]
 
 GROUP_PATH = "/apis/cluster.core.oam.dev/v1alpha1"
 APISERVICE = "v1alpha1.cluster.core.oam.dev"
@@ -33,6 +42,7 @@ SA_NAMESPACE = "open-cluster-management-managed-serviceaccount"
 SA_NAME = "cluster-gateway"
 SA_USER = f"system:serviceaccount:{SA_NAMESPACE}:{SA_NAME}"
 TOKEN_SECRET = "cluster-gateway"
+SERVICE_PROXY_SA = "cluster-proxy-service-proxy"  # its credential Secret on the hub has this name too
 READER = "cluster-gateway-test-reader"
 
 
@@ -52,6 +62,13 @@ class Gateway:
     clusters: dict[str, Managed]
     directory: Path
     kube_clusters: KubeClusters
+    service_proxy_port: int = 0  # with service_proxy: https://127.0.0.1:PORT/<cluster>/...
+    ca_bundle: Path | None = None  # the signer's trust bundle: verifies the service proxy's certificate
+
+    @property
+    def allowlist(self) -> str:
+        """The service proxy's allow-list ConfigMap (in the stack's namespace on the hub)."""
+        return f"{self.stack.namespace}/cluster-proxy-service-proxy-allowlist"
 
     def proxy_path(self, cluster: str, rest: str) -> str:
         return f"{GROUP_PATH}/clustergateways/{cluster}/proxy{rest}"
@@ -65,22 +82,23 @@ def ignore_conflict(call: Any) -> None:
             raise
 
 
-def _project_token(hub: KubeCluster, managed: Managed) -> None:
-    """What point 2 will do: a ServiceAccount in the managed cluster, its token in a hub Secret."""
+def _project_token(hub: KubeCluster, managed: Managed, name: str = SA_NAME) -> None:
+    """What the ManagedServiceAccount controller does (tests/kube/test_managed_serviceaccount.py shows
+    it): a ServiceAccount ``name`` in the managed cluster, its token in the hub Secret of that name."""
     with managed.api.api_client() as admin:
         core = client.CoreV1Api(admin)
         ignore_conflict(lambda: core.create_namespace({"metadata": {"name": SA_NAMESPACE}}))
         ignore_conflict(
-            lambda: core.create_namespaced_service_account(SA_NAMESPACE, {"metadata": {"name": SA_NAME}})
+            lambda: core.create_namespaced_service_account(SA_NAMESPACE, {"metadata": {"name": name}})
         )
         token = core.create_namespaced_service_account_token(
-            SA_NAME, SA_NAMESPACE, {"spec": {"expirationSeconds": 3600}}
+            name, SA_NAMESPACE, {"spec": {"expirationSeconds": 3600}}
         ).status.token
     with hub.api_client() as admin:
         client.CoreV1Api(admin).create_namespaced_secret(
             managed.name,
             {
-                "metadata": {"name": TOKEN_SECRET},
+                "metadata": {"name": name},
                 "stringData": {"token": token, "ca.crt": managed.api.ca_path.read_text()},
             },
         )
@@ -159,6 +177,7 @@ def running_gateway(
     log_level: str = "debug",
     tagged: bool = True,
     managed_serviceaccounts: bool = False,
+    service_proxy: bool = False,
 ) -> Iterator[Gateway]:
     """The addon's stack, the API servers ``apis`` joined (each with the token Secret of a
     ServiceAccount ``cluster-gateway`` there), the APIService and the gateway process; all removed on
@@ -167,7 +186,11 @@ def running_gateway(
 
     With ``managed_serviceaccounts`` no token Secret is made by hand: the gateway runs with
     ``--managed-serviceaccounts`` and writes it from the ManagedServiceAccount the addon-manager
-    creates (the hub needs that CRD first: tests/kube/crds/authentication)."""
+    creates (the hub needs that CRD first: tests/kube/crds/authentication).
+
+    With ``service_proxy`` the gateway also serves its HTTPS endpoint on 127.0.0.1 (its certificate
+    from the cert-signer with a server token, as an admin mints one), each cluster's service-proxy
+    credential projected like the gateway's token (its RBAC comes with the addon's ManifestWork)."""
     hub = kube_clusters["hub"]
     stack = AddonStack(hub, directory)
     process = None
@@ -185,6 +208,8 @@ def running_gateway(
             managed[api_name] = Managed(name, api, only_here)
             if not managed_serviceaccounts:
                 _project_token(hub, managed[api_name])
+                if service_proxy:
+                    _project_token(hub, managed[api_name], SERVICE_PROXY_SA)
         port = free_port()
         _register(hub, stack.namespace, port)
         registered = True
@@ -209,6 +234,34 @@ def running_gateway(
         )
         assert minted.returncode == 0, minted.stderr
         credentials = directory / "gateway-credentials"
+        env = {"CLUSTER_PROXY_GATEWAY_BOOTSTRAP_TOKEN": json.loads(minted.stdout)["token"]}
+        service_proxy_port = 0
+        service_proxy_args: list[str] = []
+        if service_proxy:
+            server_token = subprocess.run(
+                [
+                    *signer_cli[:1],
+                    "token",
+                    "create",
+                    *signer_cli[1:],
+                    "--server=cluster-proxy-service-proxy",
+                    "--host=127.0.0.1",
+                    "--json",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert server_token.returncode == 0, server_token.stderr
+            env["CLUSTER_PROXY_GATEWAY_SERVICE_PROXY_BOOTSTRAP_TOKEN"] = json.loads(server_token.stdout)[
+                "token"
+            ]
+            service_proxy_port = free_port()
+            service_proxy_args = [
+                f"--service-proxy-listen=127.0.0.1:{service_proxy_port}",
+                "--service-proxy-host=127.0.0.1",
+                f"--service-proxy-allowlist={stack.namespace}/cluster-proxy-service-proxy-allowlist",
+            ]
         process = Process(
             "cluster-gateway",
             [
@@ -227,10 +280,11 @@ def running_gateway(
                 *(["--managed-serviceaccounts"] if managed_serviceaccounts else []),
                 "--log-format=json",
                 f"--log-level={log_level}",
+                *service_proxy_args,
                 *extra_args,
             ],
             directory,
-            env={"CLUSTER_PROXY_GATEWAY_BOOTSTRAP_TOKEN": json.loads(minted.stdout)["token"]},
+            env=env,
         )
         poll_until(
             lambda: (
@@ -242,7 +296,9 @@ def running_gateway(
         )
         waited = hub.kubectl("wait", "--for=condition=Available", "--timeout=60s", f"apiservice/{APISERVICE}")
         assert waited.returncode == 0, f"{waited.stderr}\n--- gateway\n{process.tail()}"
-        yield Gateway(stack, hub, process, port, managed, directory, kube_clusters)
+        yield Gateway(
+            stack, hub, process, port, managed, directory, kube_clusters, service_proxy_port, bundle
+        )
     finally:
         if registered:
             with hub.api_client() as admin, contextlib.suppress(client.exceptions.ApiException):

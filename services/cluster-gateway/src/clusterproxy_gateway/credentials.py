@@ -17,6 +17,7 @@ import base64
 import datetime as dt
 import ipaddress
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,11 +33,18 @@ from clusterproxy_protocol.certclient import (
     SignerRequestError,
     client_csr,
     ensure_bootstrapped,
+    server_csr,
 )
 from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.reloader import CertRenewer
 
-__all__ = ["SelfSigned", "make_self_signed", "prepare_client_certificate", "register_ca_bundle"]
+__all__ = [
+    "SelfSigned",
+    "make_self_signed",
+    "prepare_client_certificate",
+    "prepare_serving_certificate",
+    "register_ca_bundle",
+]
 
 SERVING_LIFETIME = dt.timedelta(days=365)
 
@@ -131,6 +139,33 @@ async def prepare_client_certificate(
     signer: str, files: CertFiles, token: str | None, bootstrap_ca: Path | None, client_name: str
 ) -> CertRenewer:
     """Bootstrap ``files`` from the signer when they hold no valid certificate; the renewer to run."""
+    return await _prepare(
+        signer,
+        files,
+        token,
+        bootstrap_ca,
+        lambda key: client_csr(key, client_name),
+        f"cluster-proxy-cert-signer token create --client {client_name}",
+    )
+
+
+async def prepare_serving_certificate(
+    signer: str, files: CertFiles, token: str | None, bootstrap_ca: Path | None, name: str, hosts: list[str]
+) -> CertRenewer:
+    """The service proxy's serving certificate (CN ``name``, SANs ``hosts``) from the signer with a
+    server token bound to them, as the proxy-server gets its own; the renewer to run."""
+    hint = "cluster-proxy-cert-signer token create --server " + name + "".join(f" --host {h}" for h in hosts)
+    return await _prepare(signer, files, token, bootstrap_ca, lambda key: server_csr(key, name, hosts), hint)
+
+
+async def _prepare(
+    signer: str,
+    files: CertFiles,
+    token: str | None,
+    bootstrap_ca: Path | None,
+    make_csr: Callable[[Any], str],
+    hint: str,
+) -> CertRenewer:
     if not files.ca.exists():
         if bootstrap_ca is None or not bootstrap_ca.is_file():
             raise ConfigError(
@@ -141,11 +176,10 @@ async def prepare_client_certificate(
         shutil.copyfile(bootstrap_ca, files.ca)
     endpoint = SignerEndpoint.parse(signer, files.ca)
     try:
-        await ensure_bootstrapped(endpoint, files, token, lambda key: client_csr(key, client_name))
+        await ensure_bootstrapped(endpoint, files, token, make_csr)
     except SignerRequestError as exc:
         raise ConfigError(
-            f"the cert-signer at {endpoint.url} refused the bootstrap token: {exc} (create a new one: "
-            f"cluster-proxy-cert-signer token create --client {client_name})"
+            f"the cert-signer at {endpoint.url} refused the bootstrap token: {exc} (create a new one: {hint})"
         ) from None
     except OSError as exc:
         raise ConfigError(f"cannot reach the cert-signer at {endpoint.url}: {exc}") from None

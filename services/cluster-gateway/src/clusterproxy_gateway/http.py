@@ -5,15 +5,27 @@ kube-apiserver (one request per tunnel stream)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import h11
 import trio
 
-__all__ = ["HTTPConnection", "IncomingRequest", "ProtocolFailure", "cancel_when_closed", "header_values"]
+__all__ = [
+    "HTTPConnection",
+    "IncomingRequest",
+    "ProtocolFailure",
+    "cancel_when_closed",
+    "header_values",
+    "incoming",
+    "serve_requests",
+]
 
 RECEIVE_SIZE = 64 << 10
+IDLE_TIMEOUT = 300.0  # a kept-alive connection with no request (Go's clients close theirs at 90 s)
+BODY_TIMEOUT = 60.0
 
 
 class ProtocolFailure(Exception):
@@ -111,3 +123,50 @@ async def cancel_when_closed(http: HTTPConnection, scope: trio.CancelScope) -> N
         return
     http.conn.receive_data(data)  # a pipelined request: h11 keeps it for after this answer
     await trio.sleep_forever()
+
+
+def incoming(event: h11.Request) -> IncomingRequest:
+    target = event.target.decode("latin-1")
+    parts = urlsplit(target)
+    return IncomingRequest(
+        method=event.method.decode("ascii"),
+        target=target,
+        headers=list(event.headers),
+        path=parts.path,
+        query=parts.query,
+    )
+
+
+async def serve_requests(
+    http: HTTPConnection,
+    handle: Callable[[HTTPConnection, IncomingRequest], Awaitable[None]],
+    *,
+    max_body: int,
+    too_large: Callable[[str], Any],
+) -> None:
+    """The keep-alive loop of one server connection: each request head, its body (whole, at most
+    ``max_body`` bytes; ``too_large(reason)`` is the JSON answer beyond it), then ``handle``, until the
+    client closes, stays idle for IDLE_TIMEOUT, or an answer leaves the connection unusable (an
+    upgrade, an answer cut short). Transport errors end the loop quietly; the caller closes the stream."""
+    try:
+        while True:
+            event: Any = None
+            with trio.move_on_after(IDLE_TIMEOUT):
+                event = await http.next_event()
+            if not isinstance(event, h11.Request):  # closed, or idle too long
+                break
+            request = incoming(event)
+            if http.conn.they_are_waiting_for_100_continue:
+                await http.send(h11.InformationalResponse(status_code=100, headers=[]))
+            with trio.fail_after(BODY_TIMEOUT):
+                request.body = await http.read_body(max_body)
+            await handle(http, request)
+            if http.conn.our_state is not h11.DONE or http.conn.their_state is not h11.DONE:
+                break
+            http.conn.start_next_cycle()
+    except ProtocolFailure as exc:
+        if http.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE) and "larger than" in str(exc):
+            with trio.move_on_after(2):
+                await http.respond_json(413, too_large(str(exc)))
+    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+        pass

@@ -176,20 +176,22 @@ class HubInventory:
         return next((e for e in self.clusters()[0] if e.name == name), None)
 
     # credentials
-    def token(self, cluster: str) -> ClusterToken:
-        """The cluster's token from the hub Secret ``<cluster>/<token_secret>`` (keys ``token`` and
-        ``ca.crt``, optional ``tls-server-name``); raises TokenNotReady naming what is missing."""
-        return self._cache.get(("token", cluster), lambda: self._load_token(cluster))
+    def token(self, cluster: str, secret: str | None = None) -> ClusterToken:
+        """The cluster's token from the hub Secret ``<cluster>/<secret>`` (default ``token_secret``; keys
+        ``token`` and ``ca.crt``, optional ``tls-server-name``); raises TokenNotReady naming what is
+        missing."""
+        name = secret or self.token_secret
+        return self._cache.get(("token", name, cluster), lambda: self._load_token(cluster, name))
 
-    def forget_token(self, cluster: str) -> None:
-        self._cache.forget(("token", cluster))
+    def forget_token(self, cluster: str, secret: str | None = None) -> None:
+        self._cache.forget(("token", secret or self.token_secret, cluster))
 
-    def _load_token(self, cluster: str) -> ClusterToken:
+    def _load_token(self, cluster: str, name: str) -> ClusterToken:
         from kubernetes.client.exceptions import ApiException
 
-        where = f"Secret {cluster}/{self.token_secret} on the hub"
+        where = f"Secret {cluster}/{name} on the hub"
         try:
-            secret = self.core.read_namespaced_secret(self.token_secret, cluster)
+            secret = self.core.read_namespaced_secret(name, cluster)
         except ApiException as exc:
             if exc.status == 404:
                 raise TokenNotReady(

@@ -20,29 +20,40 @@ from typing import Any
 import trio
 
 from clusterproxy_protocol import allocator, workarounds
+from clusterproxy_protocol.audit import add_audit_flag, open_sink
 from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.config import (
     ConfigError,
     add_flag,
     existing_file,
     parse_args_or_exit,
+    parse_duration,
     parse_hostport,
     parse_positive_duration,
+    parse_positive_int,
 )
 from clusterproxy_protocol.kubeconfig import load_configuration
 from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
 from clusterproxy_sdk import TLSFiles, open_shared_tunnel
 
-from .credentials import make_self_signed, prepare_client_certificate, register_ca_bundle
+from .allowlist import DEFAULT_ALLOWLIST, AllowList
+from .credentials import (
+    make_self_signed,
+    prepare_client_certificate,
+    prepare_serving_certificate,
+    register_ca_bundle,
+)
 from .inventory import HubInventory, RequestHeaderConfig
 from .profiles import ProfilePublisher
 from .proxy import ClusterProxy
 from .server import GatewayServer, serving_context
+from .service_proxy import DEFAULT_CREDENTIAL_SECRET, ServiceProxy, ServingCertificate
 from .serviceaccounts import ManagedServiceAccounts
 
 ENV_PREFIX = "CLUSTER_PROXY_GATEWAY_"
 DEFAULT_TOKEN_SECRET = "cluster-gateway"
 DEFAULT_PROFILE_NAMESPACE = "open-cluster-management"
+DEFAULT_SERVICE_PROXY_NAME = "cluster-proxy-service-proxy"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +128,35 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--hub-ca", type=existing_file, metavar="FILE",
          help="the CA of the hub kube-apiserver's serving certificate, in the ClusterProfiles (default: the "
          "one the gateway's own hub connection trusts)")  # fmt: skip
+    # the hub's HTTPS endpoint per cluster (docs/cluster-gateway.md, "The HTTPS endpoint")
+    flag("--service-proxy-listen", type=parse_hostport, metavar="HOST:PORT",
+         help="serve https://HOST/<cluster>/<path> here for bearer tokens of the managed clusters and the hub "
+         "(unset: no such endpoint; port 0: any free port, logged as service_proxy_started)")  # fmt: skip
+    flag("--service-proxy-tls-cert", type=existing_file, metavar="FILE",
+         help="its serving certificate (followed when the file changes); default: one from --signer with "
+         "--service-proxy-bootstrap-token, else one made at start under --state-dir")  # fmt: skip
+    flag("--service-proxy-tls-key", type=existing_file, metavar="FILE", help="its private key")
+    flag("--service-proxy-bootstrap-token", metavar="TOKEN",
+         help="with --signer: a single-use server token bound to --service-proxy-name and its hosts "
+         "(cluster-proxy-cert-signer token create --server NAME --host HOST ...); the certificate is renewed")  # fmt: skip
+    flag("--service-proxy-name", default=DEFAULT_SERVICE_PROXY_NAME, metavar="NAME",
+         help="the common name of its serving certificate (the server token's --server)")  # fmt: skip
+    flag("--service-proxy-host", multiple=True, metavar="HOST",
+         help="the names (or IPs) in its serving certificate (default: cluster-gateway.$POD_NAMESPACE.svc)")  # fmt: skip
+    flag("--service-proxy-credential-secret", default=DEFAULT_CREDENTIAL_SECRET, metavar="NAME",
+         help="each cluster's credential for token and access reviews and impersonation: the hub Secret of this "
+         "name in the cluster's namespace (keys token, ca.crt; the ManagedServiceAccount of that name)")  # fmt: skip
+    flag("--service-proxy-allowlist", metavar="NAMESPACE/NAME",
+         help="the hub ConfigMap listing the in-cluster Services .../proxy-service/ may reach (default: "
+         f"$POD_NAMESPACE/{DEFAULT_ALLOWLIST}; none listed: none reachable)")  # fmt: skip
+    flag("--service-proxy-hub-tokens", type=bool, default=True,
+         help="accept hub tokens (the hub's TokenReview) and impersonate their users; --no-service-proxy-hub-tokens: "
+         "managed clusters' own tokens only")  # fmt: skip
+    flag("--service-proxy-token-cache-ttl", type=parse_duration, default="10s", metavar="DURATION",
+         help="how long a TokenReview's answer (either way) is reused for the same token (0: never)")  # fmt: skip
+    flag("--service-proxy-token-cache-size", type=parse_positive_int, default="4096", metavar="N",
+         help="at most this many TokenReview answers are kept (the oldest dropped first)")  # fmt: skip
+    add_audit_flag(flag)  # the HTTPS endpoint's records (frontend service-proxy), one per request
     add_log_flags(flag)
     return parser
 
@@ -173,8 +213,10 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
             "without --tls-cert the gateway makes its serving certificate: name it with --serving-name "
             "(e.g. cluster-gateway.NAMESPACE.svc) or set POD_NAMESPACE"
         )
+    if (args.service_proxy_tls_cert is None) != (args.service_proxy_tls_key is None):
+        parser.error("--service-proxy-tls-cert and --service-proxy-tls-key go together")
     if args.signer is None:
-        for name in ("--bootstrap-token", "--bootstrap-ca"):
+        for name in ("--bootstrap-token", "--bootstrap-ca", "--service-proxy-bootstrap-token"):
             if getattr(args, name[2:].replace("-", "_")):
                 parser.error(f"{name} needs --signer (the cert-signer that trades the token)")
         for name, path in (
@@ -237,6 +279,8 @@ async def run(args: argparse.Namespace) -> None:
                 renew_fraction=args.serviceaccount_renew_fraction,
             )
             await nursery.start(accounts.run)
+        if args.service_proxy_listen is not None:
+            await nursery.start(run_service_proxy, args, inventory, proxy, api)
         listeners = await trio.open_tcp_listeners(port, host=host)
         bound = listeners[0].socket.getsockname()
         log.info(
@@ -248,6 +292,75 @@ async def run(args: argparse.Namespace) -> None:
             requestheader_allowed_names=list(requestheader.allowed_names),
         )
         await server.serve(listeners, context)
+
+
+async def _service_proxy_certificate(args: argparse.Namespace, nursery: trio.Nursery) -> ServingCertificate:
+    """From files, from the cert-signer (renewed in ``nursery``), or made at start."""
+    if args.service_proxy_tls_cert is not None:
+        return ServingCertificate(Path(args.service_proxy_tls_cert), Path(args.service_proxy_tls_key))
+    hosts = list(args.service_proxy_host) or [
+        f"cluster-gateway.{os.environ.get('POD_NAMESPACE', 'default')}.svc"
+    ]
+    directory = Path(args.state_dir) / "service-proxy"
+    token = (args.service_proxy_bootstrap_token or "").strip() or None
+    files = CertFiles(directory / "tls.crt", directory / "tls.key", directory / "ca.crt")
+    if args.signer is not None and (token is not None or files.cert.exists()):
+        directory.mkdir(parents=True, exist_ok=True)
+        bootstrap_ca = args.bootstrap_ca or Path(args.proxy_ca)
+        renewer = await prepare_serving_certificate(
+            args.signer, files, token, bootstrap_ca, args.service_proxy_name, hosts
+        )
+        await nursery.start(renewer.run)
+        return ServingCertificate(files.cert, files.key)
+    made = make_self_signed(directory, hosts)
+    get_logger("cluster-gateway").warning(
+        "service_proxy_self_signed",
+        hosts=hosts,
+        ca=made.ca_pem.decode(),
+        hint="give it one from the cert-signer",
+    )
+    return ServingCertificate(made.cert, made.key)
+
+
+async def run_service_proxy(
+    args: argparse.Namespace,
+    inventory: HubInventory,
+    proxy: ClusterProxy,
+    api: Any,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    audit = open_sink(args.audit_log)
+    async with trio.open_nursery() as nursery:
+        serving = await _service_proxy_certificate(args, nursery)
+        where = args.service_proxy_allowlist
+        if where is None and os.environ.get("POD_NAMESPACE"):
+            where = f"{os.environ['POD_NAMESPACE']}/{DEFAULT_ALLOWLIST}"
+        service = ServiceProxy(
+            inventory,
+            proxy,
+            AllowList(api, where or "", ttl=args.cache_ttl),
+            hub_api=api if args.service_proxy_hub_tokens else None,
+            credential_secret=args.service_proxy_credential_secret,
+            cache_ttl=args.service_proxy_token_cache_ttl,
+            cache_size=args.service_proxy_token_cache_size,
+            audit=audit,
+        )
+        host, port = args.service_proxy_listen
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        bound = listeners[0].socket.getsockname()
+        get_logger("cluster-gateway").info(
+            "service_proxy_started",
+            listen=f"{bound[0]}:{bound[1]}",
+            credential_secret=args.service_proxy_credential_secret,
+            allowlist=where or "none",
+            hub_tokens=args.service_proxy_hub_tokens,
+        )
+        task_status.started()
+        try:
+            await service.serve(listeners, serving)
+        finally:
+            audit.close()
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> None:

@@ -18,7 +18,10 @@ caller's identity on a service-account cluster, never for the service account on
 
 from __future__ import annotations
 
+import json
 import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote
 
@@ -56,9 +59,12 @@ if TYPE_CHECKING:
 __all__ = [
     "IDENTITY_HEADER",
     "ClusterProxy",
+    "Refused",
     "StreamOpener",
+    "Traffic",
     "choose_identity",
     "impersonation_headers",
+    "outbound_headers",
     "upgrade_protocol",
 ]
 
@@ -88,6 +94,7 @@ DROPPED_RESPONSE_HEADERS = frozenset({"connection", "keep-alive", "transfer-enco
 KUBE_APISERVER_PORT = 443
 TLS_HANDSHAKE_TIMEOUT = 15.0
 RESPONSE_HEAD_TIMEOUT = 60.0
+MAX_JSON_ANSWER = 1 << 20  # a TokenReview's or SubjectAccessReview's answer is a few hundred bytes
 
 
 def choose_identity(entry: ClusterEntry, asked: str) -> str | tuple[int, str]:
@@ -142,6 +149,36 @@ class StreamOpener(Protocol):
     async def connect(self, cluster: str, host: str, port: int) -> Any: ...
 
 
+class Refused(Exception):
+    """A request the gateway answers itself: the status and the reason in words."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class Traffic:
+    """Bytes carried for one request (the audit's counts): toward the target and back to the client."""
+
+    to_target: int = 0
+    to_client: int = 0
+
+
+def outbound_headers(
+    request: IncomingRequest, dropped_prefixes: tuple[str, ...] = DROPPED_REQUEST_PREFIXES
+) -> list[tuple[bytes, bytes]]:
+    """The caller's headers as they go on: hop-by-hop headers, its credential and those of
+    ``dropped_prefixes`` left out (the caller of :meth:`ClusterProxy.exchange` adds its own)."""
+    return [
+        (k, v)
+        for k, v in request.headers
+        if k.lower().decode("latin-1") not in DROPPED_REQUEST_HEADERS
+        and not k.lower().decode("latin-1").startswith(dropped_prefixes)
+    ]
+
+
 class ClusterProxy:
     def __init__(self, inventory: HubInventory, tunnel: StreamOpener, *, proxy_server: str) -> None:
         self.inventory = inventory
@@ -150,13 +187,100 @@ class ClusterProxy:
         self.log = get_logger("cluster-gateway")
         self._contexts: dict[bytes, ssl.SSLContext] = {}
 
-    def _context(self, ca_pem: bytes) -> ssl.SSLContext:
+    def client_context(self, ca_pem: bytes) -> ssl.SSLContext:
         context = self._contexts.get(ca_pem)
         if context is None:
             context = ssl.create_default_context(cadata=ca_pem.decode())
             context.set_alpn_protocols(["http/1.1"])
-            self._contexts = {ca_pem: context}  # one CA per cluster; a rotated CA replaces the old one
+            # one CA per cluster (the gateway's and the service proxy's credentials name the same CA); a
+            # rotated CA replaces the old ones
+            self._contexts = {**dict(list(self._contexts.items())[-7:]), ca_pem: context}
         return context
+
+    async def dial(self, cluster: str, host: str, port: int, what: str = "its kube-apiserver") -> Any:
+        """A tunnel stream to ``host:port`` in ``cluster`` (``what`` names it in reasons); :class:`Refused`
+        with the status and reason the caller gets when there is none."""
+        try:
+            # the cluster named in the header (so the proxy-server says 503 for a cluster without agents)
+            return await self.tunnel.connect(cluster, host, port)
+        except (UnknownCluster, NoAgentConnected) as exc:
+            raise Refused(
+                503,
+                f"no tunnel to cluster {cluster!r}: no proxy-agent of it is connected to the proxy-server "
+                f"({exc.reason or exc}); check kubectl get managedclusteraddon -n {cluster} cluster-proxy "
+                f"and the agent in the managed cluster",
+            ) from None
+        except DialTimeout as exc:
+            raise Refused(
+                504, f"cluster {cluster!r}: its agent could not reach {what} in time ({exc})"
+            ) from None
+        except ConnectRefused as exc:
+            raise Refused(502, f"cluster {cluster!r}: the tunnel refused the connection: {exc}") from None
+        except TunnelError as exc:
+            raise Refused(
+                503,
+                f"the cluster-gateway cannot reach the proxy-server at {self.proxy_server}: {exc} "
+                "(check the gateway's --proxy-server and its client certificate)",
+            ) from None
+
+    async def open_kube(self, cluster: str, token: ClusterToken, secret: str) -> trio.SSLStream[Any]:
+        """TLS with ``cluster``'s kube-apiserver through the tunnel (the bare cluster name as the host,
+        which the agent maps to its own kube-apiserver), checked with ``token``'s CA; ``secret`` names
+        the hub Secret that holds it, for the reason of a failure."""
+        stream = await self.dial(cluster, cluster, KUBE_APISERVER_PORT)
+        tls = trio.SSLStream(stream, self.client_context(token.ca_pem), server_hostname=token.server_name)
+        try:
+            with trio.fail_after(TLS_HANDSHAKE_TIMEOUT):
+                await tls.do_handshake()
+        except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError) as exc:
+            await trio.aclose_forcefully(tls)
+            self.inventory.forget_token(cluster, secret)
+            raise Refused(
+                502,
+                f"TLS with the kube-apiserver of cluster {cluster!r} failed: {describe_exception(exc)} "
+                f"(its CA is 'ca.crt' of Secret {cluster}/{secret} on the hub; the "
+                f"name checked is {token.server_name!r})",
+            ) from None
+        return tls
+
+    async def request_json(
+        self, cluster: str, token: ClusterToken, secret: str, method: str, path: str, body: Any
+    ) -> tuple[int, Any]:
+        """One JSON request of the gateway's own (a TokenReview, a SubjectAccessReview) to ``cluster``'s
+        kube-apiserver with ``token``; the status and the decoded answer. :class:`Refused` when the
+        cluster cannot be reached or does not answer."""
+        payload = json.dumps(body).encode()
+        tls = await self.open_kube(cluster, token, secret)
+        try:
+            upstream = HTTPConnection(tls, h11.CLIENT)
+            headers = [
+                (b"Host", token.server_name.encode()),
+                (b"Authorization", f"Bearer {token.token}".encode()),
+                (b"Content-Type", b"application/json"),
+                (b"Accept", b"application/json"),
+                (b"Content-Length", str(len(payload)).encode()),
+                (b"Connection", b"close"),
+            ]
+            with trio.fail_after(RESPONSE_HEAD_TIMEOUT):
+                await upstream.send(h11.Request(method=method, target=path, headers=headers))
+                await upstream.send(h11.Data(data=payload))
+                await upstream.send(h11.EndOfMessage())
+                head = await upstream.next_event()
+                if not isinstance(head, h11.Response):
+                    raise ProtocolFailure(f"answered {head!r}")
+                answer = await upstream.read_body(MAX_JSON_ANSWER)
+        except (ProtocolFailure, trio.BrokenResourceError, trio.TooSlowError) as exc:
+            raise Refused(
+                502, f"the kube-apiserver of cluster {cluster!r} did not answer {path}: {exc}"
+            ) from None
+        finally:
+            await trio.aclose_forcefully(tls)
+        if head.status_code == 401:
+            self.inventory.forget_token(cluster, secret)  # a rotated token: read the Secret again next time
+        try:
+            return head.status_code, json.loads(answer or b"null")
+        except ValueError:
+            return head.status_code, {"message": answer[:300].decode("utf-8", "replace")}
 
     async def forward(
         self, http: HTTPConnection, request: IncomingRequest, cluster: str, path: str, identity: Identity
@@ -178,41 +302,10 @@ class ClusterProxy:
         except TokenNotReady as exc:
             return await fail(503, str(exc))
         try:
-            # the cluster named in the header (so the proxy-server says 503 for a cluster without agents) and
-            # the bare cluster name as the host, which the agent maps to its own kube-apiserver
-            stream = await self.tunnel.connect(cluster, cluster, KUBE_APISERVER_PORT)
-        except (UnknownCluster, NoAgentConnected) as exc:
-            return await fail(
-                503,
-                f"no tunnel to cluster {cluster!r}: no proxy-agent of it is connected to the proxy-server "
-                f"({exc.reason or exc}); check kubectl get managedclusteraddon -n {cluster} cluster-proxy "
-                f"and the agent in the managed cluster",
-            )
-        except DialTimeout as exc:
-            return await fail(
-                504, f"cluster {cluster!r}: its agent could not reach its kube-apiserver in time ({exc})"
-            )
-        except ConnectRefused as exc:
-            return await fail(502, f"cluster {cluster!r}: the tunnel refused the connection: {exc}")
-        except TunnelError as exc:
-            return await fail(
-                503,
-                f"the cluster-gateway cannot reach the proxy-server at {self.proxy_server}: {exc} "
-                "(check the gateway's --proxy-server and its client certificate)",
-            )
-        tls = trio.SSLStream(stream, self._context(token.ca_pem), server_hostname=token.server_name)
+            tls = await self.open_kube(cluster, token, self.inventory.token_secret)
+        except Refused as exc:
+            return await fail(exc.status, exc.message)
         try:
-            try:
-                with trio.fail_after(TLS_HANDSHAKE_TIMEOUT):
-                    await tls.do_handshake()
-            except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError) as exc:
-                self.inventory.forget_token(cluster)
-                return await fail(
-                    502,
-                    f"TLS with the kube-apiserver of cluster {cluster!r} failed: {describe_exception(exc)} "
-                    f"(its CA is 'ca.crt' of Secret {cluster}/{self.inventory.token_secret} on the hub; the "
-                    f"name checked is {token.server_name!r})",
-                )
             return await self._exchange(http, request, cluster, path, token, tls, fail, impersonate)
         finally:
             await trio.aclose_forcefully(tls)
@@ -228,18 +321,43 @@ class ClusterProxy:
         fail: Any,
         impersonate: list[tuple[bytes, bytes]],
     ) -> int:
-        upstream = HTTPConnection(tls, h11.CLIENT)
-        headers = [
-            (k, v)
-            for k, v in request.headers
-            if k.lower().decode("latin-1") not in DROPPED_REQUEST_HEADERS
-            and not k.lower().decode("latin-1").startswith(DROPPED_REQUEST_PREFIXES)
-        ]
+        """The gateway's request: the caller's headers, the cluster's token, the caller's identity in
+        caller mode."""
+        headers = outbound_headers(request)
         headers += [
             (b"Host", token.server_name.encode()),
             (b"Authorization", f"Bearer {token.token}".encode()),
             *impersonate,
         ]
+
+        def unauthorized() -> None:
+            self.inventory.forget_token(cluster)  # a rotated token: read the Secret again next time
+
+        return await self.exchange(
+            http, request, cluster, path, headers, tls, fail, on_unauthorized=unauthorized
+        )
+
+    async def exchange(
+        self,
+        http: HTTPConnection,
+        request: IncomingRequest,
+        cluster: str,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        stream: trio.abc.Stream,
+        fail: Any,
+        *,
+        on_unauthorized: Callable[[], None] | None = None,
+        traffic: Traffic | None = None,
+        what: str = "",
+    ) -> int:
+        """Send ``request`` (its method, ``path`` with its query, its body) with ``headers`` over
+        ``stream`` and carry the answer back as it comes: streamed, or, after a 101, the bytes of the
+        upgraded connection both ways. Returns the status."""
+        traffic = traffic if traffic is not None else Traffic()
+        what = what or f"the kube-apiserver of cluster {cluster!r}"
+        upstream = HTTPConnection(stream, h11.CLIENT)
+        headers = list(headers)
         upgrade = upgrade_protocol(request)
         if upgrade:
             headers += [(b"Connection", b"Upgrade"), (b"Upgrade", upgrade.encode("latin-1"))]
@@ -252,19 +370,20 @@ class ClusterProxy:
             await upstream.send(h11.Request(method=request.method, target=target, headers=headers))
             if request.body:
                 await upstream.send(h11.Data(data=request.body))
+                traffic.to_target += len(request.body)
             await upstream.send(h11.EndOfMessage())
             with trio.fail_after(RESPONSE_HEAD_TIMEOUT):
                 head = await upstream.next_event()
                 while isinstance(head, h11.InformationalResponse) and head.status_code != 101:
                     head = await upstream.next_event()  # 100 Continue, 103 Early Hints: not for the caller
         except (ProtocolFailure, trio.BrokenResourceError, trio.TooSlowError) as exc:
-            return int(await fail(502, f"the kube-apiserver of cluster {cluster!r} did not answer: {exc}"))
+            return int(await fail(502, f"{what} did not answer: {exc}"))
         if isinstance(head, h11.InformationalResponse):  # 101: h11 lets it through only if we asked
-            return await self._switch(http, upstream, head, cluster, upgrade)
+            return await self._switch(http, upstream, head, cluster, upgrade, traffic)
         if not isinstance(head, h11.Response):
-            return int(await fail(502, f"the kube-apiserver of cluster {cluster!r} answered {head!r}"))
-        if head.status_code == 401:
-            self.inventory.forget_token(cluster)  # a rotated token: read the Secret again next time
+            return int(await fail(502, f"{what} answered {head!r}"))
+        if head.status_code == 401 and on_unauthorized is not None:
+            on_unauthorized()
         relayed = [
             (k, v) for k, v in head.headers if k.lower().decode("latin-1") not in DROPPED_RESPONSE_HEADERS
         ]
@@ -277,6 +396,7 @@ class ClusterProxy:
                     event = await upstream.next_event()
                     if isinstance(event, h11.Data):
                         await http.send(h11.Data(data=event.data))
+                        traffic.to_client += len(event.data)
                     elif isinstance(event, h11.EndOfMessage):
                         await http.send(h11.EndOfMessage())
                         break
@@ -300,6 +420,7 @@ class ClusterProxy:
         head: h11.InformationalResponse,
         cluster: str,
         protocol: str,
+        traffic: Traffic,
     ) -> int:
         """The managed cluster switched protocols: its 101 goes to the caller with its headers (Upgrade,
         Sec-WebSocket-Accept/-Protocol, X-Stream-Protocol-Version ...), then bytes flow both ways."""
@@ -322,7 +443,9 @@ class ClusterProxy:
                 await upstream.stream.send_all(from_caller)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return 101  # one side is gone already; the caller's finally blocks close both
-        await relay(http.stream, upstream.stream)
+        result = await relay(http.stream, upstream.stream)
+        traffic.to_target += len(from_caller) + result.bytes_to_target
+        traffic.to_client += len(from_cluster) + result.bytes_to_client
         return 101
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
 import h11
 import trio
@@ -27,7 +27,15 @@ from cryptography.x509.oid import NameOID
 from clusterproxy_protocol.logs import get_logger
 
 from . import objects
-from .http import HTTPConnection, IncomingRequest, ProtocolFailure, cancel_when_closed, header_values
+from .http import (
+    HTTPConnection,
+    IncomingRequest,
+    ProtocolFailure,
+    cancel_when_closed,
+    header_values,
+    incoming,
+    serve_requests,
+)
 from .inventory import HubInventory, RequestHeaderConfig
 from .proxy import ClusterProxy
 
@@ -37,8 +45,6 @@ PREFIX = f"/apis/{objects.GROUP}/{objects.VERSION}/{objects.RESOURCE}"
 HEALTH_PATHS = frozenset({"/healthz", "/livez", "/readyz"})
 HANDSHAKE_TIMEOUT = 10.0
 MAX_CONNECTIONS = 512
-IDLE_TIMEOUT = 300.0  # a kept-alive connection with no request (Go's clients close theirs at 90 s)
-BODY_TIMEOUT = 60.0  # a request's body, once its head arrived
 # The aggregator downloads every APIService's OpenAPI documents; empty ones say "no schema" (kubectl then
 # validates nothing client-side for these kinds) instead of an error in the hub's log every minute.
 OPENAPI: dict[str, dict[str, Any]] = {
@@ -133,44 +139,21 @@ class GatewayServer:
             return
         peer = _common_name(stream.getpeercert(binary_form=True))
         http = HTTPConnection(stream, h11.SERVER)
+
+        async def handle(http: HTTPConnection, request: IncomingRequest) -> None:
+            await self.handle_request(http, request, peer)
+
         try:
-            while True:
-                event: Any = None
-                with trio.move_on_after(IDLE_TIMEOUT):
-                    event = await http.next_event()
-                if not isinstance(event, h11.Request):  # closed, or idle too long
-                    break
-                request = self._request(event)
-                if http.conn.they_are_waiting_for_100_continue:
-                    await http.send(h11.InformationalResponse(status_code=100, headers=[]))
-                with trio.fail_after(BODY_TIMEOUT):
-                    request.body = await http.read_body(self.max_body)
-                await self.handle_request(http, request, peer)
-                if http.conn.our_state is not h11.DONE or http.conn.their_state is not h11.DONE:
-                    break
-                http.conn.start_next_cycle()
-        except ProtocolFailure as exc:
-            if http.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE) and "larger than" in str(exc):
-                with trio.move_on_after(2):
-                    await http.respond_json(413, objects.status(413, str(exc)))
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
-            pass
+            await serve_requests(
+                http, handle, max_body=self.max_body, too_large=lambda reason: objects.status(413, reason)
+            )
         except Exception:
             self.log.exception("connection_failed", peer=peer)  # this connection only, never the server
         finally:
             await trio.aclose_forcefully(stream)
 
-    @staticmethod
-    def _request(event: h11.Request) -> IncomingRequest:
-        target = event.target.decode("latin-1")
-        parts = urlsplit(target)
-        return IncomingRequest(
-            method=event.method.decode("ascii"),
-            target=target,
-            headers=list(event.headers),
-            path=parts.path,
-            query=parts.query,
-        )
+    # kept for the tests that drive one exchange by hand
+    _request = staticmethod(incoming)
 
     # who is asking
     def authenticate(self, request: IncomingRequest, peer: str | None) -> Identity | str:
