@@ -141,3 +141,46 @@ def test_the_addon_manager_keeps_a_server_token_for_the_endpoint() -> None:
         assert "NAME=[NAMESPACE/]SECRET=HOST" in str(exc)
     else:
         raise AssertionError("a server without hosts was accepted")
+
+
+def test_the_hub_overlays_render_the_endpoint_its_port_and_its_certificates_names() -> None:
+    """The gateway's second port and Service port; the names of its serving certificate are exactly the
+    ones the addon-manager's server token binds (a mismatch: the signer refuses the CSR); the gateway may
+    read its credential Secrets, the allow-list and ask the hub's TokenReview."""
+    from tests.unit.test_kustomize_render import KUSTOMIZE, deployments, render
+
+    gateway_objects = render(KUSTOMIZE / "overlays" / "hub-gateway")
+    (gateway,) = deployments(gateway_objects)
+    container = gateway["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    assert "--service-proxy-listen=0.0.0.0:9444" in args
+    hosts = [a.split("=", 1)[1] for a in args if a.startswith("--service-proxy-host=")]
+    assert {"name": "service-proxy", "containerPort": 9444} in container["ports"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["CLUSTER_PROXY_GATEWAY_SERVICE_PROXY_BOOTSTRAP_TOKEN"]["valueFrom"]["secretKeyRef"][
+        "name"
+    ] == ("cluster-gateway-service-proxy-bootstrap")
+    (service,) = [o for o in gateway_objects if o["kind"] == "Service"]
+    assert {"name": "service-proxy", "port": 9444, "targetPort": "service-proxy"} in service["spec"]["ports"]
+    (role,) = [
+        o for o in gateway_objects if o["kind"] == "ClusterRole" and o["metadata"]["name"].endswith("gateway")
+    ]
+    assert {
+        "apiGroups": ["authentication.k8s.io"],
+        "resources": ["tokenreviews"],
+        "verbs": ["create"],
+    } in role["rules"]
+    assert any("cluster-proxy-service-proxy" in r.get("resourceNames", []) for r in role["rules"])
+    manager = next(
+        d
+        for d in deployments(render(KUSTOMIZE / "overlays" / "hub"))
+        if "addon-manager" in d["metadata"]["name"]
+    )
+    manager_args = manager["spec"]["template"]["spec"]["containers"][0]["args"]
+    (hub_server,) = [a.split("=", 1)[1] for a in manager_args if a.startswith("--hub-server=")]
+    parsed = manager_main._hub_server(hub_server)
+    assert (
+        parsed.name == "cluster-proxy-service-proxy"
+        and parsed.secret == "cluster-gateway-service-proxy-bootstrap"
+    )
+    assert list(parsed.hosts) == hosts
