@@ -7,10 +7,9 @@ HTTP/2, the body on HTTP/1.1), and the client side turns it back into one of the
 from __future__ import annotations
 
 import ssl
+import sys
 from collections.abc import Mapping
 from typing import ClassVar
-
-import trio
 
 
 class TunnelError(Exception):
@@ -113,7 +112,10 @@ def describe_exception(exc: BaseException) -> str:
     """A one-line reason a person can act on for a failed connect, handshake or transfer: the TLS
     cause of a broken stream, every address's error of a failed connect, an OS error's text."""
     cause = exc.__cause__ or exc.__context__
-    if isinstance(exc, trio.BrokenResourceError) and isinstance(cause, ssl.SSLError):
+    # The sans-IO core imports this module, so trio is not imported here: a trio error exists only
+    # in a process that imported trio already.
+    trio = sys.modules.get("trio")
+    if trio is not None and isinstance(exc, trio.BrokenResourceError) and isinstance(cause, ssl.SSLError):
         exc = cause
     if isinstance(exc, ssl.SSLCertVerificationError):
         return f"TLS handshake failed: certificate verify failed: {exc.verify_message}"
