@@ -2,8 +2,10 @@
 agent holds a tunnel, False within 30 s of its agent being SIGKILLed, True again once it is back.
 
 Everything runs from what the addon-manager wrote (tests.support.workagent.AddonStack): the manager
-with its default ``--availability-poll`` (10 s) asking the proxy-server's admin API, the proxy-server
-and cert-signer from their Deployments, the agent from its ManifestWork. The table is the real
+with its default ``--availability-poll`` (10 s) asking the proxy-server's admin API over mutual TLS,
+with a hub client certificate the cert-signer issued it for a token it minted (the admin port lists
+clusters to hub clients only), the proxy-server and cert-signer from their Deployments, the agent from
+its ManifestWork. The table is the real
 kubectl's, printed from the ManagedClusterAddOn CRD's printer columns, parsed by the header's column
 positions (a column may be empty: DEGRADED and PROGRESSING are not set by this addon).
 """
@@ -112,6 +114,12 @@ def test_available_follows_the_agent(stack: AddonStack) -> None:
     assert member.agent is not None
     hub = stack.hub
     connected = wait_available(hub, member.name, "True", timeout=60)
+    # what it asked with: its own certificate, from the signer the manager deployed
+    own = stack.wait_manager_event("cert_bootstrapped", name="addon-manager")
+    assert stack.signer is not None
+    issued = stack.signer.container().events("cert_issued")
+    assert [e["via"] for e in issued if e.get("identity") == "client:addon-manager"] == ["bootstrap"], issued
+    assert own["serial"].lstrip("0") in {e["serial"].lstrip("0") for e in issued}
 
     agent = member.agent.container()
     killed_at = time.monotonic()

@@ -31,11 +31,11 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from clusterproxy_protocol.certclient import CertFiles
+from clusterproxy_addon_manager.hubclient import CLIENT_NAME, TOKEN_GROUP
 from clusterproxy_protocol.pki import DevCA
-from tests.support.kubeapi import KubeCluster, KubeClusters
-from tests.support.pki import PkiFiles
-from tests.support.procs import Hub, Process
+from tests.support.certs import KubeSigner, SignedHub
+from tests.support.kubeapi import KubeCluster, KubeClusters, free_port
+from tests.support.procs import Process
 
 pytestmark = pytest.mark.slow
 
@@ -178,6 +178,7 @@ class Env:
             f"--mpc-name={self.name}",
             "--admin-listen=127.0.0.1:0",
             "--availability-poll=1s",
+            f"--credentials-dir={self.tmp / 'manager-credentials'}",
             "--resync-period=5m",
             "--log-format=json",
             "--log-level=debug",
@@ -557,25 +558,52 @@ def test_manifest_applied_follows_the_works_status(env: Env) -> None:
     record("work status Applied -> addon ManifestApplied", time.monotonic() - started)
 
 
-async def test_available_follows_the_agents_tunnel(env: Env, tmp_path: Path) -> None:
-    """A real proxy-server and agent (development PKI, not from the ManifestWork: that end-to-end run
-    is another test's); the manager polls the server's admin API (--admin-url)."""
+def own_token_states(env: Env) -> list[bool]:
+    """Whether each token minted for the manager's own certificate was used, from the signer's store."""
+    tokens = env.core.list_namespaced_secret(env.name, label_selector="cluster-proxy.io/kind=token").items
+    records = [json.loads(base64.b64decode(s.data["record.json"])) for s in tokens]
+    return [
+        r.get("used_at") is not None for r in records if r["description"] == f"addon-manager {TOKEN_GROUP}"
+    ]
+
+
+def test_without_its_certificate_available_is_unknown_and_no_token_is_minted(env: Env) -> None:
+    """The proxy-servers list their clusters over mutual TLS only: while the signer that issues the
+    manager's own certificate does not answer, AVAILABLE is Unknown and says so, and the manager leaves
+    no unused token behind."""
     env.create_mpc()
     cluster = env.add_cluster()
-    ca = DevCA.create_or_load(tmp_path / "ca")
-    leaves = tmp_path / "leaves"
-    pki = PkiFiles(
-        ca=ca.ca_path,
-        server=ca.issue_server("proxy-server", ["localhost", "127.0.0.1"], leaves),
-        client=ca.issue_client("test-admin", leaves),
-        agents={},
-        foreign_client=ca.issue_client("unused", leaves),
-    )
-    proxy = Hub(pki, tmp_path)
-    await proxy.start_server()
+    silent = free_port()  # nothing listens there
+    env.start_manager("--admin-url=https://127.0.0.1:1", f"--signer=https://127.0.0.1:{silent}")
+    env.add_addon(cluster)
+    signer = f"https://127.0.0.1:{silent}"
+
+    def unknown() -> dict[str, Any] | None:
+        found = env.conditions(cluster).get("Available")
+        return found if found and signer in found["message"] else None
+
+    said, took = wait_for(unknown, timeout=10, what=f"Available naming {signer}")
+    record("no signer -> Available Unknown naming it", took)
+    assert (said["status"], said["reason"]) == ("Unknown", "NoClientCertificate"), said
+    assert "does not answer" in said["message"] and "mutual TLS" in said["message"], said
+    assert own_token_states(env) == []
+
+
+async def test_available_follows_the_agents_tunnel(env: Env, tmp_path: Path) -> None:
+    """A real cert-signer on the manager's store, a proxy-server and an agent bootstrapped from it (not
+    from the ManifestWork: that end-to-end run is another test's); the manager polls the server's
+    admin API (--admin-url) with a hub client certificate of its own, which the signer issued for a
+    token the manager minted (--signer)."""
+    env.create_mpc()
+    cluster = env.add_cluster()
+    signer = await KubeSigner(env.hub, env.name, tmp_path).start()
+    proxy = SignedHub(None, tmp_path, signer=signer)  # type: ignore[arg-type]
     try:
+        await proxy.start_server()
         manager = await trio.to_thread.run_sync(
-            lambda: env.start_manager(f"--admin-url=http://127.0.0.1:{proxy.admin_port}")
+            lambda: env.start_manager(
+                f"--admin-url=https://127.0.0.1:{proxy.admin_port}", f"--signer={signer.url}"
+            )
         )
         env.add_addon(cluster)
 
@@ -589,12 +617,17 @@ async def test_available_follows_the_agents_tunnel(env: Env, tmp_path: Path) -> 
 
         await trio.to_thread.run_sync(
             lambda: wait_for(
-                lambda: available() == "False", timeout=10, what="Available False (no agent yet)"
+                lambda: available() == "False", timeout=20, what="Available False (no agent yet)"
             )
         )
-        pair = ca.issue_agent(cluster, "agent-a", leaves)
-        argv = proxy.agent_argv(CertFiles(pair.cert, pair.key, ca.ca_path), cluster, "agent-a")
-        agent = proxy.launch_agent("agent", argv)
+        # the manager's own certificate: bootstrapped from its token, issued by the signer
+        bootstrapped = manager.event("cert_bootstrapped")
+        assert bootstrapped is not None and bootstrapped["name"] == CLIENT_NAME, manager.process.tail()
+        assert own_token_states(env) == [True]
+        issued = [e for e in signer.process.events() if e.get("event") == "cert_issued"]  # type: ignore[union-attr]
+        assert any(e.get("identity") == f"client:{CLIENT_NAME}" for e in issued), issued
+
+        agent = proxy.start_agent(cluster, "agent-a")
         await proxy.wait_agent(cluster, "agent-a")
         started = time.monotonic()
         await trio.to_thread.run_sync(
@@ -614,7 +647,8 @@ async def test_available_follows_the_agents_tunnel(env: Env, tmp_path: Path) -> 
         assert kubectl_available() == "False"
         assert "no agent of cluster" in env.conditions(cluster)["Available"]["message"]
 
-        again = proxy.launch_agent("agent-again", argv)
+        files = proxy.files[f"agent-{cluster}-agent-a"]
+        again = proxy.start_agent(cluster, "agent-a", token=None, files=files, name="agent-again")
         await proxy.wait_agent(cluster, "agent-a")
         started = time.monotonic()
         await trio.to_thread.run_sync(
@@ -636,6 +670,7 @@ async def test_available_follows_the_agents_tunnel(env: Env, tmp_path: Path) -> 
         )
         assert unknown["reason"] == "ProxyServerUnreachable"
         assert manager.process.popen.poll() is None
+        assert own_token_states(env) == [True], "the manager minted again"
     finally:
         proxy.stop()
 

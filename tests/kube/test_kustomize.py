@@ -56,9 +56,9 @@ from kubernetes import client
 
 from clusterproxy_cli.commands import SIGNER, executable
 from tests.support import kubeapi, require
-from tests.support.certs import SERVER_HOSTS, SignedHub, SignerProcess
+from tests.support.certs import KubeSigner, SignedHub
 from tests.support.kubeapi import KubeCluster, KubeClusters, free_port, install_crds
-from tests.support.procs import Process, json_records
+from tests.support.procs import json_records
 from tests.support.waiting import wait_until
 from tests.support.workagent import Container, Kubelet, Pod, WorkAgent, poll_until
 from tests.unit.test_kustomize_render import (
@@ -348,40 +348,6 @@ def test_the_addon_manager_runs_as_the_overlay_installs_it(
 # --- the by-hand path, end to end ----------------------------------------------------------------------
 
 
-class HubSigner(SignerProcess):
-    """``cluster-proxy-cert-signer serve`` on the hub's Secrets store (``kubernetes:NAMESPACE``), as
-    the addon-manager deploys it, with the hub admin's kubeconfig."""
-
-    def __init__(self, hub: KubeCluster, log_dir: Path) -> None:
-        super().__init__(log_dir / "signer", log_dir)
-        self.hub = hub
-
-    async def start(self) -> HubSigner:
-        argv = [
-            executable(SIGNER),
-            "serve",
-            "--store",
-            f"kubernetes:{HUB_NAMESPACE}",
-            "--kubeconfig",
-            str(self.hub.kubeconfig),
-            "--listen",
-            "127.0.0.1:0",
-            *[arg for host in SERVER_HOSTS for arg in ("--tls-host", host)],
-            "--log-format",
-            "json",
-        ]
-        self.process = Process("cert-signer", argv, self.log_dir)
-        started = await self.process.wait_event("signer_started")
-        self.port = int(str(started["listen"]).rsplit(":", 1)[1])
-        return self
-
-    @property
-    def store(self) -> Any:  # the server's token below is made in this store
-        from clusterproxy_certsigner.kubestore import KubernetesSecretStore
-
-        return KubernetesSecretStore(namespace=HUB_NAMESPACE, kubeconfig=self.hub.kubeconfig)
-
-
 async def admin_cli(hub: KubeCluster, *args: str) -> str:
     """What the admin runs on a workstation with the hub's kubeconfig (docs/kubernetes.md)."""
     argv = [
@@ -401,7 +367,7 @@ async def test_an_agent_from_a_managed_overlay_of_your_own_reaches_the_hub(
     hub_installed: KubeCluster, kube_clusters: KubeClusters, tmp_path: Path
 ) -> None:
     hub, cluster1 = hub_installed, kube_clusters["cluster1"]
-    signer = await HubSigner(hub, tmp_path).start()
+    signer = await KubeSigner(hub, HUB_NAMESPACE, tmp_path).start()
     proxy = SignedHub(pki=None, log_dir=tmp_path, signer=signer)  # type: ignore[arg-type]
     kubelet = Kubelet(cluster1, tmp_path / "kubelet")
     try:

@@ -13,19 +13,23 @@ import ssl
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from clusterproxy_certsigner.cli_commands import create_token
 from clusterproxy_certsigner.filestore import FileStore
 from clusterproxy_certsigner.models import Binding
-from clusterproxy_cli.commands import SignerFlags, signer_serve_argv
+from clusterproxy_cli.commands import SIGNER, SignerFlags, executable, signer_serve_argv
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
 from clusterproxy_protocol.pki import PemPair
 from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
 from tests.support.procs import Hub, Process, client_tls
+
+if TYPE_CHECKING:
+    from clusterproxy_certsigner.kubestore import KubernetesSecretStore
+    from tests.support.kubeapi import KubeCluster
 
 SERVER_HOSTS = ("localhost", "127.0.0.1")
 
@@ -99,6 +103,49 @@ class SignerProcess:
     def stop(self) -> None:
         if self.process is not None:
             self.process.stop()
+
+
+class KubeSigner(SignerProcess):
+    """``cluster-proxy-cert-signer serve`` on a hub's Secrets store (``kubernetes:NAMESPACE/PREFIX``), as
+    the addon-manager deploys it (the store the manager mints its tokens in), with the hub admin's
+    kubeconfig."""
+
+    def __init__(
+        self, hub: KubeCluster, namespace: str, log_dir: Path, prefix: str = "cluster-proxy-ca"
+    ) -> None:
+        super().__init__(log_dir / "signer", log_dir)
+        self.hub = hub
+        self.namespace = namespace
+        self.prefix = prefix
+
+    async def start(self) -> KubeSigner:
+        argv = [
+            executable(SIGNER),
+            "serve",
+            "--store",
+            f"kubernetes:{self.namespace}/{self.prefix}",
+            "--kubeconfig",
+            str(self.hub.kubeconfig),
+            "--listen",
+            "127.0.0.1:0",
+            *[arg for host in SERVER_HOSTS for arg in ("--tls-host", host)],
+            "--store-poll",
+            "1s",
+            "--log-format",
+            "json",
+        ]
+        self.process = Process("cert-signer", argv, self.log_dir)
+        started = await self.process.wait_event("signer_started")
+        self.port = int(str(started["listen"]).rsplit(":", 1)[1])
+        return self
+
+    @property
+    def store(self) -> KubernetesSecretStore:  # type: ignore[override]
+        from clusterproxy_certsigner.kubestore import KubernetesSecretStore
+
+        return KubernetesSecretStore(
+            namespace=self.namespace, prefix=self.prefix, kubeconfig=self.hub.kubeconfig
+        )
 
 
 @dataclass

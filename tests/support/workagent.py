@@ -48,7 +48,9 @@ adds none, so nothing hangs when a test stops it).
   to (its ``targetPort``; a named one is looked up in the Deployments it selects; the ``kubernetes``
   Service's leads to the cluster's API server). A headless Service resolves to ``127.0.0.1``, an
   ExternalName one to its name; other names under ``cluster.local`` or ``.svc`` do not resolve, the
-  rest resolve as usual. The table holds the Services that exist when the container starts. Service
+  rest resolve as usual. The table holds the Services that exist when a container of the kubelet last
+  started (every running pod's is rewritten then: kube-proxy and cluster DNS follow Services as they
+  change, here at those moments), read again by the process when it changed. Service
   links and ``KUBERNETES_SERVICE_HOST``/``PORT`` carry the cluster IPs and Service ports, as a pod
   sees them, so they lead to the API server (and the Services) through that kube-proxy;
 - the program: a command without a ``/`` is the console script of that name in the virtualenv's
@@ -612,14 +614,29 @@ def _install():
     path = _os.environ.get("%(env)s")
     if not path:
         return
-    with open(path) as handle:
-        table = _json.load(handle)
-    names, search, domain, forwards = table["names"], table["search"], table["domain"], table["forwards"]
+    loaded = {"stamp": None, "table": None}
+
+    def current():
+        # the kubelet rewrites the table (by rename) when it starts a container: Services made since
+        try:
+            info = _os.stat(path)
+            stamp = (info.st_ino, info.st_mtime_ns)
+        except OSError:
+            return loaded["table"]
+        if stamp != loaded["stamp"]:
+            with open(path) as handle:
+                loaded["table"] = _json.load(handle)
+            loaded["stamp"] = stamp
+        return loaded["table"]
+
+    current()
     real_getaddrinfo = _socket.getaddrinfo
     real_connect = _socket.socket.connect
     real_connect_ex = _socket.socket.connect_ex
 
     def lookup(host):
+        table = current()
+        names, search, domain = table["names"], table["search"], table["domain"]
         name = host.rstrip(".").lower()
         if host.endswith("."):
             candidates = [name]
@@ -646,7 +663,7 @@ def _install():
 
     def forwarded(sock, address):
         if sock.family == _socket.AF_INET and isinstance(address, tuple) and len(address) == 2:
-            target = forwards.get(f"{address[0]}:{address[1]}")
+            target = current()["forwards"].get(f"{address[0]}:{address[1]}")
             if target is not None:
                 return ("127.0.0.1", target)
         return address
@@ -1262,7 +1279,7 @@ class Pod:
         network = self.directory / "pod-network"
         network.mkdir(parents=True, exist_ok=True)
         (network / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        (network / "table.json").write_text(json.dumps(network_table(services, self.namespace)))
+        self.kubelet.refresh_networks(services, also=self)
         home = self.directory / "home"
         home.mkdir(parents=True, exist_ok=True)
         image_env = {
@@ -1456,6 +1473,18 @@ class Kubelet:
             found, timeout=timeout, what=f"Deployment {namespace}/{name} on {self.cluster.name}"
         )
 
+    def refresh_networks(self, services: list[ServiceAddress], *, also: Pod | None = None) -> None:
+        """Rewrite the pod network table of every pod started so far (and ``also``'s) from ``services``:
+        what kube-proxy and cluster DNS do whenever a Service changes, done here whenever a container
+        starts. Each table is replaced by a rename, so a process never reads half of one."""
+        for pod in {id(p): p for p in [*self.pods, *([also] if also is not None else [])]}.values():
+            network = pod.directory / "pod-network"
+            if not network.is_dir():
+                continue
+            written = network / "table.json.new"
+            written.write_text(json.dumps(network_table(services, pod.namespace)))
+            os.replace(written, network / "table.json")
+
     def pod(self, namespace: str, name: str) -> Pod:
         """A pod of Deployment ``namespace/name`` as it is now, not started (:meth:`Pod.start`)."""
         pod = Pod(self, self.deployment(namespace, name))
@@ -1575,6 +1604,7 @@ class AddonStack:
         self.manager: Any = None
         self.signer: Pod | None = None
         self.server: Pod | None = None
+        self._admin_tls: ssl.SSLContext | None = None
         self.timings: dict[str, float] = {}
 
     # hub
@@ -1584,7 +1614,9 @@ class AddonStack:
 
     @property
     def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.admin}"
+        """The proxy-server's admin port for its agents and clusters: mutual TLS with a hub client
+        certificate (:meth:`admin_tls`); its certificate names the entrypoint's host, 127.0.0.1."""
+        return f"https://127.0.0.1:{self.ports.admin}"
 
     def mpc(self, **agent: Any) -> dict[str, Any]:
         return {
@@ -1637,6 +1669,10 @@ class AddonStack:
                 f"--namespace={self.namespace}",
                 f"--mpc-name={self.mpc_name}",
                 f"--admin-url={self.admin_url}",
+                # its own hub client certificate for that URL, from the signer the manager deploys
+                # (no cluster DNS here for the default, the signer's Service)
+                f"--signer=https://127.0.0.1:{self.ports.signer}",
+                f"--credentials-dir={self.directory / 'addon-manager'}",
                 "--admin-listen=127.0.0.1:0",
                 "--log-format=json",
                 "--log-level=debug",
@@ -1649,6 +1685,7 @@ class AddonStack:
         self.signer = self.hub_kubelet.run(self.namespace, SIGNER_DEPLOYMENT).wait_ready(timeout)
         self._deployment(SERVER_DEPLOYMENT, timeout)
         self.server = self.hub_kubelet.run(self.namespace, SERVER_DEPLOYMENT).wait_ready(timeout)
+        self.admin_tls()
         self.timings["hub_ready"] = time.monotonic() - started
         return self
 
@@ -1674,8 +1711,21 @@ class AddonStack:
         except AssertionError as exc:
             raise AssertionError(f"{exc}; the addon-manager's log:\n{self.manager.tail()}") from None
 
+    def admin_tls(self) -> ssl.SSLContext:
+        """The hub client TLS the tests read the proxy-server's agents with (its certificate made once,
+        from the running signer: :meth:`client_certificate`)."""
+        if self._admin_tls is None:
+            from clusterproxy_protocol.tls import client_context
+            from clusterproxy_protocol.wire import ALPN_HTTP1
+
+            ca, cert, key = self.client_certificate("stack-reader")
+            self._admin_tls = client_context(cert, key, ca, alpn=[ALPN_HTTP1])
+        return self._admin_tls
+
     def agents_connected(self) -> list[dict[str, Any]]:
-        with urllib.request.urlopen(f"{self.admin_url}/api/v1/agents", timeout=5) as answer:
+        with urllib.request.urlopen(
+            f"{self.admin_url}/api/v1/agents", timeout=5, context=self.admin_tls()
+        ) as answer:
             return json.loads(answer.read())
 
     def tunnels(self, cluster: str) -> int:

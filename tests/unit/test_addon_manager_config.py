@@ -243,13 +243,16 @@ def test_flags_defaults_and_env_twins() -> None:
     assert defaults.admin_urls == []
     assert (defaults.resync_period, defaults.availability_poll, defaults.token_ttl) == (600.0, 10.0, 86400.0)
     assert defaults.admin_listen == ("0.0.0.0", 8094)
+    assert defaults.signer is None and str(defaults.credentials_dir) == "/var/lib/cluster-proxy"
     env = parse_settings(
         [],
         environ={
             "CLUSTER_PROXY_ADDON_MANAGER_KUBECONFIG": "/k",
             "CLUSTER_PROXY_ADDON_MANAGER_NAMESPACE": "ns1",
             "CLUSTER_PROXY_ADDON_MANAGER_MPC_NAME": "other",
-            "CLUSTER_PROXY_ADDON_MANAGER_ADMIN_URL": "http://10.0.0.1:8092,http://10.0.0.2:8092",
+            "CLUSTER_PROXY_ADDON_MANAGER_ADMIN_URL": "https://10.0.0.1:8092,https://10.0.0.2:8092",
+            "CLUSTER_PROXY_ADDON_MANAGER_SIGNER": "https://signer.hub:8443/",
+            "CLUSTER_PROXY_ADDON_MANAGER_CREDENTIALS_DIR": "/run/manager",
             "CLUSTER_PROXY_ADDON_MANAGER_RESYNC_PERIOD": "1m",
             "CLUSTER_PROXY_ADDON_MANAGER_AVAILABILITY_POLL": "2s",
             "CLUSTER_PROXY_ADDON_MANAGER_TOKEN_TTL": "1h",
@@ -259,7 +262,8 @@ def test_flags_defaults_and_env_twins() -> None:
     )
     assert str(env.kubeconfig) == "/k" and env.namespace == "ns1" and env.mpc_name == "other"
     assert env.create_default_configuration is False
-    assert env.admin_urls == ["http://10.0.0.1:8092", "http://10.0.0.2:8092"]
+    assert env.admin_urls == ["https://10.0.0.1:8092", "https://10.0.0.2:8092"]
+    assert env.signer == "https://signer.hub:8443" and str(env.credentials_dir) == "/run/manager"
     assert (env.resync_period, env.availability_poll, env.token_ttl, env.log_level) == (
         60.0,
         2.0,
@@ -267,10 +271,10 @@ def test_flags_defaults_and_env_twins() -> None:
         "debug",
     )
     flags = parse_settings(
-        ["--namespace", "ns2", "--admin-url", "http://h:1/"],
+        ["--namespace", "ns2", "--admin-url", "https://h:1/"],
         environ={"CLUSTER_PROXY_ADDON_MANAGER_NAMESPACE": "ns1"},
     )
-    assert flags.namespace == "ns2" and flags.admin_urls == ["http://h:1"]
+    assert flags.namespace == "ns2" and flags.admin_urls == ["https://h:1"]
     assert (
         parse_settings(["--no-create-default-configuration"], environ={}).create_default_configuration
         is False
@@ -291,10 +295,21 @@ def test_object_names_are_checked(bad: str, capsys: pytest.CaptureFixture[str]) 
     assert info.value.code == 2 and "a Kubernetes object name" in capsys.readouterr().err
 
 
+def test_a_plain_admin_url_is_refused_with_the_https_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """The proxy-servers list their clusters over mutual TLS only: a plain URL would be answered 403
+    at every poll, so it is refused at start, naming the URL to use instead."""
+    with pytest.raises(SystemExit) as exc:
+        parse_settings(["--admin-url", "http://10.0.0.1:8092"], environ={})
+    assert exc.value.code == 2
+    assert "https://10.0.0.1:8092 (the same port)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
-        (["--admin-url", "https://h:1"], "--admin-url"),
+        (["--admin-url", "ftp://h:1"], "--admin-url"),
+        (["--signer", "http://signer:8443"], "--signer"),
+        (["--signer", "https://signer"], "--signer"),
         (["--token-ttl", "48h"], "--token-ttl"),
         (["--availability-poll", "0s"], "--availability-poll"),
         (["--namespace", "Not_A_Name"], "--namespace"),

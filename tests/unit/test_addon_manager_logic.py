@@ -5,12 +5,13 @@ a real cert-signer store (the files backend: the same CertStore contract as the 
 from __future__ import annotations
 
 import datetime as dt
+import ssl
 from pathlib import Path
 
 import pytest
 import trio
 
-from clusterproxy_addon_manager.availability import Availability, poll_once
+from clusterproxy_addon_manager.availability import AdminTLS, Availability, poll_once
 from clusterproxy_addon_manager.compare import contains
 from clusterproxy_addon_manager.conditions import Condition, merge_conditions, same_conditions
 from clusterproxy_addon_manager.identity import Credentials, agent_binding, import_custom_ca, server_binding
@@ -114,23 +115,39 @@ async def test_queue_deduplicates_and_serializes_a_key() -> None:
 
 
 def test_availability_verdicts() -> None:
-    answers = {"http://a": {"cluster1": 1, "cluster2": 0}, "http://b": {"cluster1": 1}}
+    answers = {"https://a": {"cluster1": 1, "cluster2": 0}, "https://b": {"cluster1": 1}}
+    tls = AdminTLS(ssl.create_default_context())
 
-    def fetch(url: str, timeout: float) -> dict[str, int]:
+    def fetch(url: str, timeout: float, given: AdminTLS) -> dict[str, int]:
+        assert given is tls
         if url not in answers:
             raise OSError("connection refused")
         return answers[url]
 
-    both = poll_once(["http://a", "http://b"], fetch=fetch)
+    both = poll_once(["https://a", "https://b"], tls, fetch=fetch)
     assert both.of("cluster1").status == "True" and "2 agent tunnel(s)" in both.of("cluster1").message
     assert both.of("cluster2").status == "False"
     assert both.of("cluster3").status == "False"
-    partial = poll_once(["http://a", "http://down"], fetch=fetch)
+    partial = poll_once(["https://a", "https://down"], tls, fetch=fetch)
     assert partial.of("cluster2").status == "False" and "1 did not answer" in partial.of("cluster2").message
-    none = poll_once(["http://down"], fetch=fetch)
+    none = poll_once(["https://down"], tls, fetch=fetch)
     assert none.of("cluster1").status == "Unknown" and none.of("cluster1").reason == "ProxyServerUnreachable"
     assert "connection refused" in none.of("cluster1").message
     assert Availability({}, 0, 0).of("cluster1").reason == "NoProxyServer"
+
+
+def test_without_a_client_certificate_nobody_is_asked() -> None:
+    """The inventory is served over mutual TLS only: without its certificate the manager asks no
+    replica (a plain request would only be refused) and says why."""
+
+    def fetch(url: str, timeout: float, tls: AdminTLS) -> dict[str, int]:
+        raise AssertionError(f"{url} was asked")
+
+    why = "the cert-signer at https://signer:8443 does not answer"
+    verdict = poll_once(["https://a"], why, fetch=fetch).of("cluster1")
+    assert (verdict.status, verdict.reason) == ("Unknown", "NoClientCertificate")
+    assert why in verdict.message and "mutual TLS" in verdict.message
+    assert poll_once([], why, fetch=fetch).of("cluster1").reason == "NoProxyServer"
 
 
 # --- identities on a real store ------------------------------------------------------------------------

@@ -7,7 +7,14 @@ replica, from DNS). A cluster is
 
 - ``True``: some replica holds at least one tunnel of it;
 - ``False``: every replica answered and none holds one;
-- ``Unknown``: no replica answered (or there is none), so nothing can be said.
+- ``Unknown``: no replica answered (or there is none), or the manager holds no certificate to ask
+  with, so nothing can be said.
+
+The inventory lists clusters and agents, so the admin port serves it over mutual TLS only, to a hub
+client certificate (docs/architecture.md, "The admin port"): the manager presents its own
+(:mod:`.hubclient`) and checks the replica's, the client port's certificate, against the name the
+manager gave it (:func:`.render.admin_server_name`; a headless Service answers pod IPs, which no
+certificate names), or the URL's host for an ``--admin-url``.
 
 Why the admin API and not a lease the agent renews: the tunnel *is* what users need; a lease says the
 agent runs, not that it reaches the hub. A killed agent's tunnel ends when its TCP connection does
@@ -17,14 +24,27 @@ vanishes), so False shows within that plus one poll period.
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
-import urllib.error
-import urllib.request
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
-__all__ = ["Availability", "ClusterAvailability", "admin_urls_from_dns", "poll_once"]
+from clusterproxy_protocol.errors import describe_exception
+from clusterproxy_protocol.wire import format_authority
+
+__all__ = [
+    "AdminTLS",
+    "AdminTarget",
+    "Availability",
+    "ClusterAvailability",
+    "admin_urls_from_dns",
+    "poll_once",
+]
+
+MAX_ANSWER = 16 << 20  # /api/v1/clusters of 10,000 clusters is well under 1 MiB
 
 
 @dataclass(frozen=True)
@@ -35,18 +55,48 @@ class ClusterAvailability:
 
 
 @dataclass(frozen=True)
+class AdminTarget:
+    """The proxy-servers the manager polls: their namespace (the headless Service's, and the store and
+    cert-signer the manager's own certificate comes from), their admin port, the name their certificate
+    carries, and that namespace's cert-signer."""
+
+    namespace: str
+    port: int
+    server_name: str
+    signer_url: str
+
+
+@dataclass(frozen=True)
+class AdminTLS:
+    """The manager's side of the admin ports' mutual TLS: its hub client certificate and the trust
+    bundle (``context``), and the name the replicas' certificate must carry (None: the URL's host)."""
+
+    context: ssl.SSLContext
+    server_name: str | None = None
+
+
+@dataclass(frozen=True)
 class Availability:
-    """One poll: tunnels per cluster over the replicas that answered."""
+    """One poll: tunnels per cluster over the replicas that answered. ``uncertified``: why the poll
+    asked nobody (no client certificate to ask with yet)."""
 
     agents: dict[str, int]
     answered: int
     asked: int
     errors: tuple[str, ...] = ()
+    uncertified: str | None = None
 
     def of(self, cluster: str) -> ClusterAvailability:
         if self.asked == 0:
             return ClusterAvailability(
                 "Unknown", "NoProxyServer", "no proxy-server replica to ask (none found)"
+            )
+        if self.uncertified is not None:
+            return ClusterAvailability(
+                "Unknown",
+                "NoClientCertificate",
+                "the proxy-servers list their clusters to a hub client certificate only (mutual TLS) and "
+                f"the addon-manager holds none yet: {self.uncertified}",
             )
         if self.answered == 0:
             detail = "; ".join(self.errors[:3])
@@ -78,12 +128,37 @@ def admin_urls_from_dns(host: str, port: int) -> list[str]:
     except OSError:
         return []
     addresses = sorted({str(info[4][0]) for info in infos})
-    return [f"http://[{a}]:{port}" if ":" in a else f"http://{a}:{port}" for a in addresses]
+    return [f"https://{format_authority(address, port)}" for address in addresses]
 
 
-def _fetch(url: str, timeout: float) -> dict[str, int]:
-    with urllib.request.urlopen(url.rstrip("/") + "/api/v1/clusters", timeout=timeout) as response:
-        answer = json.loads(response.read())
+class _AdminConnection(http.client.HTTPConnection):
+    """HTTPS to an admin port that checks the replica's certificate for ``tls.server_name`` rather
+    than for the host dialed (``http.client.HTTPSConnection`` checks the host: a pod IP here)."""
+
+    def __init__(self, host: str, port: int, tls: AdminTLS, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self.tls = tls
+
+    def connect(self) -> None:
+        super().connect()
+        self.sock = self.tls.context.wrap_socket(self.sock, server_hostname=self.tls.server_name or self.host)
+
+
+def _fetch(url: str, timeout: float, tls: AdminTLS) -> dict[str, int]:
+    parts = urlsplit(url)
+    connection = _AdminConnection(parts.hostname or "", parts.port or 443, tls, timeout)
+    try:
+        connection.request("GET", "/api/v1/clusters", headers={"accept": "application/json"})
+        response = connection.getresponse()
+        body = response.read(MAX_ANSWER + 1)
+    finally:
+        connection.close()
+    if response.status != 200:
+        reason = body[:300].decode(errors="replace").strip().splitlines()[:1]
+        raise ValueError(f"HTTP {response.status}{': ' + reason[0] if reason else ''}")
+    if len(body) > MAX_ANSWER:
+        raise ValueError(f"the answer is larger than {MAX_ANSWER >> 20} MiB")
+    answer = json.loads(body)
     if not isinstance(answer, dict):
         raise ValueError("the answer is not a JSON object")
     counts = {}
@@ -94,17 +169,24 @@ def _fetch(url: str, timeout: float) -> dict[str, int]:
 
 
 def poll_once(
-    urls: Sequence[str], *, timeout: float = 3.0, fetch: Callable[[str, float], dict[str, int]] = _fetch
+    urls: Sequence[str],
+    tls: AdminTLS | str,
+    *,
+    timeout: float = 3.0,
+    fetch: Callable[[str, float, AdminTLS], dict[str, int]] = _fetch,
 ) -> Availability:
-    """Ask every URL (blocking; run in a thread) and sum what they say."""
+    """Ask every URL (blocking; run in a thread) and sum what they say. ``tls`` a string: why the
+    manager holds no client certificate (nobody is asked: a plain request would be refused)."""
+    if isinstance(tls, str):
+        return Availability({}, 0, len(urls), uncertified=tls)
     agents: dict[str, int] = {}
     answered = 0
     errors = []
     for url in urls:
         try:
-            counts = fetch(url, timeout)
-        except (OSError, ValueError, urllib.error.URLError) as exc:
-            errors.append(f"{url}: {getattr(exc, 'reason', None) or exc}")
+            counts = fetch(url, timeout, tls)
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            errors.append(f"{url}: {describe_exception(exc)}")
             continue
         answered += 1
         for cluster, count in counts.items():

@@ -34,7 +34,7 @@ from clusterproxy_certsigner.models import IssuedRecord
 from clusterproxy_protocol.logs import get_logger
 
 from . import render
-from .availability import Availability, ClusterAvailability
+from .availability import AdminTarget, Availability, ClusterAvailability
 from .compare import contains
 from .conditions import Condition, merge_conditions, same_conditions
 from .config import (
@@ -963,19 +963,21 @@ class Controller:
             if before is None or before.of(cluster) != availability.of(cluster):
                 self.enqueue(cluster_key(cluster))
 
-    def admin_namespace(self) -> tuple[str, int]:
-        cfg = self._config()
-        if cfg is None:
-            return self.options.namespace, 8092
-        return cfg.namespace, cfg.admin_port
+    def admin_target(self) -> AdminTarget:
+        """The proxy-servers the availability poll asks (the configuration's defaults without one)."""
+        cfg = self._config() or parse_mpc({}, default_namespace=self.options.namespace)
+        return AdminTarget(
+            cfg.namespace, cfg.admin_port, render.admin_server_name(cfg), render.signer_url_in_hub(cfg)
+        )
 
-    def prune_tokens(self) -> list[str]:
+    def prune_tokens(self, also_keep: Iterable[str] = ()) -> list[str]:
         """Delete unused tokens this manager minted that nothing holds any more (a crash between
-        minting and writing, a superseded token). Blocking."""
+        minting and writing, a superseded token). ``also_keep``: token ids held elsewhere (the
+        manager's own, between its minting and its use). Blocking."""
         cfg = self._config()
         if cfg is None or self._hub is None or self._hub.namespace != cfg.namespace or not self._hub.synced:
             return []
-        keep = set()
+        keep = set(also_keep)
         for work in self.works.items():
             token = render.token_from_manifest_work(work)
             if token:

@@ -2,9 +2,10 @@
 
 The runner: informer threads (informer.py) keep copies of the watched objects and hand keys to a
 trio work queue; ``--workers`` trio tasks take keys and run the blocking reconcile for each in a
-worker thread (``trio.to_thread``); a poller asks the proxy-servers which clusters hold tunnels; a
-resync re-reconciles everything every ``--resync-period`` (a safety net: every change already
-arrives as an event). SIGTERM or SIGINT stops it.
+worker thread (``trio.to_thread``); a poller asks the proxy-servers which clusters hold tunnels, with
+the manager's own hub client certificate (hubclient.py); a resync re-reconciles everything every
+``--resync-period`` (a safety net: every change already arrives as an event). SIGTERM or SIGINT stops
+it.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import signal
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from clusterproxy_protocol.admin import Response, metrics_response, serve_admin
+from clusterproxy_protocol.certclient import SignerEndpoint
 from clusterproxy_protocol.config import (
     ConfigError,
     InvalidValue,
@@ -37,8 +39,9 @@ from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_log
 from clusterproxy_protocol.wire import CLUSTER_NAME, format_authority
 
 from . import render
-from .availability import admin_urls_from_dns, poll_once
+from .availability import AdminTLS, admin_urls_from_dns, poll_once
 from .controller import Controller, ManagerOptions, NotReady
+from .hubclient import HubClientCertificate
 from .identity import Credentials
 from .kube import Forbidden, Kube, KubeError, Unavailable
 from .metrics import ManagerMetrics
@@ -89,11 +92,27 @@ def _hub_server(text: str) -> render.HubClient:
 
 def _admin_url(text: str) -> str:
     value = text.strip().rstrip("/")
-    if not value.startswith("http://") or len(value) <= len("http://"):
+    if value.startswith("http://"):
         raise InvalidValue(
-            f"invalid admin URL {text!r}: expected http://HOST:PORT of a proxy-server's admin port "
-            "(its --admin-listen, plain HTTP)"
+            f"invalid admin URL {text!r}: the proxy-servers list their clusters over mutual TLS only: "
+            f"https://{value.removeprefix('http://')} (the same port)"
         )
+    if not value.startswith("https://") or len(value) <= len("https://"):
+        raise InvalidValue(
+            f"invalid admin URL {text!r}: expected https://HOST:PORT of a proxy-server's admin port "
+            "(its --admin-listen)"
+        )
+    return value
+
+
+def _signer_url(text: str) -> str:
+    value = text.strip().rstrip("/")
+    try:
+        SignerEndpoint.parse(value, Path("unused"))
+    except ConfigError as exc:
+        raise InvalidValue(str(exc)) from None
+    if not value.startswith("https://"):
+        raise InvalidValue(f"invalid signer URL {text!r}: expected https://HOST:PORT")
     return value
 
 
@@ -111,6 +130,8 @@ class ManagerSettings:
     mpc_name: str = "cluster-proxy"
     create_default_configuration: bool = True
     admin_urls: list[str] = field(default_factory=list)
+    signer: str | None = None
+    credentials_dir: Path = Path("/var/lib/cluster-proxy")
     resync_period: float = 600.0
     availability_poll: float = 10.0
     token_ttl: float = 24 * 3600.0
@@ -130,6 +151,8 @@ class ManagerSettings:
             "mpc_name": self.mpc_name,
             "create_default_configuration": self.create_default_configuration,
             "admin_urls": self.admin_urls or f"every address of {render.ADMIN_SERVICE}.<namespace>.svc",
+            "signer": self.signer or f"https://{render.SIGNER_SERVICE}.<namespace>.svc:<signer port>",
+            "credentials_dir": str(self.credentials_dir),
             "resync_period": self.resync_period,
             "availability_poll": self.availability_poll,
             "token_ttl": self.token_ttl,
@@ -180,8 +203,25 @@ def build_parser() -> argparse.ArgumentParser:
         type=_admin_url,
         multiple=True,
         metavar="URL",
-        help="admin address of a proxy-server replica, http://HOST:PORT (repeat); default: every address "
-        f"of the headless Service {render.ADMIN_SERVICE} (one per replica)",
+        help="admin address of a proxy-server replica, https://HOST:PORT (repeat; its certificate must "
+        f"name HOST); default: every address of the headless Service {render.ADMIN_SERVICE} (one per "
+        "replica), whose certificate must name the in-cluster Service of the proxy-servers",
+    )
+    flag(
+        "--signer",
+        type=_signer_url,
+        metavar="URL",
+        help="the cert-signer that issues the manager's own hub client certificate (the proxy-servers "
+        f"list their clusters to hub clients only), https://HOST:PORT; default: its Service "
+        f"{render.SIGNER_SERVICE} in the proxy-server namespace",
+    )
+    flag(
+        "--credentials-dir",
+        type=Path,
+        default="/var/lib/cluster-proxy",
+        metavar="DIR",
+        help="where the manager keeps that certificate, its key and the trust bundle (a folder per "
+        "proxy-server namespace); in Kubernetes a memory-backed emptyDir",
     )
     flag(
         "--resync-period",
@@ -257,6 +297,8 @@ def parse_settings(
         mpc_name=args.mpc_name,
         create_default_configuration=args.create_default_configuration,
         admin_urls=list(dict.fromkeys(args.admin_url)),
+        signer=args.signer,
+        credentials_dir=args.credentials_dir,
         resync_period=args.resync_period,
         availability_poll=args.availability_poll,
         token_ttl=args.token_ttl,
@@ -316,6 +358,13 @@ class Manager:
         )
         self.queue = WorkQueue()
         self.log = get_logger("clusterproxy_addon_manager")
+        self.certificate = HubClientCertificate(
+            self.credentials,
+            settings.credentials_dir,
+            metrics=self.metrics,
+            log=self.log,
+            signer_url=settings.signer,
+        )
         self.admin_address = ""
         self.ready = False
 
@@ -382,22 +431,27 @@ class Manager:
             for key in self.controller.all_keys():
                 self.queue.add(key)
             try:
-                await trio.to_thread.run_sync(self.controller.prune_tokens, abandon_on_cancel=True)
+                await trio.to_thread.run_sync(
+                    self.controller.prune_tokens, self.certificate.token_ids(), abandon_on_cancel=True
+                )
             except Exception as exc:
                 self.log.warning("token_prune_failed", error=str(exc))
 
     async def _poll_availability(self) -> None:
         while True:
+            target = self.controller.admin_target()
             urls = self.settings.admin_urls
+            tls = self.certificate.tls(target.namespace)
             if not urls:
-                namespace, port = self.controller.admin_namespace()
                 urls = await trio.to_thread.run_sync(
                     admin_urls_from_dns,
-                    f"{render.ADMIN_SERVICE}.{namespace}.svc",
-                    port,
+                    f"{render.ADMIN_SERVICE}.{target.namespace}.svc",
+                    target.port,
                     abandon_on_cancel=True,
                 )
-            availability = await trio.to_thread.run_sync(poll_once, urls, abandon_on_cancel=True)
+                if isinstance(tls, AdminTLS):  # pod IPs: the name the manager gave their certificate
+                    tls = replace(tls, server_name=target.server_name)
+            availability = await trio.to_thread.run_sync(poll_once, urls, tls, abandon_on_cancel=True)
             self.metrics.availability_polls.labels("ok" if availability.answered else "failed").inc()
             self.metrics.clusters_available.set(sum(1 for n in availability.agents.values() if n > 0))
             self.controller.set_availability(availability)
@@ -470,6 +524,9 @@ class Manager:
             for _ in range(self.settings.workers):
                 nursery.start_soon(self._worker)
             nursery.start_soon(self._resync)
+            nursery.start_soon(
+                self.certificate.follow, self.controller.admin_target, self.settings.availability_poll
+            )
             nursery.start_soon(self._poll_availability)
 
 

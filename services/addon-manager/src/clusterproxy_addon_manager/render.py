@@ -53,6 +53,7 @@ __all__ = [
     "SIGNER_ENTRYPOINT_SERVICE",
     "SIGNER_SERVICE",
     "TOKEN_KEY",
+    "admin_server_name",
     "AgentInputs",
     "HubClient",
     "HubInputs",
@@ -63,6 +64,7 @@ __all__ = [
     "hub_objects",
     "server_tls_hosts",
     "signer_tls_hosts",
+    "signer_url_in_hub",
     "token_from_manifest_work",
     "token_from_secret",
 ]
@@ -153,6 +155,12 @@ def server_tls_hosts(cfg: ProxyConfig, endpoints: Endpoints | None) -> list[str]
     if endpoints is not None:
         hosts.append(endpoints.server_host)
     return sorted(_unique(h.lower() for h in hosts))
+
+
+def admin_server_name(cfg: ProxyConfig) -> str:
+    """The name a reader of the proxy-servers' admin port checks on their certificate (one of
+    :func:`server_tls_hosts`): the headless Service answers pod IPs, which no certificate names."""
+    return f"{cfg.in_cluster_service_name}.{cfg.namespace}.svc"
 
 
 def signer_tls_hosts(cfg: ProxyConfig, endpoints: Endpoints | None) -> list[str]:
