@@ -25,7 +25,9 @@ from pathlib import Path
 
 from bench.systems import FaninHandle, Ours, tool_env
 
-_TUNNELS = re.compile(r"^cluster_proxy_server_agent_tunnels\{[^}]*\} (\S+)$", re.MULTILINE)
+# The plain /metrics (what this reads) has the cluster label summed away, one unlabelled total; the
+# mutual-TLS face keeps a series per cluster (docs/architecture.md, "The admin port"). Either sums.
+_TUNNELS = re.compile(r"^cluster_proxy_server_agent_tunnels(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
 
 
 def tunnels_held(metrics: str) -> int:

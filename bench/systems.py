@@ -14,6 +14,7 @@ import ipaddress
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -563,12 +564,17 @@ class Ours(System):
         only once it holds them all, or the first streams wait in a worker's startup grace."""
         if self.workers == 1:
             return
+        # the agents' list is the admin port's over mutual TLS only, to a hub client certificate
+        # (docs/architecture.md, "The admin port"); the server's certificate names 127.0.0.1
+        e = self.env
+        context = ssl.create_default_context(cafile=str(e.pki.ca))
+        context.load_cert_chain(str(e.client_cert.cert), str(e.client_cert.key))
         deadline = time.monotonic() + timeout
         held: set[str] = set()
         while time.monotonic() < deadline:
             try:
                 with urllib.request.urlopen(
-                    f"http://127.0.0.1:{self.admin_port}/api/v1/agents", timeout=5
+                    f"https://127.0.0.1:{self.admin_port}/api/v1/agents", timeout=5, context=context
                 ) as r:
                     held = {entry["server_id"] for entry in json.load(r)}
             except OSError:

@@ -306,6 +306,8 @@ cluster-proxy runs in containers (project ${COMPOSE_PROJECT_NAME:-cluster-proxy}
       curl --proxytunnel --proxy https://cluster1@proxy-server:8090 --proxy-cacert ca.crt \\
            --proxy-cert tls.crt --proxy-key tls.key http://web:8080/
     cluster-proxy health --collector http://health-collector:8080
+    a replica's agents (mutual TLS, the same hub client certificate; plain HTTP there: probes, totals):
+      curl --cacert ca.crt --cert tls.crt --key tls.key https://proxy-server-1:8092/api/v1/agents
   logs               docker compose logs -f proxy-server-1 cluster2-agent forward-proxy
   stop and remove    ./scripts/task compose-down
 EOF

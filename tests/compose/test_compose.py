@@ -213,6 +213,35 @@ def test_health_page_and_cli_show_every_cluster(compose_stack: ComposeStack) -> 
     assert rows == {cluster: ["True", "True", "True"] for cluster in CLUSTERS}, done.stdout
 
 
+def test_the_replicas_list_their_agents_to_a_hub_client_only(compose_stack: ComposeStack) -> None:
+    """A replica's admin port answers its agents' list over mutual TLS to the toolbox's hub client
+    certificate and refuses it in plain HTTP (403 naming the https:// URL), where its probes stay; the
+    health-collector reads both replicas that way with its own certificate."""
+    compose_stack.wait_all_tunnels()
+    for replica in REPLICAS:
+        url = f"http://{replica}:8092/api/v1/agents"
+        plain = compose_stack.exec("toolbox", ["curl", "-sS", "--max-time", "5", "-w", "\n%{http_code}", url])
+        body, _, status = plain.stdout.rpartition("\n")
+        assert status == "403", plain
+        assert f"https://{replica}:8092/api/v1/agents" in body and "mutual TLS" in body, body
+        assert "cluster1" not in body, body
+        ready = compose_stack.exec(
+            "toolbox", ["curl", "-sS", "--fail", "--max-time", "5", f"http://{replica}:8092/readyz"]
+        )
+        assert ready.exit_code == 0, ready.stderr
+        listed = compose_stack.exec(
+            "toolbox",
+            ["curl", "-sS", "--fail", "--max-time", "5", "--cacert", f"{HUB_CLIENT}/ca.crt", "--cert",
+             f"{HUB_CLIENT}/tls.crt", "--key", f"{HUB_CLIENT}/tls.key",
+             f"https://{replica}:8092/api/v1/agents"],
+        )  # fmt: skip
+        assert listed.exit_code == 0, listed.stderr
+        assert sorted(a["cluster"] for a in json.loads(listed.stdout)) == sorted(CLUSTERS), listed.stdout
+    document = httpx.get(f"{compose_stack.health_url}/api/v1/clusters", timeout=5).json()
+    servers = {s["url"]: (s["reachable"], s["error"], s["tunnels"]) for s in document["proxy_servers"]}
+    assert servers == {f"https://{r}:8092": (True, None, len(CLUSTERS)) for r in REPLICAS}, servers
+
+
 def test_killed_replica_new_streams_go_through_the_other(compose_stack: ComposeStack) -> None:
     compose_stack.wait_all_tunnels()
     killed = compose_stack.container("proxy-server-1")

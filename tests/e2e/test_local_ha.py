@@ -45,12 +45,13 @@ from clusterproxy_cli.local_proxies import (
 )
 from clusterproxy_cli.local_supervise import Child, RestartPolicy
 from clusterproxy_cli.main import main
-from clusterproxy_cli.state import proxy_settings
+from clusterproxy_cli.state import api_url, proxy_settings
 from clusterproxy_protocol.config import ConfigError
+from clusterproxy_protocol.pki import PemPair
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from tests.support import require
 from tests.support.localup import LocalUp, wait_gone
-from tests.support.procs import BIN, alive, http_get, json_records
+from tests.support.procs import BIN, alive, client_tls, http_get, json_records
 from tests.support.proxies import binary
 from tests.support.waiting import wait_until
 
@@ -237,8 +238,11 @@ async def _run_curl(argv: list[str], body: Path) -> bytes:
     return result.stdout
 
 
-def _agents_on(admin_url: str) -> list[dict[str, Any]]:
-    status, body = http_get(f"{admin_url}/api/v1/agents")
+def _agents_on(admin_url: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """A replica's agents: its admin port over mutual TLS, as the hub client of local.json."""
+    proxy = doc["proxy"]
+    hub = client_tls(PemPair(Path(proxy["cert"]), Path(proxy["key"])), Path(proxy["ca"]))
+    status, body = http_get(f"{api_url(admin_url)}/api/v1/agents", context=hub)
     assert status == 200, body
     return json.loads(body)
 
@@ -246,7 +250,7 @@ def _agents_on(admin_url: str) -> list[dict[str, Any]]:
 def _every_agent_on_every_replica(doc: dict[str, Any]) -> bool:
     for server in doc["servers"]:
         try:
-            agents = _agents_on(server["admin_url"])
+            agents = _agents_on(server["admin_url"], doc)
         except OSError:
             return False
         held = {(a["cluster"], a["server_id"]) for a in agents}
@@ -335,7 +339,7 @@ async def test_local_up_with_replicas_behind_haproxy_and_a_cluster_behind_tinypr
         assert all(alive(pid) for pid in pids.values())
         # What was printed: each replica's admin port, who goes through which proxy, the self-tests.
         for server in doc["servers"]:
-            assert f"{server['name']}  admin {server['admin_url']}/api/v1/agents" in text
+            assert f"{server['name']}  admin {api_url(server['admin_url'])}/api/v1/agents" in text
         assert f"dials {hub_agent_port} through tinyproxy {doc['forward_proxy']['url']}" in text
         assert f"cluster1-agent-1 dials {hub_agent_port} directly" in text
         assert text.count("self-test through the proxy OK") == 2
