@@ -154,12 +154,34 @@ def hub_installed(kube_clusters: KubeClusters) -> KubeCluster:
     return hub
 
 
+def network_policies(cluster: KubeCluster, namespace: str) -> dict[str, dict[str, Any]]:
+    """The NetworkPolicies the API server holds in ``namespace``, by name (read back, as stored)."""
+    listed = json.loads(kubectl_ok(cluster, "get", "networkpolicies", "-n", namespace, "-o", "json"))
+    return {p["metadata"]["name"]: p for p in listed["items"]}
+
+
+def assert_policies_stored(cluster: KubeCluster, overlay: Path) -> None:
+    """Every NetworkPolicy the overlay renders is stored as rendered: the API server's validation
+    took its selectors and named ports, and defaulted nothing away."""
+    rendered = [o for o in render(overlay) if o["kind"] == "NetworkPolicy"]
+    assert rendered, f"{overlay.name} renders no NetworkPolicy"
+    for policy in rendered:
+        stored = network_policies(cluster, policy["metadata"]["namespace"]).get(policy["metadata"]["name"])
+        assert stored is not None, key_of(policy)
+        assert stored["spec"] == policy["spec"], (stored["spec"], policy["spec"])
+
+
 def test_the_hub_installs_in_one_apply_and_every_rendered_object_exists(hub_installed: KubeCluster) -> None:
     live = assert_every_object_exists(hub_installed, HUB)
     kinds = {o["kind"] for o in live}
-    assert {"CustomResourceDefinition", "Namespace", "ServiceAccount", "Deployment"} <= kinds
+    assert {"CustomResourceDefinition", "Namespace", "ServiceAccount", "Deployment", "NetworkPolicy"} <= kinds
     assert "ManagedProxyConfiguration" not in kinds  # the manager creates it: tested below
     kubectl_ok(hub_installed, "wait", "--for=condition=Established", "--timeout=60s", f"crd/{MPC_CRD}")
+    assert_policies_stored(hub_installed, HUB)
+    assert set(network_policies(hub_installed, HUB_NAMESPACE)) >= {
+        "cluster-proxy-addon-manager",
+        "cluster-proxy-health-collector",
+    }
 
 
 def test_applying_the_hub_again_changes_nothing(hub_installed: KubeCluster) -> None:
@@ -172,6 +194,8 @@ def test_the_managed_overlay_as_shipped_applies_and_again_changes_nothing(
     cluster1 = kube_clusters["cluster1"]
     kubectl_ok(cluster1, "apply", "-k", str(MANAGED))
     assert_every_object_exists(cluster1, MANAGED)
+    assert_policies_stored(cluster1, MANAGED)
+    assert set(network_policies(cluster1, NAMESPACE)) == {"cluster-proxy-proxy-agent"}
     assert_apply_changes_nothing(cluster1, MANAGED)
 
 
@@ -306,6 +330,25 @@ def test_the_addon_manager_runs_as_the_overlay_installs_it(
         ]
         assert signer["image"] == "cluster-proxy/cert-signer:dev"  # --cert-signer-image from the overlay
         assert found["service/proxy-agent-entrypoint"]["spec"]["type"] == "LoadBalancer"
+        # the hub side's NetworkPolicies, written by the manager as its ServiceAccount (the overlay's
+        # RBAC) and taken by the API server: each pod's own ports only
+        policies = poll_until(
+            lambda: (
+                (p := network_policies(hub, HUB_NAMESPACE))
+                and {"cluster-proxy", "cluster-proxy-cert-signer"} <= set(p)
+                and p
+            ),
+            timeout=30,
+            what="the manager's NetworkPolicies",
+        )
+        ports = {
+            name: [port["port"] for rule in policies[name]["spec"]["ingress"] for port in rule["ports"]]
+            for name in ("cluster-proxy", "cluster-proxy-cert-signer")
+        }
+        assert ports == {
+            "cluster-proxy": ["agent", "client", "admin"],
+            "cluster-proxy-cert-signer": ["https"],
+        }
         # no load-balancer provider here: the default entrypoint waits, and says so (docs/kubernetes.md)
         condition = poll_until(lambda: entrypoint_condition(hub), timeout=30, what="EntrypointReady")
         assert (condition["status"], condition["reason"]) == ("False", "WaitingForLoadBalancer")
@@ -617,6 +660,8 @@ def test_the_health_collector_runs_as_the_overlay_installs_it(
         work_agent = WorkAgent(hub, cluster1, "cluster1").start()
         applied = work_agent.wait_applied("addon-cluster-proxy-deploy", timeout=60)
         assert applied.ok, applied.errors()
+        # the agent's NetworkPolicy from the ManifestWork, taken by cluster1's API server
+        assert "cluster-proxy-proxy-agent" in network_policies(cluster1, "cp-agent-health")
         agent = cluster_kubelet.run("cp-agent-health", "cluster-proxy-proxy-agent")
         wait_event(agent.container(), "tunnel_connected", timeout=60)
 
@@ -723,3 +768,24 @@ def enable_the_addon(custom: Any) -> None:
             "spec": {"installNamespace": "cp-agent-health"},
         },
     )
+
+
+# --- the cluster-gateway's overlay ---------------------------------------------------------------------
+
+HUB_GATEWAY = KUSTOMIZE / "overlays" / "hub-gateway"
+
+
+def test_the_gateway_overlay_applies_and_again_changes_nothing(hub_installed: KubeCluster) -> None:
+    """The last overlay shipped (tests/kube/test_gateway_deploy.py runs its pod, through an overlay of
+    its own): applied after the hub's, every object exists, its NetworkPolicy as rendered, and
+    applying again changes nothing. Last in this module: its APIService stays unavailable here (no
+    gateway runs), which the API server's discovery reports to every later kubectl."""
+    hub = hub_installed
+    try:
+        kubectl_ok(hub, "apply", "-k", str(HUB_GATEWAY))
+        assert_every_object_exists(hub, HUB_GATEWAY)
+        assert_policies_stored(hub, HUB_GATEWAY)
+        assert "cluster-proxy-cluster-gateway" in network_policies(hub, HUB_NAMESPACE)
+        assert_apply_changes_nothing(hub, HUB_GATEWAY)
+    finally:
+        hub.kubectl("delete", "apiservice", "v1alpha1.cluster.core.oam.dev", "--ignore-not-found")

@@ -19,6 +19,7 @@ from clusterproxy_protocol.config import parse_args_or_exit
 from clusterproxy_protocol.pki import DevCA
 from clusterproxy_server.main import build_parser as server_parser
 from clusterproxy_server.main import config_from_args
+from tests.support.netpol import ANYWHERE, IN_CLUSTER, ingress_by_pod
 
 MPC_UID = "0b5e2c9e-1111-4aaa-8bbb-000000000001"
 ADDON_UID = "0b5e2c9e-2222-4aaa-8bbb-000000000002"
@@ -182,6 +183,8 @@ def test_hub_objects_names_labels_owner(ca_pem: str) -> None:
         ("Service", "proxy-agent-entrypoint"),
         ("Service", "cluster-proxy-cert-signer"),
         ("Service", "cluster-proxy-admin"),
+        ("NetworkPolicy", "cluster-proxy"),
+        ("NetworkPolicy", "cluster-proxy-cert-signer"),
     }
     for obj in objects:
         meta = obj["metadata"]
@@ -204,6 +207,30 @@ def test_hub_objects_names_labels_owner(ca_pem: str) -> None:
         images = [c["image"] for c in deployment["spec"]["template"]["spec"]["containers"]]
         images += [c["image"] for c in deployment["spec"]["template"]["spec"].get("initContainers", [])]
         assert all(image.startswith(PROJECT_IMAGES) for image in images), images
+
+
+@pytest.mark.parametrize("entrypoint", ["Hostname", "LoadBalancerService"])
+def test_hub_pods_accept_their_own_ports_only(ca_pem: str, entrypoint: str) -> None:
+    """The agent port and the signer from anywhere (agents dial in from other clusters, users enrol
+    from their machines), the client and admin ports from the cluster's pods (hub clients and
+    Prometheus; the kubelet's probes pass whatever a policy says), nothing else; each policy applied
+    before its pods."""
+    spec = {"proxyServer": {"entrypoint": {"type": entrypoint, "hostname": {"value": "hub.example.com"}}}}
+    objects = hub(ca_pem, spec)
+    assert ingress_by_pod(objects) == {
+        "cluster-proxy": {"agent": ANYWHERE, "client": IN_CLUSTER, "admin": IN_CLUSTER},
+        "cluster-proxy-cert-signer": {"https": ANYWHERE},
+    }
+    order = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    for name in ("cluster-proxy", "cluster-proxy-cert-signer"):
+        assert order.index(("NetworkPolicy", name)) < order.index(("Deployment", name))
+
+
+def test_the_agent_accepts_its_admin_port_only(ca_pem: str) -> None:
+    manifests = work(ca_pem, namespace="agents-here")["spec"]["workload"]["manifests"]
+    assert ingress_by_pod(manifests) == {"cluster-proxy-proxy-agent": {"admin": IN_CLUSTER}}
+    policy = find(manifests, "NetworkPolicy", "cluster-proxy-proxy-agent")
+    assert policy["metadata"]["namespace"] == "agents-here"
 
 
 def test_load_balancer_entrypoint_adds_the_signers_own(ca_pem: str) -> None:
@@ -295,9 +322,11 @@ def test_manifest_work_holds_the_agent(ca_pem: str) -> None:
         # the service proxy's ServiceAccount there: reviews and impersonation only
         ("ClusterRole", render.SERVICE_PROXY_ROLE),
         ("ClusterRoleBinding", render.SERVICE_PROXY_ROLE),
+        # before the pods it guards
+        ("NetworkPolicy", "cluster-proxy-proxy-agent"),
         ("Deployment", "cluster-proxy-proxy-agent"),
     ]
-    for manifest in manifests[1:3] + manifests[-1:]:
+    for manifest in manifests[1:3] + manifests[-2:]:
         assert manifest["metadata"]["namespace"] == "open-cluster-management-cluster-proxy"
     assert render.token_from_manifest_work(mw) == TOKEN
     secret = manifests[2]

@@ -29,6 +29,7 @@ import yaml
 
 from clusterproxy_protocol.config import parse_args_or_exit
 from tests.support import require
+from tests.support.netpol import ANYWHERE, IN_CLUSTER, IN_NAMESPACE, ingress_by_pod
 
 REPO = Path(__file__).resolve().parents[2]
 KUSTOMIZE = REPO / "deploy" / "kustomize"
@@ -352,6 +353,35 @@ def test_every_object_carries_the_project_labels(any_overlay: tuple[str, list[di
         assert "app.kubernetes.io/part-of" not in deployment["spec"]["selector"]["matchLabels"]
 
 
+#: who may reach each named port of each overlay's pods (the kubelet's probes come from the pod's own
+#: node, which no NetworkPolicy restricts): the manager's metrics from the cluster's pods (Prometheus),
+#: the collector's page and JSON (every cluster, in plain HTTP) from its own namespace only (people use
+#: `kubectl port-forward`), the gateway from anywhere (the kube-apiserver's aggregator is often not a
+#: pod), the agent's admin port from the cluster's pods and nothing else.
+INGRESS = {
+    "hub": {
+        "cluster-proxy-addon-manager": {"admin": IN_CLUSTER},
+        "cluster-proxy-health-collector": {"http": IN_NAMESPACE},
+    },
+    "hub-gateway": {"cluster-proxy-cluster-gateway": {"https": ANYWHERE, "service-proxy": ANYWHERE}},
+    "managed": {"cluster-proxy-proxy-agent": {"admin": IN_CLUSTER}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(INGRESS))
+def test_each_pod_accepts_its_own_ports_only(name: str) -> None:
+    """Every overlay that runs pods ships a NetworkPolicy per pod whose selector matches the pod
+    template's labels, opening exactly the ports the pod declares, by name, each from where it is
+    needed (tests.support.netpol)."""
+    assert ingress_by_pod(render(KUSTOMIZE / "overlays" / name)) == INGRESS[name]
+
+
+def test_every_overlay_with_pods_is_policed() -> None:
+    shipped = {d.name for d in (KUSTOMIZE / "overlays").iterdir() if d.is_dir()}
+    with_pods = {name for name in shipped if deployments(render(KUSTOMIZE / "overlays" / name))}
+    assert with_pods == set(INGRESS)
+
+
 def test_no_overlay_holds_an_object_of_a_crd_it_installs(
     any_overlay: tuple[str, list[dict[str, Any]]],
 ) -> None:
@@ -526,11 +556,17 @@ def test_the_manager_can_take_over_an_agent_installed_by_hand() -> None:
     Deployment's selector cannot change)."""
     from clusterproxy_addon_manager import render as manager_render
 
-    ours = only(render(KUSTOMIZE / "overlays" / "managed"), "Deployment")
+    objects = render(KUSTOMIZE / "overlays" / "managed")
+    ours = only(objects, "Deployment")
     assert ours["metadata"]["name"] == manager_render.AGENT_DEPLOYMENT
     assert ours["metadata"]["namespace"] == NAMESPACE
     assert ours["spec"]["selector"] == {"matchLabels": manager_render.pod_selector("proxy-agent")}
     assert ours["spec"]["template"]["spec"]["serviceAccountName"] == manager_render.AGENT_SERVICE_ACCOUNT
+    # and its NetworkPolicy: the same object, so the ManifestWork's replaces it in place
+    policy = only(objects, "NetworkPolicy")
+    theirs = manager_render.agent_network_policy(NAMESPACE)
+    assert key_of(policy) == key_of(theirs)
+    assert policy["spec"] == theirs["spec"]
 
 
 # What docs/kubernetes.md shows for a hub of one's own: the entrypoint, the replicas, a registry.

@@ -65,6 +65,7 @@ from .kube import (
     MANAGED_CLUSTER_ADDON,
     MANAGED_PROXY_CONFIGURATION,
     MANIFEST_WORK,
+    NETWORK_POLICY,
     ROLE,
     ROLE_BINDING,
     SECRET,
@@ -95,7 +96,7 @@ MANAGED_BY_SELECTOR = f"app.kubernetes.io/managed-by={render.MANAGED_BY}"
 STORE_KIND_LABEL = "cluster-proxy.io/kind"
 
 RESOURCES_BY_KIND: dict[str, Resource] = {
-    r.kind: r for r in (SERVICE_ACCOUNT, ROLE, ROLE_BINDING, SECRET, DEPLOYMENT, SERVICE)
+    r.kind: r for r in (SERVICE_ACCOUNT, ROLE, ROLE_BINDING, SECRET, DEPLOYMENT, SERVICE, NETWORK_POLICY)
 }
 
 
@@ -548,6 +549,8 @@ class Controller:
                     deleted += 1
         if not keep:
             for resource, name in (
+                (NETWORK_POLICY, render.SERVER_DEPLOYMENT),
+                (NETWORK_POLICY, render.SIGNER_DEPLOYMENT),
                 (ROLE_BINDING, render.SIGNER_SERVICE_ACCOUNT),
                 (ROLE, render.SIGNER_SERVICE_ACCOUNT),
                 (SERVICE_ACCOUNT, render.SIGNER_SERVICE_ACCOUNT),

@@ -36,6 +36,7 @@ __all__ = [
     "MANAGED_PROXY_CONFIGURATION",
     "MANIFEST_WORK",
     "NAMESPACE",
+    "NETWORK_POLICY",
     "RBAC_FILE",
     "ROLE",
     "ROLE_BINDING",
@@ -139,6 +140,7 @@ SERVICE = Resource("", "v1", "services", "Service", True)
 SECRET = Resource("", "v1", "secrets", "Secret", True)
 SERVICE_ACCOUNT = Resource("", "v1", "serviceaccounts", "ServiceAccount", True)
 NAMESPACE = Resource("", "v1", "namespaces", "Namespace", False)
+NETWORK_POLICY = Resource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True)
 ROLE = Resource("rbac.authorization.k8s.io", "v1", "roles", "Role", True)
 ROLE_BINDING = Resource("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", True)
 CRD = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", False)

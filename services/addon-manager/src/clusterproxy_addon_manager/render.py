@@ -12,12 +12,14 @@ Hub (namespace ``spec.proxyServer.namespace``), each owned by the ManagedProxyCo
   ``cluster-proxy-admin`` (headless: every replica's admin port, polled for agent tunnels);
 - Deployment ``cluster-proxy-cert-signer`` (``cluster-proxy-cert-signer serve --store kubernetes:...``),
   Service ``cluster-proxy-cert-signer`` and, for a LoadBalancerService entrypoint, the agents' way
-  to it ``cluster-proxy-cert-signer-entrypoint``.
+  to it ``cluster-proxy-cert-signer-entrypoint``;
+- NetworkPolicies ``cluster-proxy`` and ``cluster-proxy-cert-signer``: each pod accepts its own ports
+  only (:func:`network_policy`).
 
 Managed cluster: one ManifestWork ``addon-cluster-proxy-deploy`` in the cluster's namespace, owned by
 its ManagedClusterAddOn, holding the agent Namespace, ServiceAccount, Secret
-``cluster-proxy-agent-bootstrap`` (CA bundle, bootstrap token, proxy CA) and Deployment
-``cluster-proxy-proxy-agent``.
+``cluster-proxy-agent-bootstrap`` (CA bundle, bootstrap token, proxy CA), Deployment
+``cluster-proxy-proxy-agent`` and NetworkPolicy ``cluster-proxy-proxy-agent`` (its admin port only).
 
 Parties that get certificates from the signer write them (and later renewals, and the trust bundle)
 into a writable ``emptyDir``; an init container seeds it with the CA bundle from the Secret, since
@@ -58,10 +60,12 @@ __all__ = [
     "HubClient",
     "HubInputs",
     "agent_manifest_work",
+    "agent_network_policy",
     "cluster_management_addon",
     "default_configuration",
     "hub_client_secret",
     "hub_objects",
+    "network_policy",
     "server_tls_hosts",
     "signer_tls_hosts",
     "signer_url_in_hub",
@@ -343,6 +347,9 @@ def hub_objects(inputs: HubInputs) -> list[dict[str, Any]]:
             "type": "Opaque",
             "data": {CA_KEY: _b64(inputs.ca_bundle_pem), TOKEN_KEY: _b64(inputs.server_token)},
         },
+        # each policy before its pods: a pod never runs open
+        _signer_network_policy(meta),
+        _server_network_policy(meta),
         _signer_deployment(inputs, meta),
         _service(
             meta(SIGNER_SERVICE, "cert-signer"),
@@ -407,6 +414,62 @@ def _service(
         spec["clusterIP"] = "None"
         spec["publishNotReadyAddresses"] = True  # a server not ready yet still answers who is connected
     return {"apiVersion": "v1", "kind": "Service", "metadata": metadata, "spec": spec}
+
+
+# --- NetworkPolicies --------------------------------------------------------------------------------------
+
+#: Who may open a connection to a port, as a NetworkPolicy rule's ``from``: None is anyone (no ``from``:
+#: other clusters, the internet, nodes); IN_CLUSTER every pod of every namespace. Whatever a policy
+#: says, a node reaches its own pods (the kubelet's probes pass).
+Sources = Sequence[Mapping[str, Any]] | None
+IN_CLUSTER: Sources = ({"namespaceSelector": {}},)
+
+
+def network_policy(
+    metadata: dict[str, Any], component: str, ports: Sequence[tuple[str, Sources]]
+) -> dict[str, Any]:
+    """``component``'s pods accept connections on the named container ``ports`` only, each from its
+    sources, and nothing else; egress is left alone (docs/kubernetes.md, "Network policies"). Named
+    ports follow the Deployment's declarations, so a port number changed there needs nothing here."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata,
+        "spec": {
+            "podSelector": {"matchLabels": pod_selector(component)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    **({"from": [dict(s) for s in sources]} if sources is not None else {}),
+                    "ports": [{"protocol": "TCP", "port": port}],
+                }
+                for port, sources in ports
+            ],
+        },
+    }
+
+
+def _server_network_policy(meta: Any) -> dict[str, Any]:
+    return network_policy(
+        meta(SERVER_DEPLOYMENT, "proxy-server"),
+        "proxy-server",
+        [
+            # agents dial in from their own clusters, behind NATs and forward proxies
+            ("agent", None),
+            # hub clients: the gateway, the health-collector, users' pods; each one authenticated by
+            # its client certificate (mutual TLS)
+            ("client", IN_CLUSTER),
+            # Prometheus (plain /metrics: totals only) and the inventory's readers (mutual TLS: the
+            # health-collector, the manager's availability poll)
+            ("admin", IN_CLUSTER),
+        ],
+    )
+
+
+def _signer_network_policy(meta: Any) -> dict[str, Any]:
+    # agents bootstrap and renew from their own clusters, users enrol from their machines; the hub's
+    # parties too. Every request is authenticated (a bootstrap token or the current certificate).
+    return network_policy(meta(SIGNER_DEPLOYMENT, "cert-signer"), "cert-signer", [("https", None)])
 
 
 def _deployment(
@@ -689,8 +752,16 @@ def agent_manifests(inputs: AgentInputs) -> list[dict[str, Any]]:
         },
         *serviceaccount_manifests(ns),
         *service_proxy_rbac(),
+        agent_network_policy(ns),
         agent_deployment(inputs),
     ]
+
+
+def agent_network_policy(namespace: str) -> dict[str, Any]:
+    """The agent's one port is its admin port (probes, Prometheus): it serves nothing else, since its
+    tunnels are connections it dials out."""
+    metadata = {"name": AGENT_DEPLOYMENT, "namespace": namespace, "labels": labels("proxy-agent")}
+    return network_policy(metadata, "proxy-agent", [("admin", IN_CLUSTER)])
 
 
 def serviceaccount_manifests(agent_namespace: str) -> list[dict[str, Any]]:
