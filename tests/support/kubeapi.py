@@ -588,7 +588,10 @@ def _prepare_cluster(
         f"--tls-private-key-file={serving.key}",
         f"--client-ca-file={ca.path}",
         f"--token-auth-file={tokens}",
-        f"--service-account-issuer=https://{name}.kube.test",
+        # its own URL: an OIDC issuer whose discovery (/.well-known/openid-configuration) and keys
+        # (/openid/v1/jwks) a relying party can fetch (tests/kube/test_service_proxy_oidc.py); fixed at
+        # the first port (a cluster moved with move_to keeps it, and keeps its tokens valid)
+        f"--service-account-issuer=https://127.0.0.1:{port}",
         f"--service-account-key-file={sa_public}",
         f"--service-account-signing-key-file={sa_key}",
         "--service-cluster-ip-range=10.0.0.0/24",

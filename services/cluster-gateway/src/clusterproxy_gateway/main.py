@@ -16,6 +16,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import trio
 
@@ -44,6 +45,7 @@ from .credentials import (
     register_ca_bundle,
 )
 from .inventory import HubInventory, RequestHeaderConfig
+from .oidc import DEFAULT_SIGNING_ALGS, SUPPORTED_ALGS, OIDCConfig, OIDCVerifier, parse_required_claim
 from .profiles import ProfilePublisher
 from .proxy import ClusterProxy
 from .server import GatewayServer, serving_context
@@ -156,6 +158,24 @@ def build_parser() -> argparse.ArgumentParser:
          help="how long a TokenReview's answer (either way) is reused for the same token (0: never)")  # fmt: skip
     flag("--service-proxy-token-cache-size", type=parse_positive_int, default="4096", metavar="N",
          help="at most this many TokenReview answers are kept (the oldest dropped first)")  # fmt: skip
+    # OIDC ID tokens at the HTTPS endpoint, verified here (kube-apiserver's --oidc-* flags and meanings)
+    flag("--oidc-issuer-url", metavar="URL",
+         help="verify the endpoint's bearer tokens of this OIDC issuer (https; their iss exactly) with its "
+         "discovery document and keys, after the managed cluster's TokenReview and before the hub's; unset: none")  # fmt: skip
+    flag("--oidc-client-id", metavar="AUDIENCE",
+         help="with --oidc-issuer-url: the audience its tokens must name (aud)")  # fmt: skip
+    flag("--oidc-username-claim", default="sub", metavar="CLAIM", help="the claim that names the user")
+    flag("--oidc-username-prefix", default="", metavar="PREFIX",
+         help="put before every user name (default: the issuer URL and '#', none for the claim email; '-': none)")  # fmt: skip
+    flag("--oidc-groups-claim", default="", metavar="CLAIM",
+         help="the claim that lists the user's groups (a string or a list of strings; unset: no groups)")  # fmt: skip
+    flag("--oidc-groups-prefix", default="", metavar="PREFIX", help="put before every group name")
+    flag("--oidc-required-claim", multiple=True, metavar="KEY=VALUE",
+         help="a claim every token must carry with this (string) value")  # fmt: skip
+    flag("--oidc-signing-algs", default=",".join(DEFAULT_SIGNING_ALGS), metavar="ALG,...",
+         help=f"the signature algorithms accepted, of {','.join(SUPPORTED_ALGS)} (never none or HMAC)")  # fmt: skip
+    flag("--oidc-ca-file", type=existing_file, metavar="FILE",
+         help="the CA that signed the issuer's HTTPS certificate (default: the system's roots)")  # fmt: skip
     add_audit_flag(flag)  # the HTTPS endpoint's records (frontend service-proxy), one per request
     add_log_flags(flag)
     return parser
@@ -215,6 +235,7 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         )
     if (args.service_proxy_tls_cert is None) != (args.service_proxy_tls_key is None):
         parser.error("--service-proxy-tls-cert and --service-proxy-tls-key go together")
+    check_oidc_args(args, parser)
     if args.signer is None:
         for name in ("--bootstrap-token", "--bootstrap-ca", "--service-proxy-bootstrap-token"):
             if getattr(args, name[2:].replace("-", "_")):
@@ -228,6 +249,50 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
                 existing_file(path)
             except ConfigError as exc:
                 parser.error(f"argument {name}: {exc} (or use --signer to get the certificate)")
+
+
+def check_oidc_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if not args.oidc_issuer_url:
+        for name in ("--oidc-client-id", "--oidc-required-claim", "--oidc-ca-file"):
+            if getattr(args, name[2:].replace("-", "_")):
+                parser.error(f"{name} needs --oidc-issuer-url")
+        return
+    parts = urlsplit(args.oidc_issuer_url)
+    if parts.scheme != "https" or not parts.hostname or parts.query or parts.fragment:
+        parser.error(
+            f"--oidc-issuer-url {args.oidc_issuer_url!r} must be an https URL without query or fragment "
+            "(as kube-apiserver's; the iss of the issuer's tokens, exactly)"
+        )
+    if not args.oidc_client_id:
+        parser.error("--oidc-issuer-url needs --oidc-client-id (the audience its tokens must name)")
+    if args.service_proxy_listen is None:
+        parser.error("--oidc-issuer-url is for the HTTPS endpoint: it needs --service-proxy-listen")
+    for alg in args.oidc_signing_algs.split(","):
+        if alg not in SUPPORTED_ALGS:
+            parser.error(f"--oidc-signing-algs: {alg!r} is not one of {','.join(SUPPORTED_ALGS)}")
+    for claim in args.oidc_required_claim:
+        try:
+            parse_required_claim(claim)
+        except ValueError as exc:
+            parser.error(f"--oidc-required-claim: {exc}")
+
+
+def oidc_verifier(args: argparse.Namespace) -> OIDCVerifier | None:
+    if not args.oidc_issuer_url:
+        return None
+    return OIDCVerifier(
+        OIDCConfig(
+            issuer=args.oidc_issuer_url,
+            client_id=args.oidc_client_id,
+            username_claim=args.oidc_username_claim,
+            username_prefix=args.oidc_username_prefix,
+            groups_claim=args.oidc_groups_claim,
+            groups_prefix=args.oidc_groups_prefix,
+            required_claims=tuple(parse_required_claim(c) for c in args.oidc_required_claim),
+            signing_algs=tuple(args.oidc_signing_algs.split(",")),
+            ca_file=Path(args.oidc_ca_file) if args.oidc_ca_file else None,
+        )
+    )
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -333,6 +398,9 @@ async def run_service_proxy(
     audit = open_sink(args.audit_log)
     async with trio.open_nursery() as nursery:
         serving = await _service_proxy_certificate(args, nursery)
+        oidc = oidc_verifier(args)
+        if oidc is not None:
+            nursery.start_soon(oidc.refresh)  # its keys at start: a wrong issuer or CA shows in the log now
         where = args.service_proxy_allowlist
         if where is None and os.environ.get("POD_NAMESPACE"):
             where = f"{os.environ['POD_NAMESPACE']}/{DEFAULT_ALLOWLIST}"
@@ -345,6 +413,7 @@ async def run_service_proxy(
             cache_ttl=args.service_proxy_token_cache_ttl,
             cache_size=args.service_proxy_token_cache_size,
             audit=audit,
+            oidc=oidc,
         )
         host, port = args.service_proxy_listen
         listeners = await trio.open_tcp_listeners(port, host=host)
@@ -355,6 +424,7 @@ async def run_service_proxy(
             credential_secret=args.service_proxy_credential_secret,
             allowlist=where or "none",
             hub_tokens=args.service_proxy_hub_tokens,
+            oidc_issuer=args.oidc_issuer_url or "none",
         )
         task_status.started()
         try:

@@ -35,6 +35,7 @@ from . import objects
 from .allowlist import AllowList, ServiceTarget
 from .http import HTTPConnection, IncomingRequest, ProtocolFailure, header_values, serve_requests
 from .inventory import ClusterToken, HubInventory, TokenNotReady
+from .oidc import OIDCVerifier
 from .proxy import ClusterProxy, Refused, Traffic, outbound_headers
 from .tokenreview import (
     MANAGED,
@@ -136,6 +137,7 @@ class ServiceProxy:
         cache_size: int = 4096,
         audit: AuditSink | None = None,
         max_body: int = 32 << 20,
+        oidc: OIDCVerifier | None = None,
     ) -> None:
         self.inventory = inventory
         self.proxy = proxy
@@ -147,6 +149,7 @@ class ServiceProxy:
         self.authenticator = TokenAuthenticator(
             self._managed_review,
             self._hub_review if hub_api is not None else None,
+            oidc=oidc,
             ttl=cache_ttl,
             max_entries=cache_size,
         )
@@ -261,15 +264,17 @@ class ServiceProxy:
         if entry is None:
             raise Refused(404, objects.not_found_message(cluster))
         credential = await self._credential(cluster)
+        why: list[str] = []
         try:
-            caller = await self.authenticator.authenticate(cluster, token)
+            caller = await self.authenticator.authenticate(cluster, token, why)
         except ReviewFailed as exc:
             raise Refused(exc.status, exc.message) from None
         if caller is None:
+            # the OIDC verifier's reason (an expired token, another audience) tells its owner what to fix
             raise Refused(
                 401,
                 f"the token is valid neither in cluster {cluster!r} nor on the hub (a TokenReview in each "
-                "said so); send a token of either",
+                f"said so{''.join('; ' + reason for reason in why)}); send a token of either",
             )
         note.user, note.kind, note.groups = caller.user, caller.source, caller.groups
         service = SERVICE_PATH.match(rest)
@@ -426,7 +431,7 @@ class ServiceProxy:
         why = result.get("reason") or "no RBAC rule of the cluster allows it"
         raise Refused(
             403,
-            f'User "{caller.user}" (hub user "{caller.hub_user}") cannot impersonate resource "{resource}" '
+            f'User "{caller.user}" ({caller.source} user "{caller.hub_user}") cannot impersonate resource "{resource}" '
             f'"{name}" in API group "" {scope} in cluster {cluster!r}: {why} (a SubjectAccessReview there said so)',
         )
 
