@@ -7,11 +7,15 @@ certificate files are followed (each dial presents what the files hold then; doc
 from __future__ import annotations
 
 import argparse
-from collections.abc import AsyncIterator
+import contextlib
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TextIO
+
+import trio
 
 from clusterproxy_protocol.config import (
     ConfigError,
@@ -80,6 +84,63 @@ async def open_hub_tunnel(
     ) as shared:
         await shared.tunnel()
         yield shared
+
+
+class LocalDoor(Protocol):
+    """What a local front door is told: where the hub is, its certificate, and where to listen."""
+
+    proxy: tuple[str, int]
+    tls: TLSSource
+    server_name: str | None
+    connect_timeout: float
+    listen_host: str
+    listen_port: int
+
+
+Handler = Callable[[SharedTunnel, trio.SocketStream], Awaitable[None]]
+
+
+async def serve_locally(
+    door: LocalDoor,
+    handle: Handler,
+    banner: Callable[[tuple[str, int]], str],
+    *,
+    log: Any,
+    out: TextIO,
+    stop_on_signals: bool,
+    task_status: trio.TaskStatus[list[tuple[str, int]]],
+) -> None:
+    """Dial the hub (a wrong address or certificate fails here: ProxyConnectionError), listen on the
+    door's address, print ``banner`` of each bound address, and hand every local connection to
+    ``handle`` with the shared tunnel, until cancelled or, with ``stop_on_signals``, SIGINT or
+    SIGTERM (then normally, returning). ``task_status.started`` gets the bound addresses."""
+    with contextlib.ExitStack() as stack:
+        # Open before the banner: a signal sent as soon as it shows must stop us cleanly (exit
+        # status 0), not kill us; one that arrives during the first dial waits for its end.
+        signals = (
+            stack.enter_context(trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM))
+            if stop_on_signals
+            else None
+        )
+        async with open_hub_tunnel(
+            door.proxy, door.tls, server_name=door.server_name, connect_timeout=door.connect_timeout, log=log
+        ) as shared:
+            listeners = await trio.open_tcp_listeners(door.listen_port, host=door.listen_host)
+            bound = [listener.socket.getsockname()[:2] for listener in listeners]
+            for address in bound:
+                print(banner(address), file=out, flush=True)
+
+            async def serve(local: trio.SocketStream) -> None:
+                await handle(shared, local)
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(trio.serve_listeners, serve, listeners)
+                task_status.started([(host, port) for host, port in bound])
+                if signals is not None:
+                    async for signum in signals:
+                        log.info("stopping", signal=signal.Signals(signum).name)
+                        nursery.cancel_scope.cancel()
+                        break
 
 
 # --- flags: where the hub is and which certificate to present ----------------------------------------

@@ -12,8 +12,6 @@ then, so a port-forward outlives its certificate as long as something renews the
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import sys
 from dataclasses import dataclass
 from typing import TextIO
@@ -27,7 +25,7 @@ from clusterproxy_protocol.relay import relay
 from clusterproxy_protocol.wire import format_address
 from clusterproxy_sdk import SharedTunnel, TLSSource, format_authority
 
-from .hubtunnel import expiry_hint, open_hub_tunnel
+from .hubtunnel import expiry_hint, serve_locally
 
 
 @dataclass(frozen=True)
@@ -103,37 +101,21 @@ async def run_port_forward(
     certificate fails at once (raises ProxyConnectionError); later failures are per connection.
     ``task_status.started`` gets the bound addresses. With ``stop_on_signals``, SIGINT or SIGTERM
     ends it (normally, returning)."""
-    out = out or sys.stdout
     log = get_logger("port-forward")
-    with contextlib.ExitStack() as stack:
-        # Open before the Forwarding line: a signal sent as soon as it shows must stop us cleanly
-        # (exit status 0), not kill us; one that arrives during the first dial waits for its end.
-        signals = (
-            stack.enter_context(trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM))
-            if stop_on_signals
-            else None
-        )
-        async with open_hub_tunnel(
-            pf.proxy, pf.tls, server_name=pf.server_name, connect_timeout=pf.connect_timeout, log=log
-        ) as shared:
-            listeners = await trio.open_tcp_listeners(pf.listen_port, host=pf.listen_host)
-            bound = [listener.socket.getsockname()[:2] for listener in listeners]
-            for address in bound:
-                print(
-                    f"Forwarding from {_format_sockaddr(address)} -> {pf.cluster}/{pf.target}",
-                    file=out,
-                    flush=True,
-                )
-            counter = [0]
+    counter = [0]
 
-            async def handle(local: trio.SocketStream) -> None:
-                await _handle(pf, shared, local, log, counter)
+    def banner(bound: tuple[str, int]) -> str:
+        return f"Forwarding from {_format_sockaddr(bound)} -> {pf.cluster}/{pf.target}"
 
-            async with trio.open_nursery() as nursery:
-                await nursery.start(trio.serve_listeners, handle, listeners)
-                task_status.started([(h, p) for h, p in bound])
-                if signals is not None:
-                    async for signum in signals:
-                        log.info("stopping", signal=signal.Signals(signum).name)
-                        nursery.cancel_scope.cancel()
-                        break
+    async def handle(shared: SharedTunnel, local: trio.SocketStream) -> None:
+        await _handle(pf, shared, local, log, counter)
+
+    await serve_locally(
+        pf,
+        handle,
+        banner,
+        log=log,
+        out=out or sys.stdout,
+        stop_on_signals=stop_on_signals,
+        task_status=task_status,
+    )

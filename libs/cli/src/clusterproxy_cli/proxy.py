@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ipaddress
-import signal
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -30,7 +29,7 @@ from clusterproxy_protocol.relay import relay
 from clusterproxy_protocol.wire import format_address
 from clusterproxy_sdk import SharedTunnel, TLSSource, TunnelStream, check_cluster, format_authority
 
-from .hubtunnel import add_hub_flags, expiry_hint, followed_tls, open_hub_tunnel, resolve_hub
+from .hubtunnel import add_hub_flags, expiry_hint, followed_tls, resolve_hub, serve_locally
 from .proxy_handshake import Handshake, Refusal, Request, route
 
 DEFAULT_LISTEN = "127.0.0.1:1080"
@@ -198,41 +197,26 @@ async def run_local_proxy(
     """Listen and proxy until cancelled. Dials the hub once at start so that a wrong address or
     certificate fails at once (raises ProxyConnectionError). ``task_status.started`` gets the bound
     addresses. With ``stop_on_signals``, SIGINT or SIGTERM ends it (normally, returning)."""
-    out = out or sys.stdout
     log = get_logger("proxy")
-    with contextlib.ExitStack() as stack:
-        signals = (
-            stack.enter_context(trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM))
-            if stop_on_signals
-            else None
-        )
-        async with open_hub_tunnel(
-            lp.proxy, lp.tls, server_name=lp.server_name, connect_timeout=lp.connect_timeout, log=log
-        ) as shared:
-            listeners = await trio.open_tcp_listeners(lp.listen_port, host=lp.listen_host)
-            bound = [listener.socket.getsockname()[:2] for listener in listeners]
-            default = f", default cluster {lp.default_cluster}" if lp.default_cluster else ""
-            for host, port in bound:
-                address = format_authority(host, port)
-                print(
-                    f"Proxying on {address} (SOCKS5 and HTTP{default}): socks5h://CLUSTER@{address}, "
-                    f"http://CLUSTER@{address}",
-                    file=out,
-                    flush=True,
-                )
-            counter = [0]
+    counter = [0]
+    default = f", default cluster {lp.default_cluster}" if lp.default_cluster else ""
 
-            async def handle(local: trio.SocketStream) -> None:
-                await _handle(lp, shared, local, log, counter)
+    def banner(bound: tuple[str, int]) -> str:
+        address = format_authority(*bound)
+        return f"Proxying on {address} (SOCKS5 and HTTP{default}): socks5h://CLUSTER@{address}, http://CLUSTER@{address}"
 
-            async with trio.open_nursery() as nursery:
-                await nursery.start(trio.serve_listeners, handle, listeners)
-                task_status.started([(h, p) for h, p in bound])
-                if signals is not None:
-                    async for signum in signals:
-                        log.info("stopping", signal=signal.Signals(signum).name)
-                        nursery.cancel_scope.cancel()
-                        break
+    async def handle(shared: SharedTunnel, local: trio.SocketStream) -> None:
+        await _handle(lp, shared, local, log, counter)
+
+    await serve_locally(
+        lp,
+        handle,
+        banner,
+        log=log,
+        out=out or sys.stdout,
+        stop_on_signals=stop_on_signals,
+        task_status=task_status,
+    )
 
 
 # --- the command ---------------------------------------------------------------------------------------
