@@ -36,7 +36,7 @@ from clusterproxy_certsigner.rotation import activate_pending, retire_previous, 
 from clusterproxy_cli.commands import SIGNER, executable
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles, SignerRequestError
-from tests.support.certs import SERVER_HOSTS, ClientParty, SignedHub, SignerProcess, count_events
+from tests.support.certs import HUB_CLIENT, SERVER_HOSTS, ClientParty, SignedHub, SignerProcess, count_events
 from tests.support.kube_identities import (
     create_namespace,
     delete_namespace,
@@ -242,15 +242,18 @@ async def test_a_ca_rotation_on_the_secrets_store_drops_nothing(
     store = env.store(prefix)
     timings: dict[str, float] = {}
     try:
+        client = await ClientParty.bootstrap(
+            signer_a, tmp_path / "client", "rotation-client", trust_refresh=1.0
+        )  # type: ignore[arg-type]
+        await client.start_renewer(nursery)
+        # The hub reads its admin API with this renewing client: a certificate of its own that never
+        # followed the trust bundle would hold the rotation at "not every party trusts it".
+        hub.files[HUB_CLIENT] = client.files
         await hub.start_server(trust_refresh="1s")
         hub.signer = signer_b  # the agent bootstraps and renews with the other signer
         agent = hub.start_agent("cluster1", "agent-a", trust_refresh="1s")
         hub.signer = signer_a
         await hub.wait_agent("cluster1", "agent-a")
-        client = await ClientParty.bootstrap(
-            signer_a, tmp_path / "client", "rotation-client", trust_refresh=1.0
-        )  # type: ignore[arg-type]
-        await client.start_renewer(nursery)
         traffic = Traffic(
             hub.client_port,
             "cluster1",

@@ -22,7 +22,7 @@ from typing import Any
 
 import trio
 
-from tests.support.certs import ClientParty, SignedHub, SignerProcess, count_events
+from tests.support.certs import HUB_CLIENT, ClientParty, SignedHub, SignerProcess, count_events
 from tests.support.procs import Process, http_get
 from tests.support.traffic import SerialWatch, Traffic, serve_bye_echo, serve_sized
 
@@ -164,13 +164,16 @@ async def traffic_run(
     ).start()
     hub = SignedHub(None, directory, signer=signer)  # type: ignore[arg-type]
     try:
-        await hub.start_server(trust_refresh=trust_refresh)
-        agent = hub.start_agent(CLUSTER, AGENT_ID, trust_refresh=trust_refresh)
-        await hub.wait_agent(CLUSTER, AGENT_ID)
         client = await ClientParty.bootstrap(
             signer, directory / "client", "soak-client", trust_refresh=client_trust_refresh
         )
         await client.start_renewer(nursery)
+        # The hub reads its admin API with this renewing client: a certificate of its own that never
+        # followed the trust bundle would hold every CA rotation at "not every party trusts it".
+        hub.files[HUB_CLIENT] = client.files
+        await hub.start_server(trust_refresh=trust_refresh)
+        agent = hub.start_agent(CLUSTER, AGENT_ID, trust_refresh=trust_refresh)
+        await hub.wait_agent(CLUSTER, AGENT_ID)
         traffic = Traffic(
             hub.client_port,
             CLUSTER,
