@@ -5,6 +5,7 @@ kube-apiserver (one request per tunnel stream)."""
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,11 +22,41 @@ __all__ = [
     "header_values",
     "incoming",
     "serve_requests",
+    "serve_tls",
 ]
 
 RECEIVE_SIZE = 64 << 10
 IDLE_TIMEOUT = 300.0  # a kept-alive connection with no request (Go's clients close theirs at 90 s)
 BODY_TIMEOUT = 60.0
+HANDSHAKE_TIMEOUT = 10.0
+MAX_CONNECTIONS = 512  # per listening port: TLS connections served at once
+
+
+async def serve_tls(
+    listeners: list[trio.SocketListener],
+    context: Callable[[], ssl.SSLContext],
+    serve: Callable[[trio.SSLStream[Any]], Awaitable[None]],
+) -> None:
+    """Accept TLS connections (``context()`` read for each, so a renewed certificate is used at once),
+    at most :data:`MAX_CONNECTIONS` at a time; a handshake that does not finish within
+    :data:`HANDSHAKE_TIMEOUT` or fails closes its connection; ``serve`` gets the rest, and the
+    connection is closed when it returns."""
+    limit = trio.CapacityLimiter(MAX_CONNECTIONS)
+
+    async def handle(tcp: trio.SocketStream) -> None:
+        async with limit:
+            stream = trio.SSLStream(tcp, context(), server_side=True)
+            try:
+                try:
+                    with trio.fail_after(HANDSHAKE_TIMEOUT):
+                        await stream.do_handshake()
+                except (trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError):
+                    return  # no handshake: nothing was asked, nobody to answer
+                await serve(stream)
+            finally:
+                await trio.aclose_forcefully(stream)
+
+    await trio.serve_listeners(handle, listeners)
 
 
 class ProtocolFailure(Exception):

@@ -35,6 +35,7 @@ from .http import (
     header_values,
     incoming,
     serve_requests,
+    serve_tls,
 )
 from .inventory import HubInventory, RequestHeaderConfig
 from .proxy import ClusterProxy
@@ -43,8 +44,6 @@ __all__ = ["GatewayServer", "Identity", "serving_context"]
 
 PREFIX = f"/apis/{objects.GROUP}/{objects.VERSION}/{objects.RESOURCE}"
 HEALTH_PATHS = frozenset({"/healthz", "/livez", "/readyz"})
-HANDSHAKE_TIMEOUT = 10.0
-MAX_CONNECTIONS = 512
 # The aggregator downloads every APIService's OpenAPI documents; empty ones say "no schema" (kubectl then
 # validates nothing client-side for these kinds) instead of an error in the hub's log every minute.
 OPENAPI: dict[str, dict[str, Any]] = {
@@ -120,23 +119,13 @@ class GatewayServer:
         self.watch_interval = watch_interval
         self.max_body = max_body
         self.log = get_logger("cluster-gateway")
-        self._limit = trio.CapacityLimiter(MAX_CONNECTIONS)
 
     # connections
     async def serve(self, listeners: list[trio.SocketListener], context: ssl.SSLContext) -> None:
-        async def handle(tcp: trio.SocketStream) -> None:
-            async with self._limit:
-                await self.handle_connection(trio.SSLStream(tcp, context, server_side=True))
-
-        await trio.serve_listeners(handle, listeners)
+        await serve_tls(listeners, lambda: context, self.handle_connection)
 
     async def handle_connection(self, stream: trio.SSLStream[Any]) -> None:
-        try:
-            with trio.fail_after(HANDSHAKE_TIMEOUT):
-                await stream.do_handshake()
-        except (trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError):
-            await trio.aclose_forcefully(stream)
-            return
+        """One aggregator connection after its TLS handshake (``serve_tls`` closes it)."""
         peer = _common_name(stream.getpeercert(binary_form=True))
         http = HTTPConnection(stream, h11.SERVER)
 
@@ -149,8 +138,6 @@ class GatewayServer:
             )
         except Exception:
             self.log.exception("connection_failed", peer=peer)  # this connection only, never the server
-        finally:
-            await trio.aclose_forcefully(stream)
 
     # kept for the tests that drive one exchange by hand
     _request = staticmethod(incoming)

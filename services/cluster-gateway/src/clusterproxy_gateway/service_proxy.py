@@ -33,7 +33,15 @@ from clusterproxy_protocol.wire import CLUSTER_NAME
 
 from . import objects
 from .allowlist import AllowList, ServiceTarget
-from .http import HTTPConnection, IncomingRequest, ProtocolFailure, header_values, serve_requests
+from .http import (
+    HANDSHAKE_TIMEOUT,
+    HTTPConnection,
+    IncomingRequest,
+    ProtocolFailure,
+    header_values,
+    serve_requests,
+    serve_tls,
+)
 from .inventory import ClusterToken, HubInventory, TokenNotReady
 from .oidc import OIDCVerifier
 from .proxy import ClusterProxy, Refused, Traffic, outbound_headers
@@ -52,8 +60,6 @@ __all__ = ["DEFAULT_CREDENTIAL_SECRET", "FRONTEND", "ServiceProxy", "ServingCert
 FRONTEND = "service-proxy"
 DEFAULT_CREDENTIAL_SECRET = "cluster-proxy-service-proxy"
 HEALTH_PATHS = frozenset({"/healthz", "/livez", "/readyz"})
-HANDSHAKE_TIMEOUT = 10.0
-MAX_CONNECTIONS = 512
 TOKENREVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 SUBJECTACCESSREVIEWS = "/apis/authorization.k8s.io/v1/subjectaccessreviews"
 SERVICE_PATH = re.compile(r"^api/v1/namespaces/([^/]+)/services/([^/]+)/proxy-service(/.*)?$")
@@ -154,23 +160,13 @@ class ServiceProxy:
             max_entries=cache_size,
         )
         self.log = get_logger("cluster-gateway")
-        self._limit = trio.CapacityLimiter(MAX_CONNECTIONS)
 
     # connections
     async def serve(self, listeners: list[trio.SocketListener], serving: ServingCertificate) -> None:
-        async def handle(tcp: trio.SocketStream) -> None:
-            async with self._limit:
-                await self.handle_connection(trio.SSLStream(tcp, serving.current(), server_side=True))
-
-        await trio.serve_listeners(handle, listeners)
+        await serve_tls(listeners, serving.current, self.handle_connection)
 
     async def handle_connection(self, stream: trio.SSLStream[Any]) -> None:
-        try:
-            with trio.fail_after(HANDSHAKE_TIMEOUT):
-                await stream.do_handshake()
-        except (trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError):
-            await trio.aclose_forcefully(stream)
-            return
+        """One client connection after its TLS handshake (``serve_tls`` closes it)."""
         try:
             await serve_requests(
                 HTTPConnection(stream, h11.SERVER),
@@ -180,8 +176,6 @@ class ServiceProxy:
             )
         except Exception:
             self.log.exception("service_proxy_connection_failed")  # this connection only
-        finally:
-            await trio.aclose_forcefully(stream)
 
     # one request
     async def handle_request(self, http: HTTPConnection, request: IncomingRequest) -> None:
