@@ -44,7 +44,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 
 # 2. Python packages, unless nothing that decides them changed.
-stamp_inputs=(pyproject.toml libs/protocol/pyproject.toml libs/sdk/pyproject.toml
+stamp_inputs=(pyproject.toml libs/protocol/pyproject.toml libs/castore/pyproject.toml libs/sdk/pyproject.toml
     services/proxy-server/pyproject.toml services/proxy-agent/pyproject.toml libs/cli/pyproject.toml
     services/cert-signer/pyproject.toml services/addon-manager/pyproject.toml
     services/health-collector/pyproject.toml services/cluster-gateway/pyproject.toml requirements-dev.txt
@@ -61,6 +61,7 @@ if [[ "$want_stamp" != "$have_stamp" || ! -x "$VENV/bin/task" ]]; then
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     "$VENV/bin/python" -m pip install --quiet \
         -e libs/protocol \
+        -e libs/castore \
         -e libs/sdk \
         -e services/proxy-server \
         -e services/proxy-agent \

@@ -26,8 +26,8 @@ CONSOLE_SCRIPT = {
 OWN_PACKAGES = {
     "proxy-server": {"cluster-proxy-protocol", "cluster-proxy-server"},
     "proxy-agent": {"cluster-proxy-protocol", "cluster-proxy-agent"},
-    "cert-signer": {"cluster-proxy-protocol", "cluster-proxy-cert-signer"},
-    "addon-manager": {"cluster-proxy-protocol", "cluster-proxy-cert-signer", "cluster-proxy-addon-manager"},
+    "cert-signer": {"cluster-proxy-protocol", "cluster-proxy-castore", "cluster-proxy-cert-signer"},
+    "addon-manager": {"cluster-proxy-protocol", "cluster-proxy-castore", "cluster-proxy-addon-manager"},
     "health-collector": {"cluster-proxy-protocol", "cluster-proxy-sdk", "cluster-proxy-health-collector"},
     "cluster-gateway": {"cluster-proxy-protocol", "cluster-proxy-sdk", "cluster-proxy-cluster-gateway"},
     "toolbox": {"cluster-proxy-protocol", "cluster-proxy-sdk", "cluster-proxy-cli"},

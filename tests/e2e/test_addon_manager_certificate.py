@@ -25,7 +25,7 @@ from clusterproxy_addon_manager.availability import AdminTarget, AdminTLS, poll_
 from clusterproxy_addon_manager.hubclient import CLIENT_NAME, TOKEN_GROUP, HubClientCertificate
 from clusterproxy_addon_manager.identity import DESCRIPTION_PREFIX, Credentials
 from clusterproxy_addon_manager.metrics import ManagerMetrics
-from clusterproxy_certsigner.filestore import FileStore
+from clusterproxy_castore.filestore import FileStore
 from clusterproxy_protocol.logs import get_logger
 from tests.support.certs import SignedHub, SignerProcess
 from tests.support.waiting import wait_until

@@ -22,9 +22,9 @@ import pytest
 import trio
 from cryptography import x509
 
+from clusterproxy_castore.filestore import FileStore
+from clusterproxy_castore.rotation import status
 from clusterproxy_certsigner.core import SignerCore
-from clusterproxy_certsigner.filestore import FileStore
-from clusterproxy_certsigner.rotation import status
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.core import PREFACE as H2_PREFACE

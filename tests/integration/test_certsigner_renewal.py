@@ -11,9 +11,9 @@ import pytest
 import trio
 from cryptography import x509
 
+from clusterproxy_castore.rotation import RotationBlocked, status
 from clusterproxy_certsigner.cli_commands import rotate_ca
 from clusterproxy_certsigner.core import SignerCore
-from clusterproxy_certsigner.rotation import RotationBlocked, status
 from clusterproxy_certsigner.testing import EchoClient, RunningSigner, serve_tls_echo, start_signer
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles

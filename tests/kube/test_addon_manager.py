@@ -1016,8 +1016,8 @@ def test_used_tokens_are_replaced_and_the_servers_certificate_reported(env: Env)
     """Bootstrap with the tokens the manager handed out, as the signer does for a pod (its core, on
     the real Secrets store): each used token is replaced at once, and the MPC reports the proxy-server's
     certificate."""
+    from clusterproxy_castore.kubestore import KubernetesSecretStore
     from clusterproxy_certsigner.core import SignerCore
-    from clusterproxy_certsigner.kubestore import KubernetesSecretStore
     from clusterproxy_protocol import certclient
 
     env.create_mpc()
@@ -1113,9 +1113,9 @@ def test_hub_clients_bootstrap_secrets_are_kept_replaced_and_reused(env: Env) ->
     signer's core refuses it for another name); a bootstrap with it (as the signer does for a pod)
     replaces it at once in its Secret; a restarted manager reuses both tokens, minting none; two
     clients naming one Secret are refused at start."""
+    from clusterproxy_castore.kubestore import KubernetesSecretStore
     from clusterproxy_certsigner.core import SignerCore
     from clusterproxy_certsigner.errors import SignerError
-    from clusterproxy_certsigner.kubestore import KubernetesSecretStore
     from clusterproxy_protocol import certclient
 
     env.create_mpc()

@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 
-from clusterproxy_certsigner.kubestore import RBAC_VERBS, KubernetesSecretStore, StoreForbidden, rbac_yaml
-from clusterproxy_certsigner.models import Binding, TokenRecord
-from clusterproxy_certsigner.rotation import activate_pending, ensure_ca, retire_previous, start_rotation
-from clusterproxy_certsigner.store import StoreConflict, StoreError
-from clusterproxy_certsigner.tokens import new_token
+from clusterproxy_castore.kubestore import RBAC_VERBS, KubernetesSecretStore, StoreForbidden, rbac_yaml
+from clusterproxy_castore.models import Binding, TokenRecord
+from clusterproxy_castore.rotation import activate_pending, ensure_ca, retire_previous, start_rotation
+from clusterproxy_castore.store import StoreConflict, StoreError
+from clusterproxy_castore.tokens import new_token
 from tests.support.kube_identities import (
     create_namespace,
     delete_namespace,

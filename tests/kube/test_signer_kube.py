@@ -29,10 +29,10 @@ import pytest
 import trio
 from cryptography import x509
 
-from clusterproxy_certsigner.cli_commands import create_token
-from clusterproxy_certsigner.kubestore import KubernetesSecretStore, rbac_yaml
-from clusterproxy_certsigner.models import Authorities, Binding
-from clusterproxy_certsigner.rotation import activate_pending, retire_previous, start_rotation, status
+from clusterproxy_castore.kubestore import KubernetesSecretStore, rbac_yaml
+from clusterproxy_castore.models import Authorities, Binding
+from clusterproxy_castore.rotation import activate_pending, retire_previous, start_rotation, status
+from clusterproxy_castore.tokens import create_token
 from clusterproxy_cli.commands import SIGNER, executable
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles, SignerRequestError

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from clusterproxy_certsigner.cli_commands import create_token
-from clusterproxy_certsigner.filestore import FileStore
-from clusterproxy_certsigner.models import Binding
+from clusterproxy_castore.filestore import FileStore
+from clusterproxy_castore.models import Binding
+from clusterproxy_castore.tokens import create_token
 from clusterproxy_cli.commands import SIGNER, SignerFlags, executable, signer_serve_argv
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
@@ -28,7 +28,7 @@ from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, Renewa
 from tests.support.procs import Hub, Process, client_tls
 
 if TYPE_CHECKING:
-    from clusterproxy_certsigner.kubestore import KubernetesSecretStore
+    from clusterproxy_castore.kubestore import KubernetesSecretStore
     from tests.support.kubeapi import KubeCluster
 
 SERVER_HOSTS = ("localhost", "127.0.0.1")
@@ -141,7 +141,7 @@ class KubeSigner(SignerProcess):
 
     @property
     def store(self) -> KubernetesSecretStore:  # type: ignore[override]
-        from clusterproxy_certsigner.kubestore import KubernetesSecretStore
+        from clusterproxy_castore.kubestore import KubernetesSecretStore
 
         return KubernetesSecretStore(
             namespace=self.namespace, prefix=self.prefix, kubeconfig=self.hub.kubeconfig

@@ -1,4 +1,4 @@
-"""The contract every cert-signer store backend keeps (``clusterproxy_certsigner.store``), as tests.
+"""The contract every cert-signer store backend keeps (``clusterproxy_castore.store``), as tests.
 
 A backend's test module subclasses :class:`StoreContract` as ``TestXxx`` and provides the ``backend``
 fixture, a :class:`Backend`: ``open()`` gives a new store object over the same stored data (what
@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from clusterproxy_certsigner.crypto import key_pem
-from clusterproxy_certsigner.models import Binding, Identity, IssuedRecord, TokenRecord
-from clusterproxy_certsigner.rotation import ensure_ca, start_rotation
-from clusterproxy_certsigner.store import CertStore, NotFound, StoreConflict
-from clusterproxy_certsigner.tokens import hash_secret, new_token, parse_token, secret_matches
+from clusterproxy_castore.models import Binding, Identity, IssuedRecord, TokenRecord
+from clusterproxy_castore.rotation import ensure_ca, start_rotation
+from clusterproxy_castore.store import CertStore, NotFound, StoreConflict
+from clusterproxy_castore.tokens import hash_secret, new_token, parse_token, secret_matches
+from clusterproxy_protocol.pki import key_pem
 
 __all__ = ["NOW", "Backend", "StoreContract", "issued_record", "run_in_threads"]
 

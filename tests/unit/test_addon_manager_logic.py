@@ -16,8 +16,8 @@ from clusterproxy_addon_manager.compare import contains
 from clusterproxy_addon_manager.conditions import Condition, merge_conditions, same_conditions
 from clusterproxy_addon_manager.identity import Credentials, agent_binding, import_custom_ca, server_binding
 from clusterproxy_addon_manager.workqueue import WorkQueue
+from clusterproxy_castore.filestore import FileStore
 from clusterproxy_certsigner.core import SignerCore
-from clusterproxy_certsigner.filestore import FileStore
 from clusterproxy_protocol import certclient
 
 # --- compare -------------------------------------------------------------------------------------------
@@ -225,7 +225,7 @@ def test_forget_and_prune(credentials: tuple[Credentials, Clock]) -> None:
 def test_custom_ca_is_imported_into_an_empty_store_only(tmp_path: Path) -> None:
     from cryptography.hazmat.primitives import serialization
 
-    from clusterproxy_certsigner.crypto import new_ca
+    from clusterproxy_protocol.pki import new_ca
 
     now = dt.datetime.now(dt.UTC)
     cert, key = new_ca("corp-ca", now=now, days=30)

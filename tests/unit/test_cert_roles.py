@@ -14,12 +14,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from clusterproxy_agent.tunnel import HandshakeError, check_server_role
-from clusterproxy_certsigner.cli_commands import create_token
+from clusterproxy_castore.filestore import FileStore
+from clusterproxy_castore.models import Binding
+from clusterproxy_castore.rotation import ensure_ca
+from clusterproxy_castore.tokens import create_token
 from clusterproxy_certsigner.core import SignerCore
 from clusterproxy_certsigner.errors import Forbidden
-from clusterproxy_certsigner.filestore import FileStore
-from clusterproxy_certsigner.models import Binding
-from clusterproxy_certsigner.rotation import ensure_ca
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.pki import (
     CLIENT_ROLE_URI,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from clusterproxy_certsigner.filestore import FileStore
+from clusterproxy_castore.filestore import FileStore
+from clusterproxy_castore.tokens import hash_secret, parse_token
 from clusterproxy_certsigner.main import build_parser, main
-from clusterproxy_certsigner.tokens import hash_secret, parse_token
 from clusterproxy_protocol.certclient import bundle_fingerprints
 from clusterproxy_protocol.config import parse_args_or_exit
 

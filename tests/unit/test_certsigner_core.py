@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from clusterproxy_certsigner.cli_commands import create_token
+from clusterproxy_castore.filestore import FileStore
+from clusterproxy_castore.models import Binding
+from clusterproxy_castore.rotation import ensure_ca
+from clusterproxy_castore.tokens import create_token
 from clusterproxy_certsigner.core import SignerCore, parse_presenting, parse_trusted
 from clusterproxy_certsigner.errors import BadRequest, Conflict, Forbidden, Gone, SignerError, Unauthorized
-from clusterproxy_certsigner.filestore import FileStore
-from clusterproxy_certsigner.models import Binding
-from clusterproxy_certsigner.rotation import ensure_ca
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.pki import DevCA, agent_identity_from_cert
 

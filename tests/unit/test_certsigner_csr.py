@@ -11,12 +11,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from clusterproxy_certsigner.crypto import issue_leaf, new_ca
+from clusterproxy_castore.models import Binding, Identity
+from clusterproxy_certsigner.crypto import issue_leaf
 from clusterproxy_certsigner.csr import match_csr, normalize_host, parse_csr
 from clusterproxy_certsigner.errors import Forbidden, InvalidCSR
-from clusterproxy_certsigner.models import Binding, Identity
 from clusterproxy_protocol import certclient
-from clusterproxy_protocol.pki import agent_identity_from_cert, peer_identity
+from clusterproxy_protocol.pki import agent_identity_from_cert, new_ca, peer_identity
 
 NOW = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
 AGENT = Binding(kind="agent", cluster="cluster1")

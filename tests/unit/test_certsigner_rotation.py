@@ -9,11 +9,9 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from clusterproxy_certsigner.cli_commands import create_token, format_status, rotate_ca
-from clusterproxy_certsigner.core import SignerCore
-from clusterproxy_certsigner.filestore import FileStore
-from clusterproxy_certsigner.models import Binding
-from clusterproxy_certsigner.rotation import (
+from clusterproxy_castore.filestore import FileStore
+from clusterproxy_castore.models import Binding
+from clusterproxy_castore.rotation import (
     RotationBlocked,
     RotationError,
     activate_pending,
@@ -22,6 +20,9 @@ from clusterproxy_certsigner.rotation import (
     start_rotation,
     status,
 )
+from clusterproxy_castore.tokens import create_token
+from clusterproxy_certsigner.cli_commands import format_status, rotate_ca
+from clusterproxy_certsigner.core import SignerCore
 from clusterproxy_protocol import certclient
 
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from clusterproxy_certsigner.filestore import FileStore
-from clusterproxy_certsigner.kubestore import KubernetesSecretStore
-from clusterproxy_certsigner.models import Binding
-from clusterproxy_certsigner.rotation import ensure_ca
-from clusterproxy_certsigner.store import open_store, parse_store
-from clusterproxy_certsigner.tokens import new_token
+from clusterproxy_castore.filestore import FileStore
+from clusterproxy_castore.kubestore import KubernetesSecretStore
+from clusterproxy_castore.models import Binding
+from clusterproxy_castore.rotation import ensure_ca
+from clusterproxy_castore.store import open_store, parse_store
+from clusterproxy_castore.tokens import new_token
 from clusterproxy_protocol.config import InvalidValue
 from tests.support.store_contract import Backend, StoreContract, issued_record
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clusterproxy_certsigner.kubestore import KubernetesSecretStore
-from clusterproxy_certsigner.store import CertStore, StoreError, open_store
+from clusterproxy_castore.kubestore import KubernetesSecretStore
+from clusterproxy_castore.store import CertStore, StoreError, open_store
 from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.kubeconfig import load_configuration
 

@@ -49,6 +49,9 @@ __all__ = [
     "agent_identity_from_cert",
     "agent_uri",
     "certificate_role",
+    "key_pem",
+    "key_usage",
+    "new_ca",
     "peer_identity",
     "role_of_uri",
 ]
@@ -240,7 +243,8 @@ def peer_identity(peer_cert: bytes | x509.Certificate) -> dict[str, object]:
 # --- files ---------------------------------------------------------------------------------------------
 
 
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    """A private key as unencrypted PKCS#8 PEM (files mode 0600 and store Secrets hold it so)."""
     return key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
@@ -271,6 +275,49 @@ def _now() -> dt.datetime:
 # --- the CA --------------------------------------------------------------------------------------------
 
 
+def key_usage(*, cert_sign: bool) -> x509.KeyUsage:
+    """The key usage of every certificate made here: signatures, plus certificate and CRL signing for
+    a CA (TLS 1.3 needs nothing else of an ECDSA leaf)."""
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=cert_sign,
+        crl_sign=cert_sign,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
+def new_ca(name: str, *, now: dt.datetime, days: int) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A self-signed CA: ECDSA P-256, SHA-256, ``pathLen=0`` (it signs leaves only), valid from
+    5 minutes before ``now`` (clock skew) for ``days``. The one builder of a CA: the development CA
+    (:class:`DevCA`) and the cert-signer's CAs (``clusterproxy_castore.rotation``) are both made here."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.COMMON_NAME, name[:64]),
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "cluster-proxy"),
+        ]
+    )
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - _CLOCK_SKEW)
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(key_usage(cert_sign=True), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return cert, key
+
+
 class DevCA:
     """A file-backed development CA: ``ca.crt`` and ``ca.key`` in one directory."""
 
@@ -290,42 +337,9 @@ class DevCA:
             cert_path, key_path = directory / "ca.crt", directory / "ca.key"
             if cert_path.exists() or key_path.exists():
                 return cls._load(directory, cert_path, key_path)
-            key = ec.generate_private_key(ec.SECP256R1())
-            subject = x509.Name(
-                [
-                    x509.NameAttribute(NameOID.COMMON_NAME, name[:64]),
-                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "cluster-proxy"),
-                ]
-            )
-            now = _now()
-            cert = (
-                x509.CertificateBuilder()
-                .subject_name(subject)
-                .issuer_name(subject)
-                .public_key(key.public_key())
-                .serial_number(x509.random_serial_number())
-                .not_valid_before(now - _CLOCK_SKEW)
-                .not_valid_after(now + dt.timedelta(days=days))
-                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-                .add_extension(
-                    x509.KeyUsage(
-                        digital_signature=True,
-                        content_commitment=False,
-                        key_encipherment=False,
-                        data_encipherment=False,
-                        key_agreement=False,
-                        key_cert_sign=True,
-                        crl_sign=True,
-                        encipher_only=False,
-                        decipher_only=False,
-                    ),
-                    critical=True,
-                )
-                .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-                .sign(key, hashes.SHA256())
-            )
+            cert, key = new_ca(name, now=_now(), days=days)
             # Key first: a present ca.crt always has its key next to it.
-            write_atomic(key_path, _key_pem(key), 0o600)
+            write_atomic(key_path, key_pem(key), 0o600)
             write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
             return cls(directory, cert, key)
 
@@ -382,20 +396,7 @@ class DevCA:
             .not_valid_before(now - _CLOCK_SKEW)
             .not_valid_after(not_after)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=False,
-                    crl_sign=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
+            .add_extension(key_usage(cert_sign=False), critical=True)
             .add_extension(x509.ExtendedKeyUsage(eku), critical=False)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .add_extension(
@@ -407,7 +408,7 @@ class DevCA:
         cert = builder.sign(self._key, hashes.SHA256())
         directory = Path(directory)
         pair = PemPair(cert=directory / f"{stem}.crt", key=directory / f"{stem}.key")
-        write_atomic(pair.key, _key_pem(key), 0o600)
+        write_atomic(pair.key, key_pem(key), 0o600)
         write_atomic(pair.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
         return pair
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from clusterproxy_certsigner.models import IssuedRecord
+from clusterproxy_castore.models import IssuedRecord
 from clusterproxy_protocol.logs import get_logger
 
 from . import render

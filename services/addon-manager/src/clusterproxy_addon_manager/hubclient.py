@@ -31,7 +31,7 @@ from typing import Any
 
 import trio
 
-from clusterproxy_certsigner.store import StoreError
+from clusterproxy_castore.store import StoreError
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint, SignerRequestError
 from clusterproxy_protocol.config import ConfigError

@@ -1,5 +1,6 @@
 """Identities for the parties the manager deploys: the CA bundle and bootstrap tokens, through the
-cert-signer's store (the same Secrets the signer reads: ``kubernetes:<namespace>/<prefix>``).
+CA store the cert-signer signs from (:mod:`clusterproxy_castore`, the same Secrets the signer reads:
+``kubernetes:<namespace>/<prefix>``).
 
 The design (docs/addon-manager.md, "Identities"): every party gets its certificate from the signer
 itself, with a single-use, short-lived bootstrap token, and renews it on its own. The manager keeps
@@ -20,11 +21,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from clusterproxy_certsigner.cli_commands import create_token
-from clusterproxy_certsigner.models import Binding, TokenRecord
-from clusterproxy_certsigner.rotation import ensure_ca
-from clusterproxy_certsigner.store import CertStore, StoreError
-from clusterproxy_certsigner.tokens import MAX_TOKEN_TTL, secret_matches
+from clusterproxy_castore.models import Binding, TokenRecord
+from clusterproxy_castore.rotation import ensure_ca
+from clusterproxy_castore.store import CertStore, StoreError
+from clusterproxy_castore.tokens import MAX_TOKEN_TTL, create_token, secret_matches
 
 __all__ = [
     "DESCRIPTION_PREFIX",
@@ -169,7 +169,7 @@ def import_custom_ca(store: CertStore, cert_pem: str, key_pem: str, *, now: dt.d
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    from clusterproxy_certsigner.models import AuthorityRecord, fingerprint
+    from clusterproxy_castore.models import AuthorityRecord, fingerprint
 
     try:
         cert = x509.load_pem_x509_certificate(cert_pem.encode())

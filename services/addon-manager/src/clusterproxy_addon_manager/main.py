@@ -332,7 +332,7 @@ class Manager:
     """A running manager: the controller, its work queue and the periodic tasks."""
 
     def __init__(self, settings: ManagerSettings, kube: Kube) -> None:
-        from clusterproxy_certsigner.kubestore import KubernetesSecretStore
+        from clusterproxy_castore.kubestore import KubernetesSecretStore
 
         self.settings = settings
         self.kube = kube
@@ -409,7 +409,7 @@ class Manager:
                 delay = self.queue.done(key, failed=True)
                 self.metrics.reconciles.labels(kind, "error").inc()
                 known = isinstance(exc, KubeError | ConfigError | OSError) or type(exc).__module__.startswith(
-                    "clusterproxy_certsigner"
+                    "clusterproxy_castore"
                 )
                 log = self.log.warning if known else self.log.exception
                 log(

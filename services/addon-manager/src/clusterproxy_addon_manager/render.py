@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from clusterproxy_certsigner.kubestore import RBAC_VERBS as SIGNER_STORE_VERBS
+from clusterproxy_castore.kubestore import RBAC_VERBS as SIGNER_STORE_VERBS
 from clusterproxy_protocol.wire import format_authority
 
 from .config import Endpoints, ProxyConfig, ProxySettings

@@ -15,12 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from clusterproxy_protocol.config import InvalidValue, add_flag, parse_duration
-
-from .core import utc_now
-from .csr import normalize_host
-from .models import Binding
-from .rotation import (
+from clusterproxy_castore.models import Binding
+from clusterproxy_castore.rotation import (
     DEFAULT_CA_DAYS,
     SILENT_AFTER,
     RotationBlocked,
@@ -31,14 +27,17 @@ from .rotation import (
     start_rotation,
     status,
 )
-from .store import CertStore, StoreError, open_store, parse_store
-from .tokens import MAX_TOKEN_TTL, NewToken, new_token
+from clusterproxy_castore.store import CertStore, StoreError, open_store, parse_store
+from clusterproxy_castore.tokens import MAX_TOKEN_TTL, create_token
+from clusterproxy_protocol.config import InvalidValue, add_flag, parse_duration
+
+from .core import utc_now
+from .csr import normalize_host
 
 __all__ = [
     "STORE_ENV",
     "add_store_flag",
     "open_store_from_args",
-    "create_token",
     "format_status",
     "parse_host",
     "register_certs_commands",
@@ -112,20 +111,6 @@ def open_store_from_args(args: argparse.Namespace) -> CertStore:
 
 
 # --- operations (usable without argparse) --------------------------------------------------------------
-
-
-def create_token(
-    store: CertStore,
-    binding: Binding,
-    ttl: dt.timedelta,
-    *,
-    description: str = "",
-    now: dt.datetime | None = None,
-) -> NewToken:
-    """Create and store a bootstrap token; the returned ``token`` string is the only copy."""
-    created = new_token(binding, ttl=ttl, now=now or utc_now(), description=description)
-    store.create_token(created.record)
-    return created
 
 
 def rotate_ca(

@@ -18,12 +18,20 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from clusterproxy_castore.models import (
+    Authorities,
+    AuthorityRecord,
+    Identity,
+    IssuedRecord,
+    TokenRecord,
+    format_time,
+)
+from clusterproxy_castore.store import CertStore, NotFound, StoreConflict
+from clusterproxy_castore.tokens import MalformedToken, parse_token, secret_matches
+
 from .crypto import CAKey, issue_leaf, public_key_sha256
 from .csr import match_csr, parse_csr
 from .errors import BadRequest, Conflict, Gone, SignerError, Unauthorized
-from .models import Authorities, AuthorityRecord, Identity, IssuedRecord, TokenRecord, format_time
-from .store import CertStore, NotFound, StoreConflict
-from .tokens import parse_token, secret_matches
 
 __all__ = [
     "DEFAULT_CERT_TTL",
@@ -158,7 +166,10 @@ class SignerCore:
 
     def check_token(self, token: object) -> TokenRecord:
         """The usable token record for ``token``, else 401 (unknown), 409 (used) or 410 (expired)."""
-        token_id, secret = parse_token(token)
+        try:
+            token_id, secret = parse_token(token)
+        except MalformedToken as exc:
+            raise Unauthorized(str(exc), error="invalid_token") from None
         record = self.store.get_token(token_id)
         if record is None or not secret_matches(secret, record):
             raise Unauthorized(f"unknown bootstrap token {token_id}", error="invalid_token")

@@ -1,4 +1,6 @@
-"""Keys and certificates: the CA, the leaves, and the key policy for CSRs.
+"""Keys and certificates: the leaves, and the key policy for CSRs. The CAs themselves are made by
+:func:`clusterproxy_protocol.pki.new_ca` (through :mod:`clusterproxy_castore.rotation`), the one CA
+builder the development CA shares.
 
 Key algorithm: every CA key is **ECDSA P-256 with SHA-256** (see docs/certificates.md): 128-bit
 security, like RSA-3072, with far smaller keys, certificates and handshakes and much faster signing;
@@ -21,9 +23,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from clusterproxy_protocol.pki import AGENT_ORGANIZATION, CLIENT_ROLE_URI, SERVER_ROLE_URI, agent_uri
-
-from .models import Identity
+from clusterproxy_castore.models import Identity
+from clusterproxy_protocol.pki import (
+    AGENT_ORGANIZATION,
+    CLIENT_ROLE_URI,
+    SERVER_ROLE_URI,
+    agent_uri,
+    key_usage,
+)
 
 __all__ = [
     "ALLOWED_EC_CURVES",
@@ -31,9 +38,7 @@ __all__ = [
     "CAKey",
     "backdate_for",
     "check_public_key",
-    "key_pem",
     "issue_leaf",
-    "new_ca",
     "public_key_sha256",
 ]
 
@@ -41,12 +46,6 @@ CAKey = ec.EllipticCurvePrivateKey
 ALLOWED_EC_CURVES = {"secp256r1": "P-256", "secp384r1": "P-384"}
 ALLOWED_RSA_SIZES = (3072, 4096)
 MAX_BACKDATE = dt.timedelta(minutes=5)
-
-
-def key_pem(key: CAKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
 
 
 def public_key_sha256(public_key: object) -> str:
@@ -78,45 +77,6 @@ def backdate_for(ttl: dt.timedelta) -> dt.timedelta:
     """How far ``not_before`` is set into the past for clock skew: 5 minutes, at most a tenth of ``ttl``
     (so that 80% of the validity period is still 80% of the usable lifetime for short test TTLs)."""
     return min(MAX_BACKDATE, ttl / 10)
-
-
-def _key_usage(*, cert_sign: bool) -> x509.KeyUsage:
-    return x509.KeyUsage(
-        digital_signature=True,
-        content_commitment=False,
-        key_encipherment=False,
-        data_encipherment=False,
-        key_agreement=False,
-        key_cert_sign=cert_sign,
-        crl_sign=cert_sign,
-        encipher_only=False,
-        decipher_only=False,
-    )
-
-
-def new_ca(name: str, *, now: dt.datetime, days: int) -> tuple[x509.Certificate, CAKey]:
-    """A self-signed CA (ECDSA P-256, SHA-256; ``pathLen=0``: it signs leaves only)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name(
-        [
-            x509.NameAttribute(NameOID.COMMON_NAME, name[:64]),
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "cluster-proxy"),
-        ]
-    )
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - MAX_BACKDATE)
-        .not_valid_after(now + dt.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(_key_usage(cert_sign=True), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    return cert, key
 
 
 def _host_names(hosts: tuple[str, ...]) -> list[x509.GeneralName]:
@@ -183,7 +143,7 @@ def issue_leaf(
         .not_valid_before(now - backdate_for(ttl))
         .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(_key_usage(cert_sign=False), critical=True)
+        .add_extension(key_usage(cert_sign=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage(eku), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)  # type: ignore[arg-type]
         .add_extension(

@@ -15,11 +15,11 @@ import re
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
+from clusterproxy_castore.models import Binding, Identity
 from clusterproxy_protocol.pki import AGENT_ORGANIZATION, CertRole, role_of_uri
 
 from .crypto import check_public_key
 from .errors import Forbidden, InvalidCSR
-from .models import Binding, Identity
 
 __all__ = ["MAX_CSR_PEM", "match_csr", "normalize_host", "parse_csr"]
 

@@ -29,6 +29,9 @@ from pathlib import Path
 
 import trio
 
+from clusterproxy_castore.filestore import FileStore
+from clusterproxy_castore.rotation import DEFAULT_CA_DAYS, RotationError, ensure_ca
+from clusterproxy_castore.store import CertStore, StoreError
 from clusterproxy_protocol.config import (
     ConfigError,
     InvalidValue,
@@ -42,11 +45,8 @@ from clusterproxy_protocol.config import (
 from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
 
 from .cli_commands import add_store_flag, open_store_from_args, parse_host, register_certs_commands
-from .filestore import FileStore
 from .https import HttpLimits
-from .rotation import DEFAULT_CA_DAYS, RotationError, ensure_ca
 from .service import SignerConfig, SignerService
-from .store import CertStore, StoreError
 
 ENV = "CLUSTER_PROXY_CERT_SIGNER_"
 

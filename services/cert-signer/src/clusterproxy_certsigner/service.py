@@ -30,6 +30,8 @@ from typing import Any
 import trio
 from cryptography import x509
 
+from clusterproxy_castore.rotation import DEFAULT_CA_DAYS, ensure_ca
+from clusterproxy_castore.store import CertStore
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.reloader import ReloadingContext
@@ -47,8 +49,6 @@ from .core import (
 from .errors import BadRequest, RateLimited, SignerError
 from .https import HttpLimits, Request, Response, serve_https
 from .ratelimit import RateLimiter
-from .rotation import DEFAULT_CA_DAYS, ensure_ca
-from .store import CertStore
 
 __all__ = ["SignerConfig", "SignerService"]
 

@@ -20,11 +20,11 @@ from typing import Any
 import trio
 from cryptography import x509
 
+from clusterproxy_castore.filestore import FileStore
+from clusterproxy_castore.models import Binding
+from clusterproxy_castore.tokens import create_token
 from clusterproxy_protocol import certclient
 
-from .cli_commands import create_token
-from .filestore import FileStore
-from .models import Binding
 from .service import SignerConfig, SignerService
 
 __all__ = ["EchoClient", "RunningSigner", "serve_tls_echo", "start_signer"]

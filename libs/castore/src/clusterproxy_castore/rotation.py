@@ -25,7 +25,8 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from .crypto import new_ca
+from clusterproxy_protocol.pki import new_ca
+
 from .models import Authorities, AuthorityRecord, CAState, IssuedRecord, fingerprint, format_time
 from .store import CertStore, StoreConflict
 

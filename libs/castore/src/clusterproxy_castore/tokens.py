@@ -14,10 +14,19 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from .errors import Unauthorized
 from .models import Binding, TokenRecord
+from .store import CertStore
 
-__all__ = ["MAX_TOKEN_TTL", "NewToken", "hash_secret", "new_token", "parse_token", "secret_matches"]
+__all__ = [
+    "MAX_TOKEN_TTL",
+    "MalformedToken",
+    "NewToken",
+    "create_token",
+    "hash_secret",
+    "new_token",
+    "parse_token",
+    "secret_matches",
+]
 
 MAX_TOKEN_TTL = dt.timedelta(hours=24)
 _TOKEN = re.compile(r"^([0-9a-f]{12})\.([A-Za-z0-9_-]{43})$")
@@ -39,13 +48,16 @@ def secret_matches(secret: str, record: TokenRecord) -> bool:
     return hmac.compare_digest(hash_secret(secret), record.secret_sha256)
 
 
+class MalformedToken(ValueError):
+    """Not a token at all (the signer answers it as ``401 invalid_token``)."""
+
+
 def parse_token(token: object) -> tuple[str, str]:
-    """``(id, secret)`` of a well-formed token, else :class:`Unauthorized`."""
+    """``(id, secret)`` of a well-formed token, else :class:`MalformedToken`."""
     if not isinstance(token, str) or not _TOKEN.match(token.strip()):
-        raise Unauthorized(
+        raise MalformedToken(
             "bootstrap token is malformed: expected <12 hex digits>.<43 characters> as printed by "
-            "`cluster-proxy-cert-signer token create`",
-            error="invalid_token",
+            "`cluster-proxy-cert-signer token create`"
         )
     token_id, secret = token.strip().split(".", 1)
     return token_id, secret
@@ -68,3 +80,18 @@ def new_token(binding: Binding, *, ttl: dt.timedelta, now: dt.datetime, descript
         description=description,
     )
     return NewToken(token=f"{token_id}.{secret}", record=record)
+
+
+def create_token(
+    store: CertStore,
+    binding: Binding,
+    ttl: dt.timedelta,
+    *,
+    description: str = "",
+    now: dt.datetime | None = None,
+) -> NewToken:
+    """Create and store a bootstrap token; the returned ``token`` string is the only copy. The
+    signer's ``token create`` and the addon-manager mint tokens through this one function."""
+    created = new_token(binding, ttl=ttl, now=now or dt.datetime.now(dt.UTC), description=description)
+    store.create_token(created.record)
+    return created

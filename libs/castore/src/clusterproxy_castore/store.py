@@ -1,7 +1,7 @@
 """The store interface: where the CAs, the bootstrap tokens and every issued certificate live.
 
-Two backends implement it: :class:`~clusterproxy_certsigner.filestore.FileStore` (local and compose
-modes) and :class:`~clusterproxy_certsigner.kubestore.KubernetesSecretStore` (Kubernetes mode).
+Two backends implement it: :class:`~clusterproxy_castore.filestore.FileStore` (local and compose
+modes) and :class:`~clusterproxy_castore.kubestore.KubernetesSecretStore` (Kubernetes mode).
 
 Contract, for every backend:
 

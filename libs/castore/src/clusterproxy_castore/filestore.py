@@ -1,4 +1,4 @@
-"""The files backend of :class:`~clusterproxy_certsigner.store.CertStore` (local and compose modes).
+"""The files backend of :class:`~clusterproxy_castore.store.CertStore` (local and compose modes).
 
 Layout (the root and every folder mode 0700)::
 
@@ -29,8 +29,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from clusterproxy_protocol.files import write_atomic
+from clusterproxy_protocol.pki import key_pem
 
-from .crypto import key_pem
 from .models import Authorities, AuthorityRecord, IssuedRecord, TokenRecord
 from .store import CertStore, NotFound, StoreConflict, StoreError
 

@@ -1,4 +1,4 @@
-"""The Kubernetes Secrets backend of :class:`~clusterproxy_certsigner.store.CertStore` (Kubernetes mode).
+"""The Kubernetes Secrets backend of :class:`~clusterproxy_castore.store.CertStore` (Kubernetes mode).
 
 ``--store kubernetes:NAMESPACE[/PREFIX]`` (PREFIX defaults to ``cluster-proxy-ca``). Everything lives in
 Secrets of one namespace, each labelled ``app.kubernetes.io/part-of=cluster-proxy``,
@@ -10,7 +10,7 @@ Secrets of one namespace, each labelled ``app.kubernetes.io/part-of=cluster-prox
     index) and per CA ``<id>.crt`` and ``<id>.key`` (the key is dropped from ``data`` when the CA is
     retired). One Secret, so a CA change is one write: :meth:`write_authorities` replaces it with the
     ``metadata.resourceVersion`` it was read at (:attr:`Authorities.version`); a 409 from the API
-    server is :class:`~clusterproxy_certsigner.store.StoreConflict`. Absent: no CA yet, version ``""``.
+    server is :class:`~clusterproxy_castore.store.StoreConflict`. Absent: no CA yet, version ``""``.
 ``<prefix>-token-<id>`` (type ``cluster-proxy.io/bootstrap-token``, kind ``token``)
     ``record.json``: :meth:`TokenRecord.to_json` (the secret's SHA-256 only, never the token).
 ``<prefix>-issued-<serial>`` (type ``cluster-proxy.io/issued-certificate``, kind ``issued``)
@@ -55,8 +55,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.kubeconfig import load_configuration
+from clusterproxy_protocol.pki import key_pem
 
-from .crypto import key_pem
 from .models import Authorities, AuthorityRecord, IssuedRecord, TokenRecord
 from .store import CertStore, NotFound, StoreConflict, StoreError
 
