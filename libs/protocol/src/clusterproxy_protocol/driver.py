@@ -27,18 +27,11 @@ import trio
 
 from clusterproxy_protocol import events as ev
 from clusterproxy_protocol.closing import close_cleanly
-from clusterproxy_protocol.core import (
-    CANCEL,
-    ENHANCE_YOUR_CALM,
-    NO_ERROR,
-    Role,
-    StreamState,
-    TunnelCore,
-    TunnelSettings,
-    error_reply,
-)
+from clusterproxy_protocol.core import CANCEL, ENHANCE_YOUR_CALM, NO_ERROR, Role, TunnelCore, error_reply
 from clusterproxy_protocol.errors import TunnelClosed, TunnelError, refusal
 from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol.settings import TunnelSettings
+from clusterproxy_protocol.stream_state import StreamState
 from clusterproxy_protocol.transport import input_waiting, receive_batch, send_all
 from clusterproxy_protocol.windows import Budget
 from clusterproxy_protocol.wire import REASON_HEADER
