@@ -45,7 +45,8 @@ from clusterproxy_protocol.forward_proxy import NoProxy, ProxySettings, ProxyURL
 from clusterproxy_protocol.forward_proxy_trio import ForwardProxy
 from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
 from clusterproxy_protocol.pki import agent_uri
-from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
+from clusterproxy_protocol.reloader import ReloadingContext
+from clusterproxy_protocol.renewer import CertRenewer, RenewalPolicy
 from clusterproxy_protocol.settings import TunnelSettings
 from clusterproxy_protocol.tls import client_context, web_client_context
 from clusterproxy_protocol.websocket import host_header
