@@ -48,9 +48,9 @@ def test_the_installed_version_has_the_internal_with_the_expected_shape(library:
 
 @pytest.fixture
 def h2_check_not_cached() -> Iterator[None]:
-    h2_connection._check_h2_once.cache_clear()
+    h2_connection.check_h2_internals.cache_clear()
     yield
-    h2_connection._check_h2_once.cache_clear()
+    h2_connection.check_h2_internals.cache_clear()
 
 
 @pytest.fixture

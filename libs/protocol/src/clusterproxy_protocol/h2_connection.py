@@ -5,8 +5,8 @@ queues DATA frames without h2's copies and lets go of itself when closed.
 It subclasses h2 and relies on h2's private internals (``_open_streams``, ``_receive_headers_frame``,
 ``_data_to_send``, ``_frame_dispatch_table``, the windows :mod:`clusterproxy_protocol.flow_control`
 charges). :func:`check_h2_open_streams` and :func:`check_h2_data_frames` check each against the
-shape relied on, when the first connection is made (every use of these internals is through one),
-and raise :class:`~clusterproxy_protocol.workarounds.InternalChanged` naming h2, its version and the
+shape relied on, when the first connection is made (every use of these internals is through one)
+and when a program calls :func:`clusterproxy_protocol.workarounds.apply` at its start, and raise :class:`~clusterproxy_protocol.workarounds.InternalChanged` naming h2, its version and the
 internal instead of misbehaving quietly. ``tests/unit/test_workarounds.py`` runs them against the
 pinned h2.
 
@@ -29,7 +29,7 @@ from clusterproxy_protocol.flow_control import charge_received, charge_sent
 from clusterproxy_protocol.framing import DATA_HEADER, FRAME_HEADER_SIZE
 from clusterproxy_protocol.workarounds import InternalChanged, parameter_names
 
-__all__ = ["TunnelH2Connection", "check_h2_data_frames", "check_h2_open_streams"]
+__all__ = ["TunnelH2Connection", "check_h2_data_frames", "check_h2_internals", "check_h2_open_streams"]
 
 
 class _FrameHandler:
@@ -75,7 +75,7 @@ class TunnelH2Connection(h2.connection.H2Connection):
 
     def __init__(self, config: h2.config.H2Configuration | None = None, *, check: bool = True) -> None:
         if check:  # only the check itself makes one without
-            _check_h2_once()
+            check_h2_internals()
         super().__init__(config=config)
         # h2 keeps its frame handlers as this connection's bound methods in a dict on it: a cycle
         # that keeps a closed connection (its buffers, its streams) until a full collection.
@@ -268,6 +268,8 @@ def _check_h2_taking_data() -> None:
 
 
 @functools.cache
-def _check_h2_once() -> None:
+def check_h2_internals() -> None:
+    """Every check of h2's internals, once per process: when the first connection is made, and by
+    :func:`clusterproxy_protocol.workarounds.apply` at a program's start."""
     check_h2_open_streams()
     check_h2_data_frames()

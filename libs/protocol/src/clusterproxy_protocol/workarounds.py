@@ -12,14 +12,16 @@ memory (the numbers are in docs/benchmarks.md):
 * **trio** ``SSLStream._ssl_object``: ``SSLStream.receive_some`` decrypts one TLS record (16 KiB) per
   call even when the socket read brought in several; :func:`ssl_object_of` hands
   :func:`clusterproxy_protocol.transport.receive_batch` the ``ssl.SSLObject`` to take the rest from.
-  Checked at every use (one ``isinstance``), and on import of :mod:`clusterproxy_protocol.transport`.
+  Checked at every use (one ``isinstance``), on import of :mod:`clusterproxy_protocol.transport`
+  and by :func:`apply`.
 * **trio** ``SSLStream``'s state, memory BIOs and locks (:func:`tls_parts`): each of its sends and
   receives passes through trio's scheduler three times (two locks and the socket call), ~45 µs for a
   1 KiB message against ~7 µs for the same TLS and socket calls made directly.
   :mod:`clusterproxy_protocol.transport` makes them directly while a connection is in its steady
   state, under trio's own guards and send lock, and leaves everything else to trio. Checked on
   import of :mod:`clusterproxy_protocol.transport`, the one module that uses them: every program
-  that moves bytes through it (services, CLI and SDK alike) has them checked before its first byte.
+  that moves bytes through it (services, CLI and SDK alike) has them checked before its first byte,
+  whether or not it calls :func:`apply` (which checks them too).
 * **trio** ``SSLStream._handshook``: each stream keeps its handshake as a ``_Once`` holding the
   stream's own bound ``_do_handshake``, a reference cycle for the stream's whole life: a closed TLS
   connection (its ``SSLObject``, BIOs, OpenSSL's buffers, whatever its owner hung on it) waits for
@@ -30,7 +32,8 @@ memory (the numbers are in docs/benchmarks.md):
 
 h2's internals are not here: the core's h2 connection subclasses h2 for behaviour of its own
 (:mod:`clusterproxy_protocol.h2_connection`, with the windows it charges in
-:mod:`clusterproxy_protocol.flow_control`), and checks them there when its first connection is made.
+:mod:`clusterproxy_protocol.flow_control`), and checks them there when its first connection is made
+(and :func:`apply` runs those checks as well, so a service stops at start-up).
 
 Each is checked against the shape it relies on, and a change raises :class:`InternalChanged` naming
 the library, its version and the attribute, instead of misbehaving quietly. Without :func:`apply`
@@ -74,13 +77,20 @@ class InternalChanged(RuntimeError):
 
 
 def apply() -> None:
-    """Check the internals the two patches rely on, then make hyperframe's DATA frame repr cheap and
-    trio's TLS streams free of their handshake's reference cycle, for the whole process.
+    """Check every internal, then make hyperframe's DATA frame repr cheap and trio's TLS streams free
+    of their handshake's reference cycle, for the whole process.
 
     For programs (the services' ``main``), before the event loop starts; calling it again does
     nothing more. A library using the tunnel may call it too, knowing it changes a hyperframe class
-    and a trio one. (The internals that are read, not patched, are checked where they are used.)
+    and a trio one. The internals that are read rather than patched are checked where they are used
+    as well (h2's at the first connection, trio's TLS parts on import of the transport); here too, so
+    a program stops at start-up rather than at its first tunnel.
     """
+    from clusterproxy_protocol import h2_connection  # here, not at the top: it imports this module
+
+    h2_connection.check_h2_internals()
+    check_trio_ssl_object()
+    check_trio_ssl_internals()
     check_hyperframe_body_repr()
     check_trio_handshake_once()
     if hyperframe.frame.DataFrame.__dict__.get("_body_repr") is not _cheap_data_frame_repr:
