@@ -6,9 +6,9 @@ It subclasses h2 and relies on h2's private internals (``_open_streams``, ``_rec
 ``_data_to_send``, ``_frame_dispatch_table``, the windows :mod:`clusterproxy_protocol.flow_control`
 charges). :func:`check_h2_open_streams` and :func:`check_h2_data_frames` check each against the
 shape relied on, when the first connection is made (every use of these internals is through one)
-and when a program calls :func:`clusterproxy_protocol.workarounds.apply` at its start, and raise :class:`~clusterproxy_protocol.workarounds.InternalChanged` naming h2, its version and the
-internal instead of misbehaving quietly. ``tests/unit/test_workarounds.py`` runs them against the
-pinned h2.
+and when a program calls :func:`clusterproxy_protocol.workarounds.apply` at its start, and raise
+:class:`~clusterproxy_protocol.workarounds.InternalChanged` naming h2, its version and the internal
+instead of misbehaving quietly. ``tests/unit/test_workarounds.py`` runs them against the pinned h2.
 
 Sans-IO like the core: no clock, no I/O, no trio.
 """
@@ -238,8 +238,8 @@ def check_h2_data_frames() -> None:
 
 
 def _check_h2_taking_data() -> None:
-    """A frame taken by :func:`~clusterproxy_protocol.flow_control.charge_received` leaves h2's inbound windows where
-    h2's own receive path leaves them, for a frame h2 takes as plain data."""
+    """A frame taken by :func:`~clusterproxy_protocol.flow_control.charge_received` leaves h2's
+    inbound windows where h2's own receive path leaves them, for a frame h2 takes as plain data."""
     peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     opening = _open_connect_stream(peer)
     payload = bytes(range(256)) * 40
