@@ -82,7 +82,7 @@ class TunnelCore(ReceiveWindows):
         self._reset_checked_at = clock()
         # Frame boundaries, followed as bytes arrive (before h2 buffers them): an oversized frame is
         # refused at its header, and the driver learns when the frame now arriving started.
-        self._frames = FrameScanner(
+        self._scanner = FrameScanner(
             self._conn,
             preface=role is Role.ACCEPTOR,
             max_frame_size=self.settings.max_frame_size,
@@ -375,8 +375,8 @@ class TunnelCore(ReceiveWindows):
             data = bytes(data)  # its pieces are kept in stream buffers: nobody may change them
         out: list[ev.Event] = []
         try:
-            oversized = self._frames.scan(data, out, self._on_data, self._feed_h2)
-            self.partial_frame_since = self._frames.partial_frame_since
+            oversized = self._scanner.scan(data, out, self._on_data, self._feed_h2)
+            self.partial_frame_since = self._scanner.partial_frame_since
         except h2.exceptions.ProtocolError as exc:
             # h2 has already queued a GOAWAY naming the violation.
             self.closed = True
@@ -423,7 +423,7 @@ class TunnelCore(ReceiveWindows):
 
     def goodbye_received(self, data: bytes) -> bool:
         """After our own close: does ``data`` hold the peer's GOAWAY (so it is closing too)?"""
-        data = self._frames.skip_unseen_data(data)
+        data = self._scanner.skip_unseen_data(data)
         try:
             h2_events = self._conn.receive_data(data)
         except h2.exceptions.ProtocolError:

@@ -262,7 +262,7 @@ class CertRenewer:
             bundle = await self._fetch_trust()
             changed = bundle.fingerprints != bundle_in_file(self.files.ca)
             if changed:
-                certclient.writebundle_in_file(self.files.ca, bundle.pem)
+                certclient.write_bundle(self.files.ca, bundle.pem)
             if changed or self._contexts_behind():
                 reported = (self.trusted, self.presenting)
                 self._reload_all()
@@ -277,7 +277,7 @@ class CertRenewer:
     # -- internals ---------------------------------------------------------------------------------------
 
     async def _fetch_trust(self) -> certclient.TrustBundle:
-        bundle = await certclient.fetch_trustbundle_in_file(
+        bundle = await certclient.fetch_trust_bundle(
             self.endpoint,
             cert=self.files.cert,
             key=self.files.key,
