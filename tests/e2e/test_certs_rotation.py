@@ -27,7 +27,7 @@ from clusterproxy_castore.rotation import status
 from clusterproxy_certsigner.core import SignerCore
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles
-from clusterproxy_protocol.core import PREFACE as H2_PREFACE
+from clusterproxy_protocol.framing import PREFACE as H2_PREFACE
 from clusterproxy_protocol.reloader import ReloadingContext
 from clusterproxy_protocol.tls import client_context
 from tests.support.certs import count_events

@@ -18,7 +18,8 @@ from clusterproxy_certsigner.testing import EchoClient, RunningSigner, serve_tls
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.config import ConfigError
-from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy, renewal_time
+from clusterproxy_protocol.reloader import ReloadingContext
+from clusterproxy_protocol.renewer import CertRenewer, RenewalPolicy, renewal_time
 from clusterproxy_protocol.tls import client_context
 from tests.support.waiting import wait_until
 

@@ -24,8 +24,10 @@ import trio.testing
 from hyperframe.frame import Frame, GoAwayFrame, PingFrame, SettingsFrame
 
 from clusterproxy_protocol import tls
-from clusterproxy_protocol.core import PREFACE, Role, TunnelSettings
+from clusterproxy_protocol.core import Role
 from clusterproxy_protocol.driver import Mux, open_mux
+from clusterproxy_protocol.framing import PREFACE
+from clusterproxy_protocol.settings import TunnelSettings
 from clusterproxy_protocol.transport import input_waiting
 from tests.support.h2_attacker import Attacker
 from tests.support.pki import PkiFiles

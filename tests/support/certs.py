@@ -24,7 +24,8 @@ from clusterproxy_cli.commands import SIGNER, SignerFlags, executable, signer_se
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
 from clusterproxy_protocol.pki import PemPair
-from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
+from clusterproxy_protocol.reloader import ReloadingContext
+from clusterproxy_protocol.renewer import CertRenewer, RenewalPolicy
 from tests.support.procs import Hub, Process, client_tls
 
 if TYPE_CHECKING:

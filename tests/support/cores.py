@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from clusterproxy_protocol import events as ev
-from clusterproxy_protocol.core import Role, TunnelCore, TunnelSettings
+from clusterproxy_protocol.core import Role, TunnelCore
+from clusterproxy_protocol.settings import TunnelSettings
 
 
 def pump(a: TunnelCore, b: TunnelCore) -> tuple[list[ev.Event], list[ev.Event]]:

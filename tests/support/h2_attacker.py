@@ -8,7 +8,7 @@ import trio
 from hyperframe.frame import Frame, HeadersFrame, SettingsFrame
 
 from clusterproxy_protocol import tls
-from clusterproxy_protocol.core import PREFACE
+from clusterproxy_protocol.framing import PREFACE
 from clusterproxy_protocol.pki import PemPair
 from tests.support.pki import PkiFiles
 

@@ -20,9 +20,9 @@ from cryptography.x509.oid import NameOID
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.pki import DevCA
-from clusterproxy_protocol.reloader import (
+from clusterproxy_protocol.reloader import ReloadingContext
+from clusterproxy_protocol.renewer import (
     MIN_REFRESH_AFTER,
-    ReloadingContext,
     RenewalPolicy,
     backoff_delay,
     early_renewal_delay,

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clusterproxy_protocol import events as ev
-from clusterproxy_protocol.core import Role, TunnelCore, TunnelSettings
+from clusterproxy_protocol.core import Role, TunnelCore
+from clusterproxy_protocol.settings import TunnelSettings
 from tests.support.cores import connected, pump
 
 SMALL = TunnelSettings(stream_window=65535, connection_window=1 << 20, max_frame_size=16384)

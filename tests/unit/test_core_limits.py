@@ -17,15 +17,9 @@ from hyperframe.frame import (
 )
 
 from clusterproxy_protocol import events as ev
-from clusterproxy_protocol.core import (
-    ENHANCE_YOUR_CALM,
-    FRAME_SIZE_ERROR,
-    PREFACE,
-    REFUSED_STREAM,
-    Role,
-    TunnelCore,
-    TunnelSettings,
-)
+from clusterproxy_protocol.core import ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR, REFUSED_STREAM, Role, TunnelCore
+from clusterproxy_protocol.framing import PREFACE
+from clusterproxy_protocol.settings import TunnelSettings
 
 
 class Clock:

@@ -12,7 +12,8 @@ import trio
 import trio.testing
 
 from clusterproxy_protocol.core import Role
-from clusterproxy_protocol.driver import KEEPALIVE_GRID, QUIET_FACTOR, Mux, keepalive_due, open_mux
+from clusterproxy_protocol.driver import Mux, open_mux
+from clusterproxy_protocol.keepalive import KEEPALIVE_GRID, QUIET_FACTOR, keepalive_due
 
 INTERVAL = 10.0
 TIMEOUT = 20.0

@@ -7,8 +7,10 @@ import hashlib
 import trio
 import trio.testing
 
-from clusterproxy_protocol.core import Role, TunnelSettings
-from clusterproxy_protocol.driver import IncomingRequest, Mux, TunnelStream, open_mux
+from clusterproxy_protocol.core import Role
+from clusterproxy_protocol.driver import IncomingRequest, Mux, open_mux
+from clusterproxy_protocol.settings import TunnelSettings
+from clusterproxy_protocol.tunnel_stream import TunnelStream
 
 SMALL = TunnelSettings(stream_window=65535, connection_window=1 << 20, max_frame_size=16384)
 

@@ -7,7 +7,8 @@ import hashlib
 import pytest
 
 from clusterproxy_protocol import events as ev
-from clusterproxy_protocol.core import Role, TunnelCore, TunnelSettings
+from clusterproxy_protocol.core import Role, TunnelCore
+from clusterproxy_protocol.settings import TunnelSettings
 from clusterproxy_protocol.windows import Budget, format_size, next_window
 from clusterproxy_protocol.wire import REASON_HEADER
 from tests.support.cores import pump

@@ -22,7 +22,7 @@ import trio
 import trio._ssl
 import trio.testing
 
-from clusterproxy_protocol import tls, workarounds
+from clusterproxy_protocol import h2_connection, tls, transport, workarounds
 from clusterproxy_protocol.core import Role, TunnelCore
 from clusterproxy_protocol.workarounds import InternalChanged
 from tests.support.cores import connected, pump
@@ -31,8 +31,8 @@ from tests.support.tls_streams import tls_pair
 
 CHECKS: dict[str, Callable[[], None]] = {
     "hyperframe": workarounds.check_hyperframe_body_repr,
-    "h2": workarounds.check_h2_open_streams,
-    "h2-data": workarounds.check_h2_data_frames,
+    "h2": h2_connection.check_h2_open_streams,
+    "h2-data": h2_connection.check_h2_data_frames,
     "trio": workarounds.check_trio_ssl_object,
     "trio-ssl-internals": workarounds.check_trio_ssl_internals,
     "trio-handshake": workarounds.check_trio_handshake_once,
@@ -48,9 +48,9 @@ def test_the_installed_version_has_the_internal_with_the_expected_shape(library:
 
 @pytest.fixture
 def h2_check_not_cached() -> Iterator[None]:
-    workarounds._check_h2_once.cache_clear()
+    h2_connection.check_h2_internals.cache_clear()
     yield
-    workarounds._check_h2_once.cache_clear()
+    h2_connection.check_h2_internals.cache_clear()
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def test_a_missing_h2_internal_fails_loudly(
 ) -> None:
     monkeypatch.delattr(h2.connection.H2Connection, "_open_streams")
     with pytest.raises(InternalChanged) as info:
-        workarounds.check_h2_open_streams()
+        h2_connection.check_h2_open_streams()
     _assert_names(info.value, "h2", "H2Connection._open_streams")
     with pytest.raises(InternalChanged):
         TunnelCore(Role.OPENER)  # at use: the first connection made
@@ -98,14 +98,14 @@ def test_a_missing_h2_internal_fails_loudly(
 def test_an_h2_internal_of_another_shape_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(h2.connection.H2Connection, "_open_streams", lambda self: 0)
     with pytest.raises(InternalChanged) as info:
-        workarounds.check_h2_open_streams()
+        h2_connection.check_h2_open_streams()
     _assert_names(info.value, "h2", "H2Connection._open_streams")
 
 
 def test_h2_counting_streams_another_way_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(h2.connection.H2Connection, "open_outbound_streams", property(lambda self: 0))
     with pytest.raises(InternalChanged) as info:
-        workarounds.check_h2_open_streams()
+        h2_connection.check_h2_open_streams()
     _assert_names(info.value, "h2", "H2Connection.open_outbound_streams")
 
 
@@ -191,7 +191,7 @@ def test_h2_taking_headers_without_its_stream_limit_check_fails_loudly(
     """The core refuses excess streams itself only because h2's check goes through open_inbound_streams."""
     monkeypatch.setattr(h2.connection.H2Connection, "_receive_headers_frame", lambda self, frame: ([], []))
     with pytest.raises(InternalChanged) as info:
-        workarounds.check_h2_open_streams()
+        h2_connection.check_h2_open_streams()
     _assert_names(info.value, "h2", "H2Connection._receive_headers_frame")
 
 
@@ -206,7 +206,7 @@ def test_h2_charging_its_windows_another_way_fails_loudly(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(h2.stream.H2Stream, "send_data", send_data)
     with pytest.raises(InternalChanged) as info:
-        workarounds.check_h2_data_frames()
+        h2_connection.check_h2_data_frames()
     _assert_names(info.value, "h2", "H2Connection.send_data")
 
 
@@ -214,7 +214,7 @@ def test_h2_charging_its_windows_another_way_fails_loudly(monkeypatch: pytest.Mo
 def test_data_frames_are_h2s_frames_and_a_mutable_buffer_is_copied(kind: type) -> None:
     payload = kind(bytes(range(256)) * 300)
     expected = bytes(payload)
-    connection = workarounds.TunnelH2Connection(h2.config.H2Configuration(client_side=True))
+    connection = h2_connection.TunnelH2Connection(h2.config.H2Configuration(client_side=True))
     connection.initiate_connection()
     connection.send_headers(1, [(":method", "CONNECT"), (":authority", "x:1")])
     connection.send_data_frames(1, memoryview(payload)[:40000])
@@ -251,6 +251,25 @@ def test_a_tls_stream_without_a_part_the_direct_path_uses_fails_loudly(
     with pytest.raises(InternalChanged) as info:
         workarounds.check_trio_ssl_internals()
     _assert_names(info.value, "trio", f"SSLStream.{internal}")
+
+
+@pytest.mark.parametrize("module", ["clusterproxy_protocol.transport", "clusterproxy_sdk"])
+def test_trios_tls_internals_are_checked_on_import_of_what_uses_them(module: str) -> None:
+    """Not only by apply(), which the SDK never calls: importing the transport (the SDK does, through
+    the driver) fails at once, naming what trio moved."""
+    program = (
+        "import trio\n"
+        "shipped = trio.SSLStream.__init__\n"
+        "def renamed(self, *args, **kwargs):\n"
+        "    shipped(self, *args, **kwargs)\n"
+        "    del self._inner_send_lock\n"
+        "trio.SSLStream.__init__ = renamed\n"
+        f"import {module}\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "InternalChanged: trio" in done.stderr and "SSLStream._inner_send_lock" in done.stderr
+    assert transport.check_trio_ssl_internals is workarounds.check_trio_ssl_internals  # the same check
 
 
 async def _closed_tls_pair(pki: PkiFiles) -> list[weakref.ref[trio.SSLStream]]:
@@ -351,5 +370,5 @@ def test_h2_dispatching_frames_another_way_fails_loudly(
 
     monkeypatch.setattr(h2.connection.H2Connection, "__init__", init)
     with pytest.raises(InternalChanged) as info:
-        workarounds.check_h2_open_streams()
+        h2_connection.check_h2_open_streams()
     _assert_names(info.value, "h2", "H2Connection._frame_dispatch_table")

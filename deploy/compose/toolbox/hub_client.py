@@ -23,7 +23,7 @@ from clusterproxy_protocol import certclient
 from clusterproxy_protocol.bootstrap import bootstrap_with_retry
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
 from clusterproxy_protocol.logs import configure_logging, get_logger
-from clusterproxy_protocol.reloader import CertRenewer, RenewalPolicy
+from clusterproxy_protocol.renewer import CertRenewer, RenewalPolicy
 
 
 async def hold(signer: str, bootstrap_dir: Path, name: str, folder: Path, trust_refresh: float) -> None:

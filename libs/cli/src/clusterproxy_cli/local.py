@@ -49,7 +49,7 @@ import trio
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import SignerEndpoint, SignerRequestError
 from clusterproxy_protocol.config import ConfigError, parse_duration
-from clusterproxy_protocol.reloader import CertRenewer, RenewalPolicy
+from clusterproxy_protocol.renewer import CertRenewer, RenewalPolicy
 from clusterproxy_protocol.tls import client_context
 from clusterproxy_protocol.wire import ALPN_HTTP1
 

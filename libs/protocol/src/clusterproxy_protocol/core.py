@@ -5,23 +5,15 @@ per-stream receive buffers bounded by the stream window, CONNECT helpers, error 
 socket-like close semantics. It never touches a socket: feed it bytes with :meth:`receive_bytes`,
 send what :meth:`data_to_send` returns, and react to the events.
 
-Flow control, the reason for most of this module:
+Flow control, the reason for most of this module, is its base class
+:class:`~clusterproxy_protocol.flow_control.ReceiveWindows`: a stream's window reopens as the
+application reads it, the connection's as soon as bytes land in a stream buffer. Frames are followed
+as they arrive by :class:`~clusterproxy_protocol.framing.FrameScanner`, which hands plain DATA to the
+stream buffers past h2.
 
-* The *stream* window is only reopened when the application reads from the stream's buffer, so a
-  stream whose reader stops holds at most one stream window of memory and stops only itself.
-* The *connection* window is reopened as soon as bytes land in a stream buffer. The stream windows
-  already bound the memory, and releasing the connection window at once means a stalled stream can
-  never starve the others (the upstream head-of-line problem).
-
-Abuse limits (``TunnelSettings``): a peer may keep at most ``max_concurrent_streams`` streams open
-(the excess is refused with ``REFUSED_STREAM``, not by ending the connection); it may reset at most
-``reset_budget`` of the streams it opened per ``RESET_BUDGET_WINDOW`` (rapid reset), may leave at
-most ``max_reply_backlog`` bytes of our replies unread, and may not announce a frame larger than
-``max_frame_size``. Each trip is reported as a :class:`~clusterproxy_protocol.events.LimitExceeded`;
-the connection-level ones end the connection with ``GOAWAY ENHANCE_YOUR_CALM`` (or
-``FRAME_SIZE_ERROR``). The limits on time (a frame that started arriving, a stalled stream, an idle
-connection) need a clock and a timer, so the driver keeps them; the core only tells when the frame
-now arriving started (:attr:`TunnelCore.partial_frame_since`).
+Abuse limits: those without a clock are kept here (:mod:`clusterproxy_protocol.settings` lists
+them all); each trip is reported as a :class:`~clusterproxy_protocol.events.LimitExceeded`, and the
+core tells the driver when the frame now arriving started (:attr:`TunnelCore.partial_frame_since`).
 
 Draining: ``h2`` treats a received GOAWAY as the end of the connection, so a graceful drain is
 announced with ``SETTINGS_MAX_CONCURRENT_STREAMS = 0`` (no new streams, existing ones go on) and the
@@ -32,9 +24,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import h2.config
 import h2.connection
@@ -45,25 +35,21 @@ import h2.settings
 
 from clusterproxy_protocol import events as ev
 from clusterproxy_protocol.errors import clean_reason
-from clusterproxy_protocol.windows import Budget, next_window
+from clusterproxy_protocol.flow_control import ReceiveWindows
+from clusterproxy_protocol.framing import FrameScanner
+from clusterproxy_protocol.h2_connection import TunnelH2Connection
+from clusterproxy_protocol.settings import H2_DEFAULT_WINDOW, RESET_BUDGET_WINDOW, TunnelSettings
+from clusterproxy_protocol.stream_state import StreamState
+from clusterproxy_protocol.windows import Budget
 from clusterproxy_protocol.wire import REASON_HEADER
-from clusterproxy_protocol.workarounds import TunnelH2Connection
 
 CANCEL = h2.errors.ErrorCodes.CANCEL
 NO_ERROR = h2.errors.ErrorCodes.NO_ERROR
 REFUSED_STREAM = h2.errors.ErrorCodes.REFUSED_STREAM
 ENHANCE_YOUR_CALM = h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
 FRAME_SIZE_ERROR = h2.errors.ErrorCodes.FRAME_SIZE_ERROR
-H2_DEFAULT_WINDOW = 65535
-RESET_BUDGET_WINDOW = 10.0  # seconds: reset_budget resets per this long, refilled evenly
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-FRAME_HEADER = 9
-DATA = 0x0
 SMALL_PIECE = 1024  # received pieces shorter than this join the previous one while it is below
 MERGED_PIECE = 16384
-HEADERS_TYPES = (0x1, 0x5)  # HEADERS, PUSH_PROMISE: may start a header block
-CONTINUATION = 0x9
-END_HEADERS = 0x4
 
 
 class Role(enum.Enum):
@@ -71,84 +57,7 @@ class Role(enum.Enum):
     ACCEPTOR = "acceptor"  # HTTP/2 server: answers them (agent, proxy-server's client frontend)
 
 
-@dataclass(frozen=True, slots=True)
-class TunnelSettings:
-    stream_window: int = 1 << 20  # the largest receive window a stream is granted
-    # The window a stream starts with (SETTINGS_INITIAL_WINDOW_SIZE); it doubles each time the peer
-    # used it up and the reader emptied the buffer (the stream keeps up), up to ``stream_window``,
-    # as far as the stream's Budget allows. 0: every stream gets ``stream_window`` at once.
-    initial_stream_window: int = 0
-    connection_window: int = 32 << 20
-    max_frame_size: int = 64 << 10
-    max_concurrent_streams: int = 20_000
-    max_header_list_size: int = 16 << 10
-    outbound_high_water: int = 1 << 20
-    # Abuse limits; 0 turns a limit off. The defaults suit a tunnel between our own processes; the
-    # proxy-server's client port is stricter (its flags).
-    reset_budget: int = 0  # streams the peer opened and reset, per RESET_BUDGET_WINDOW
-    max_reply_backlog: int = 256 << 10  # bytes of our control replies a peer may leave unread
-    frame_timeout: float = 30.0  # seconds for a frame (or header block) to arrive once started
-    stall_timeout: float = 0.0  # seconds a stream may make no progress either way while blocked
-    idle_timeout: float = 0.0  # seconds a connection may have no stream open
-
-    def __post_init__(self) -> None:
-        if not H2_DEFAULT_WINDOW <= self.stream_window <= 2**31 - 1:
-            raise ValueError(f"stream window {self.stream_window} outside 65535..2^31-1")
-        if (
-            self.initial_stream_window
-            and not H2_DEFAULT_WINDOW <= self.initial_stream_window <= self.stream_window
-        ):
-            # Below 65535 a peer may send more than we allow on a stream it opens before it read
-            # our SETTINGS (RFC 9113 6.9.2): a flow-control error we would cause ourselves.
-            raise ValueError(
-                f"initial stream window {self.initial_stream_window} outside 65535..{self.stream_window} "
-                "(the stream window)"
-            )
-        if not H2_DEFAULT_WINDOW <= self.connection_window <= 2**31 - 1:
-            raise ValueError(f"connection window {self.connection_window} outside 65535..2^31-1")
-        if not 16384 <= self.max_frame_size <= 16777215:
-            raise ValueError(f"max frame size {self.max_frame_size} outside 16384..16777215")
-        if not 1 <= self.max_concurrent_streams <= 2**31 - 1:
-            raise ValueError(f"max concurrent streams {self.max_concurrent_streams} outside 1..2^31-1")
-        for name in ("reset_budget", "max_reply_backlog"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name.replace('_', ' ')} {getattr(self, name)} is negative")
-        if 0 < self.max_reply_backlog < 4096:
-            raise ValueError(f"max reply backlog {self.max_reply_backlog} below 4096 bytes (0 turns it off)")
-        for name in ("frame_timeout", "stall_timeout", "idle_timeout"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name.replace('_', ' ')} {getattr(self, name)} is negative")
-
-    @property
-    def first_window(self) -> int:
-        return self.initial_stream_window or self.stream_window
-
-
-@dataclass(slots=True)
-class StreamState:
-    stream_id: int
-    window: int = 0  # the receive window granted: at most this much is ever buffered
-    budget: Budget | None = None  # charged ``window`` while the peer may still send, then what is buffered
-    charged: int = 0
-    reserved: int = 0  # of ``charged``: held for the stream the application opens on its behalf
-    starved: bool = False  # the peer used up the window since it last grew
-    chunks: deque[bytes] = field(default_factory=deque)
-    buffered: int = 0
-    remote_ended: bool = False
-    local_ended: bool = False
-    reset_code: int | None = None
-    app_closed: bool = False
-    unacked: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-
-    @property
-    def finished(self) -> bool:
-        both_ended = self.remote_ended and self.local_ended
-        return self.app_closed and (self.reset_code is not None or both_ended)
-
-
-class TunnelCore:
+class TunnelCore(ReceiveWindows):
     def __init__(
         self,
         role: Role,
@@ -173,14 +82,13 @@ class TunnelCore:
         self._reset_checked_at = clock()
         # Frame boundaries, followed as bytes arrive (before h2 buffers them): an oversized frame is
         # refused at its header, and the driver learns when the frame now arriving started.
-        self._preface_left = len(PREFACE) if role is Role.ACCEPTOR else 0
-        self._frame_head = b""
-        self._frame_left = 0
-        self._data_stream = 0  # the stream whose DATA frame is arriving past h2, 0 when none
-        self._to_h2: list[bytes] = []
-        self._header_block_since: float | None = None
-        self._frame_since: float | None = None
-        self.partial_frame_since: float | None = None
+        self._scanner = FrameScanner(
+            self._conn,
+            preface=role is Role.ACCEPTOR,
+            max_frame_size=self.settings.max_frame_size,
+            clock=clock,
+        )
+        self.partial_frame_since: float | None = None  # the scanner's, after each read
         self._streams: dict[int, StreamState] = {}
         self._conn_unacked = 0
         self._pending_out = 0
@@ -317,28 +225,9 @@ class TunnelCore:
         self._streams[stream_id] = state
         return state
 
-    def take_reserve(self, stream_id: int) -> int:
-        """Hand over the stream's reservation (its bytes stay charged) to pay for the stream opened on its
-        behalf (``open_connect(prepaid=...)``); 0 when it has none left."""
-        state = self._streams.get(stream_id)
-        if state is None or not state.reserved:
-            return 0
-        taken, state.reserved = state.reserved, 0
-        state.charged -= taken
-        return taken
-
     def _forget(self, state: StreamState) -> None:
         if self._streams.pop(state.stream_id, None) is state:
             self._release(state)
-
-    def _release(self, state: StreamState, keep: int = 0) -> None:
-        """The peer can send the stream nothing more: give back its charge but ``keep`` (what is still
-        buffered), so a rapid reset's or an ended stream's window is free at once, not when the
-        application gets round to it."""
-        if state.budget is not None and state.charged > keep:
-            state.budget.give(state.charged - keep)
-            state.charged = keep
-        state.reserved = 0  # given back with the rest: what is opened on its behalf pays for itself
 
     # -- acceptor ---------------------------------------------------------------------------------
 
@@ -415,11 +304,6 @@ class TunnelCore:
         self._reset(state, error_code)
         self._forget_if_finished(state)
 
-    def _wire_open(self) -> bool:
-        # h2 closes its side as soon as it parses a GOAWAY, which can be in the same read as DATA we
-        # are still translating: sending anything then would raise.
-        return not self.closed and self._conn.state_machine.state is not h2.connection.ConnectionState.CLOSED
-
     def _reset(self, state: StreamState, error_code: int) -> None:
         state.reset_code = error_code
         self._drop_buffer(state)
@@ -477,34 +361,6 @@ class TunnelCore:
             state.buffered = 0
         self._release(state)
 
-    def _ack_stream(self, state: StreamState, count: int) -> None:
-        state.unacked += count
-        if state.remote_ended or not self._wire_open():
-            return
-        growth = 0
-        if state.starved and not state.buffered:
-            # The peer sent as fast as the window let it and the reader took it all: a bigger window
-            # would have kept the peer sending. A reader that stops never empties its buffer, so a
-            # stalled stream keeps the window it had.
-            state.starved = False
-            bigger = next_window(state.window, self.settings.stream_window)
-            if state.budget is None or state.budget.try_take(bigger - state.window):
-                growth = bigger - state.window
-                state.window = bigger
-                state.charged += growth
-        if growth or state.unacked >= state.window // 4:
-            try:
-                self._conn.increment_flow_control_window(state.unacked + growth, stream_id=state.stream_id)
-            except h2.exceptions.StreamClosedError:
-                pass
-            state.unacked = 0
-
-    def _ack_connection(self, count: int) -> None:
-        self._conn_unacked += count
-        if self._conn_unacked >= self.settings.connection_window // 4 and self._wire_open():
-            self._conn.increment_flow_control_window(self._conn_unacked)
-            self._conn_unacked = 0
-
     # -- input ------------------------------------------------------------------------------------
 
     def receive_bytes(self, data: bytes) -> list[ev.Event]:
@@ -519,7 +375,8 @@ class TunnelCore:
             data = bytes(data)  # its pieces are kept in stream buffers: nobody may change them
         out: list[ev.Event] = []
         try:
-            oversized = self._take_frames(data, out)
+            oversized = self._scanner.scan(data, out, self._on_data, self._feed_h2)
+            self.partial_frame_since = self._scanner.partial_frame_since
         except h2.exceptions.ProtocolError as exc:
             # h2 has already queued a GOAWAY naming the violation.
             self.closed = True
@@ -551,98 +408,22 @@ class TunnelCore:
         self._close_all_streams()
         return [ev.LimitExceeded(limit, reason), ev.ConnectionEnded(error_code, reason)]
 
-    def _take_frames(self, data: bytes, out: list[ev.Event]) -> int:
-        """Split ``data`` at frame boundaries: a plain DATA frame on an open stream goes straight into
-        the stream's buffer, piece by piece as it arrives (h2 would copy it three times and wait for
-        the whole frame); every other frame goes through h2. Returns the length of an oversized
-        frame, else 0; stops early when a limit closes the connection.
-
-        Also keeps :attr:`partial_frame_since`: when the frame (or header block) that has started but
-        not finished arriving began, None when the input ends on a boundary."""
-        pos, end = 0, len(data)
-        to_h2 = self._to_h2
-        if self._preface_left > 0:
-            done = len(PREFACE) - self._preface_left
-            take = min(self._preface_left, end)
-            if data[:take] != PREFACE[done : done + take]:
-                self._preface_left = -1  # not HTTP/2: h2 says so with a protocol error
-            else:
-                self._preface_left -= take
-                to_h2.append(data[:take])
-                pos = take
-        if self._preface_left < 0:
-            to_h2.append(data[pos:] if pos else data)
-            self._feed_h2(out)
-            return 0
-        started_here = False
-        while pos < end:
-            if self._frame_left:
-                step = min(self._frame_left, end - pos)
-                piece = data[pos : pos + step] if step < end or pos else data
-                if self._data_stream:
-                    self._on_data(self._data_stream, piece, step, out)
-                else:
-                    to_h2.append(piece)
-                pos += step
-                self._frame_left -= step
-                continue
-            need = FRAME_HEADER - len(self._frame_head)
-            started_here = started_here or not self._frame_head  # a frame starts at its header's first byte
-            if end - pos < need:
-                self._frame_head += data[pos:]
-                break
-            head = self._frame_head + data[pos : pos + need] if self._frame_head else data[pos : pos + need]
-            self._frame_head = b""
-            pos += need
-            length = int.from_bytes(head[:3], "big")
-            if length > self.settings.max_frame_size:
-                return length
-            frame_type, flags = head[3], head[4]
-            self._data_stream = 0
-            if frame_type == DATA and not flags and length and self._header_block_since is None:
-                self._feed_h2(out)  # what came before may open, end or reset the stream
-                if self.closed:
-                    return 0
-                stream_id = int.from_bytes(head[5:9], "big") & 0x7FFFFFFF
-                if self._conn.take_data_frame(stream_id, length):
-                    self._data_stream = stream_id
-            if not self._data_stream:
-                if frame_type in HEADERS_TYPES and not flags & END_HEADERS:
-                    self._header_block_since = self._clock()
-                elif frame_type == CONTINUATION and flags & END_HEADERS:
-                    self._header_block_since = None
-                to_h2.append(head)
-            self._frame_left = length
-        self._feed_h2(out)
-        if self._frame_left or self._frame_head:
-            if started_here or self._frame_since is None:
-                self._frame_since = self._clock()
-        else:
-            self._frame_since = None
-        since = self._frame_since
-        if self._header_block_since is not None and (since is None or self._header_block_since < since):
-            since = self._header_block_since
-        self.partial_frame_since = since
-        return 0
-
-    def _feed_h2(self, out: list[ev.Event]) -> None:
-        """Hand h2 the bytes gathered for it and translate what it makes of them."""
-        to_h2 = self._to_h2
+    def _feed_h2(self, to_h2: list[bytes], out: list[ev.Event]) -> bool:
+        """Hand h2 the bytes the frame scanner gathered for it (emptying ``to_h2``) and translate what
+        it makes of them; True once the connection is closed (the rest is not acted on)."""
         if not to_h2:
-            return
+            return self.closed
         chunk = to_h2[0] if len(to_h2) == 1 else b"".join(to_h2)
         to_h2.clear()
         for event in self._conn.receive_data(chunk):
             self._translate(event, out)
             if self.closed:
-                return
+                return True
+        return False
 
     def goodbye_received(self, data: bytes) -> bool:
         """After our own close: does ``data`` hold the peer's GOAWAY (so it is closing too)?"""
-        if self._data_stream and self._frame_left:  # the rest of a DATA frame h2 never saw the start of
-            skip = min(self._frame_left, len(data))
-            self._frame_left -= skip
-            data = data[skip:]
+        data = self._scanner.skip_unseen_data(data)
         try:
             h2_events = self._conn.receive_data(data)
         except h2.exceptions.ProtocolError:

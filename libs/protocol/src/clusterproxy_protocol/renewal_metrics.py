@@ -1,4 +1,4 @@
-"""Prometheus view of a certificate renewer (:class:`~clusterproxy_protocol.reloader.CertRenewer`),
+"""Prometheus view of a certificate renewer (:class:`~clusterproxy_protocol.renewer.CertRenewer`),
 the same families for every service, under the service's prefix."""
 
 from __future__ import annotations

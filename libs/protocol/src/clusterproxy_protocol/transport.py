@@ -29,7 +29,14 @@ import weakref
 
 import trio
 
-from clusterproxy_protocol.workarounds import TlsParts, ssl_object_of, tls_mark_broken, tls_parts
+from clusterproxy_protocol.workarounds import (
+    TlsParts,
+    check_trio_ssl_internals,
+    check_trio_ssl_object,
+    ssl_object_of,
+    tls_mark_broken,
+    tls_parts,
+)
 
 __all__ = ["FAIR_EVERY", "TLS_RECORD", "input_waiting", "read_in_bulk", "receive_batch", "send_all"]
 
@@ -37,6 +44,12 @@ TLS_RECORD = 16 << 10  # the most plaintext one TLS record holds: what one SSLOb
 SOCKET_READ = 64 << 10  # trio's own socket read size
 BULK_SOCKET_READ = 256 << 10  # a quarter of the wake-ups and syscalls (docs/benchmarks.md)
 FAIR_EVERY = 16  # direct operations in a row before one yields to the scheduler
+
+# trio's private TLS parts this module works with, checked on import rather than by
+# workarounds.apply() alone: every program that moves bytes through here (the SDK and the CLI as well
+# as the services) fails at once, naming what changed, instead of misbehaving at its first byte.
+check_trio_ssl_object()
+check_trio_ssl_internals()
 
 _bulk_sockets: weakref.WeakSet[trio.SocketStream] = weakref.WeakSet()
 _direct_in_a_row = 0

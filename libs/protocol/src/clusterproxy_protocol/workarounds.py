@@ -1,40 +1,39 @@
-"""Every use of a third-party library's private internals, each guarded.
+"""Patches of other libraries' private internals, and the readers of trio's, each checked.
 
-The tunnel relies on five private internals, four for speed and one for memory (the numbers are in
-docs/benchmarks.md):
+The tunnel relies on four of hyperframe's and trio's private internals, three for speed and one for
+memory (the numbers are in docs/benchmarks.md):
 
 * **hyperframe** ``Frame._body_repr``: h2 builds ``repr(frame)`` of every received frame for a trace
   log, even with logging off, and for DATA frames hyperframe serializes and hexlifies the whole body
   to show its first 10 bytes: ~20 % of a receiver's CPU in a bulk transfer. :func:`apply` gives
   ``DataFrame`` a repr with the same text built from the first 11 bytes only. It changes a class for
   the whole process, so only programs apply it (the services' entry points), never an import.
-* **h2** ``H2Connection._open_streams``: h2 counts open streams, for every new stream, by walking all
-  of them: O(n) per stream. :class:`TunnelH2Connection` (a subclass, no global patch) counts exactly only
-  when a limit is near. The same subclass (not for speed, for the abuse limits) lets the core refuse a
-  stream beyond the concurrent-stream limit with ``REFUSED_STREAM`` where h2 would end the whole
-  connection, and reads the size of h2's outbound buffer (``_data_to_send``) to cap the replies queued
-  for a peer that does not read; and it queues DATA frames, and takes received plain DATA frames,
-  past h2's copies (:meth:`TunnelH2Connection.send_data_frames`, :meth:`take_data_frame`), charging
-  h2's windows as h2 would. And its frame handlers hold it weakly (h2's ``_frame_dispatch_table``
-  of bound methods is a cycle: a closed connection would wait for a full collection, below). Checked
-  when the first one is made.
+  Checked by :func:`apply`.
 * **trio** ``SSLStream._ssl_object``: ``SSLStream.receive_some`` decrypts one TLS record (16 KiB) per
   call even when the socket read brought in several; :func:`ssl_object_of` hands
   :func:`clusterproxy_protocol.transport.receive_batch` the ``ssl.SSLObject`` to take the rest from.
-  Checked at every use (one ``isinstance``).
+  Checked at every use (one ``isinstance``), on import of :mod:`clusterproxy_protocol.transport`
+  and by :func:`apply`.
 * **trio** ``SSLStream``'s state, memory BIOs and locks (:func:`tls_parts`): each of its sends and
   receives passes through trio's scheduler three times (two locks and the socket call), ~45 µs for a
   1 KiB message against ~7 µs for the same TLS and socket calls made directly.
   :mod:`clusterproxy_protocol.transport` makes them directly while a connection is in its steady
-  state, under trio's own guards and send lock, and leaves everything else to trio. Checked by
-  :func:`apply`.
+  state, under trio's own guards and send lock, and leaves everything else to trio. Checked on
+  import of :mod:`clusterproxy_protocol.transport`, the one module that uses them: every program
+  that moves bytes through it (services, CLI and SDK alike) has them checked before its first byte,
+  whether or not it calls :func:`apply` (which checks them too).
 * **trio** ``SSLStream._handshook``: each stream keeps its handshake as a ``_Once`` holding the
   stream's own bound ``_do_handshake``, a reference cycle for the stream's whole life: a closed TLS
   connection (its ``SSLObject``, BIOs, OpenSSL's buffers, whatever its owner hung on it) waits for
   the cyclic garbage collector instead of going when its last reference does. After an attack on the
   client port that was 15-20 MiB of the server's RSS, all of it garbage (docs/benchmarks.md, seventh
   round). :func:`apply` makes ``_Once.ensure`` drop the handshake function once it has run it (trio
-  never calls it twice), for the whole process.
+  never calls it twice), for the whole process. Checked by :func:`apply`.
+
+h2's internals are not here: the core's h2 connection subclasses h2 for behaviour of its own
+(:mod:`clusterproxy_protocol.h2_connection`, with the windows it charges in
+:mod:`clusterproxy_protocol.flow_control`), and checks them there when its first connection is made
+(and :func:`apply` runs those checks as well, so a service stops at start-up).
 
 Each is checked against the shape it relies on, and a change raises :class:`InternalChanged` naming
 the library, its version and the attribute, instead of misbehaving quietly. Without :func:`apply`
@@ -42,8 +41,9 @@ everything works the same, only slower, and closed TLS streams wait for the cycl
 versions that were checked are pinned in ``libs/protocol/pyproject.toml``;
 ``tests/unit/test_workarounds.py`` fails when a pinned version moves an internal.
 
-This module is used by the sans-IO core, so it never imports trio at module level: what needs trio
-imports it when it runs.
+The sans-IO core imports :class:`InternalChanged` from here (through
+:mod:`clusterproxy_protocol.h2_connection`), so this module never imports trio at module level: what
+needs trio imports it when it runs.
 """
 
 from __future__ import annotations
@@ -53,15 +53,9 @@ import importlib.metadata
 import inspect
 import re
 import ssl
-import struct
-import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NamedTuple
 
-import h2.config
-import h2.connection
-import h2.events
-import h2.stream
 import hyperframe.frame
 
 DISTRIBUTION = "cluster-proxy-protocol"
@@ -88,10 +82,13 @@ def apply() -> None:
 
     For programs (the services' ``main``), before the event loop starts; calling it again does
     nothing more. A library using the tunnel may call it too, knowing it changes a hyperframe class
-    and a trio one.
+    and a trio one. The internals that are read rather than patched are checked where they are used
+    as well (h2's at the first connection, trio's TLS parts on import of the transport); here too, so
+    a program stops at start-up rather than at its first tunnel.
     """
-    check_h2_open_streams()
-    check_h2_data_frames()
+    from clusterproxy_protocol import h2_connection  # here, not at the top: it imports this module
+
+    h2_connection.check_h2_internals()
     check_trio_ssl_object()
     check_trio_ssl_internals()
     check_hyperframe_body_repr()
@@ -116,7 +113,7 @@ def check_hyperframe_body_repr() -> None:
     the cheap repr gives the same text."""
     frame_class = hyperframe.frame.Frame
     body_repr = frame_class.__dict__.get("_body_repr")
-    if not inspect.isfunction(body_repr) or _parameter_names(body_repr) != ["self"]:
+    if not inspect.isfunction(body_repr) or parameter_names(body_repr) != ["self"]:
         raise InternalChanged("hyperframe", "Frame._body_repr", "is not a method taking only self")
     if "_body_repr" not in frame_class.__repr__.__code__.co_names:
         raise InternalChanged("hyperframe", "Frame.__repr__", "no longer calls _body_repr()")
@@ -136,281 +133,6 @@ def check_hyperframe_body_repr() -> None:
                     "Frame._body_repr",
                     f"shows {expected!r} for a DATA frame of {len(data)} bytes, padding {padding}",
                 )
-
-
-# -- h2: the tunnel's connection -----------------------------------------------------------------------
-
-
-class _FrameHandler:
-    """One of h2's frame handlers, calling its connection through a weak reference."""
-
-    __slots__ = ("_connection", "_function")
-
-    def __init__(self, function: Callable[..., object], connection: h2.connection.H2Connection) -> None:
-        self._function = function
-        self._connection = weakref.ref(connection)
-
-    def __call__(self, frame: hyperframe.frame.Frame) -> object:
-        return self._function(self._connection(), frame)
-
-
-class TunnelH2Connection(h2.connection.H2Connection):
-    """The core's h2 connection: cheap stream counting, stream refusal, outbound buffer size.
-
-    * h2 counts open streams, for every new stream, by walking all of them (dropping closed ones as it
-      goes): O(n) per stream, so 10k streams cost O(n^2) (15 % of the server's CPU at 3k streams,
-      py-spy). Here the count is exact only when it could matter: the number of known streams is an
-      upper bound, and while it is below every stream limit it is returned as is. Closed streams are
-      swept once the table has doubled since the last sweep, which keeps the cost amortized O(1).
-    * h2 answers a HEADERS beyond our concurrent-stream limit by ending the connection. RFC 9113
-      5.1.2 allows a stream error, which costs the peer one stream, not all of them: h2's check is
-      made to pass (``open_inbound_streams`` reads 0 while h2 takes a HEADERS frame, so the header
-      block still goes through HPACK), the stream is noted in :attr:`streams_over_limit`, and the
-      core refuses it with ``REFUSED_STREAM``.
-    * :attr:`queued_output` is the size of h2's outbound buffer, without copying it.
-    * :meth:`send_data_frames` queues DATA frames without h2's copies: h2 copies a payload five times
-      (``tobytes``, hyperframe's body join, header + body, its ``bytearray`` buffer, ``bytes`` out of
-      it; 11 % of the server in an upload). Here each frame is its 9-byte header and a view of the
-      caller's bytes, joined once by :meth:`data_to_send`; h2's windows are charged exactly as its
-      ``send_data`` charges them, and any stream or connection not plainly open goes through h2."""
-
-    _swept_size = 0
-    _taking_headers = False
-
-    def __init__(self, config: h2.config.H2Configuration | None = None, *, check: bool = True) -> None:
-        if check:  # only the check itself makes one without
-            _check_h2_once()
-        super().__init__(config=config)
-        # h2 keeps its frame handlers as this connection's bound methods in a dict on it: a cycle
-        # that keeps a closed connection (its buffers, its streams) until a full collection.
-        self._frame_dispatch_table = {
-            frame_type: _FrameHandler(handler.__func__, self)
-            for frame_type, handler in self._frame_dispatch_table.items()
-        }
-        self._frames: list[bytes | memoryview] = []  # queued after h2's buffer, in order
-        self._frames_size = 0
-
-    def send_data_frames(self, stream_id: int, data: memoryview) -> None:
-        """DATA frames (no flags) carrying ``data``, which the windows must already allow; ``data``
-        is kept, not copied, when it views ``bytes``."""
-        stream = self.streams.get(stream_id)
-        frame_size = self.max_outbound_frame_size
-        if (
-            stream is None
-            or stream.state_machine.state not in _SENDING_STREAM_STATES
-            or self.state_machine.state not in _OPEN_CONNECTION_STATES
-            or len(data) > self.local_flow_control_window(stream_id)
-        ):
-            for offset in range(0, len(data), frame_size):
-                self.send_data(stream_id, data[offset : offset + frame_size])  # h2 raises what applies
-            return
-        if not isinstance(data.obj, bytes):
-            data = memoryview(data.tobytes())  # the caller may change its buffer before we send
-        frames = self._frames
-        if self._data_to_send:
-            frames.append(bytes(self._data_to_send))
-            self._frames_size += len(self._data_to_send)
-            self._data_to_send = bytearray()
-        for offset in range(0, len(data), frame_size):
-            payload = data[offset : offset + frame_size]
-            frames.append(_DATA_HEADER.pack(len(payload) << 8, 0, stream_id))
-            frames.append(payload)
-            self._frames_size += FRAME_HEADER_SIZE + len(payload)
-        stream.outbound_flow_control_window -= len(data)
-        self.outbound_flow_control_window -= len(data)
-
-    def take_data_frame(self, stream_id: int, length: int) -> bool:
-        """A DATA frame without flags announced on ``stream_id``: when h2 would take it as plain data
-        on an open stream, charge h2's inbound windows as its receive path does and return True (the
-        caller delivers the payload itself); otherwise False, and the frame must go through h2."""
-        stream = self.streams.get(stream_id)
-        if (
-            stream is None
-            or stream.state_machine.state not in _RECEIVING_STREAM_STATES
-            or not stream.state_machine.headers_received
-            or stream._expected_content_length is not None
-            or self.state_machine.state not in _OPEN_CONNECTION_STATES
-            or length > self._inbound_flow_control_window_manager.current_window_size
-            or length > stream._inbound_window_manager.current_window_size
-        ):
-            return False
-        self._inbound_flow_control_window_manager.window_consumed(length)
-        stream._inbound_window_manager.window_consumed(length)
-        return True
-
-    def data_to_send(self, amount: int | None = None) -> bytes:
-        if not self._frames:
-            return super().data_to_send(amount)
-        self._frames.append(self._data_to_send)
-        data = b"".join(self._frames)
-        self._frames = []
-        self._frames_size = 0
-        self._data_to_send = bytearray()
-        if amount is None or amount >= len(data):
-            return data
-        self._data_to_send = bytearray(data[amount:])
-        return data[:amount]
-
-    def clear_outbound_data_buffer(self) -> None:
-        self._frames = []
-        self._frames_size = 0
-        super().clear_outbound_data_buffer()
-
-    def _open_streams(self, remainder: int) -> int:
-        if self._taking_headers:
-            return 0
-        bound = len(self.streams)
-        limit = min(self.local_settings.max_concurrent_streams, self.remote_settings.max_concurrent_streams)
-        if bound < limit and bound < 2 * self._swept_size + 64:
-            return bound
-        count = super()._open_streams(remainder)
-        self._swept_size = len(self.streams)
-        return count
-
-    def _receive_headers_frame(self, frame: hyperframe.frame.HeadersFrame) -> tuple[list, list]:  # type: ignore[type-arg]
-        over_limit = (
-            frame.stream_id not in self.streams
-            and self.open_inbound_streams >= self.local_settings.max_concurrent_streams
-        )
-        self._taking_headers = True
-        try:
-            result = super()._receive_headers_frame(frame)
-        finally:
-            self._taking_headers = False
-        if over_limit:
-            self.streams_over_limit.add(frame.stream_id)
-        return result
-
-    @functools.cached_property
-    def streams_over_limit(self) -> set[int]:
-        """Streams the peer opened beyond the concurrent-stream limit, counted when their HEADERS
-        arrived; the core refuses each one and removes it from here."""
-        return set()
-
-    @property
-    def queued_output(self) -> int:
-        """Bytes queued for the peer that :meth:`data_to_send` has not taken yet."""
-        return len(self._data_to_send) + self._frames_size
-
-
-def check_h2_open_streams() -> None:
-    """h2 counts open streams through ``_open_streams(remainder)``, its ``streams`` table holds every
-    stream not yet swept, both settings carry ``max_concurrent_streams``, a received HEADERS is
-    checked against the limit through ``open_inbound_streams``, the outbound buffer is the
-    bytearray ``_data_to_send``, and received frames go to the connection's own methods through the
-    dict ``_frame_dispatch_table``."""
-    base = h2.connection.H2Connection
-    count = base.__dict__.get("_open_streams")
-    if not inspect.isfunction(count) or _parameter_names(count) != ["self", "remainder"]:
-        raise InternalChanged("h2", "H2Connection._open_streams", "is not a method (self, remainder)")
-    for name in ("open_outbound_streams", "open_inbound_streams"):
-        counter = base.__dict__.get(name)
-        if not isinstance(counter, property) or "_open_streams" not in counter.fget.__code__.co_names:  # type: ignore[union-attr]
-            raise InternalChanged("h2", f"H2Connection.{name}", "no longer counts through _open_streams")
-    headers = base.__dict__.get("_receive_headers_frame")
-    if (
-        not inspect.isfunction(headers)
-        or _parameter_names(headers) != ["self", "frame"]
-        or "open_inbound_streams" not in headers.__code__.co_names
-    ):
-        raise InternalChanged(
-            "h2", "H2Connection._receive_headers_frame", "no longer checks open_inbound_streams"
-        )
-    connection = base()
-    handlers = getattr(connection, "_frame_dispatch_table", None)
-    if not isinstance(handlers, dict) or not all(
-        inspect.ismethod(handler) and handler.__self__ is connection for handler in handlers.values()
-    ):
-        raise InternalChanged("h2", "H2Connection._frame_dispatch_table", "is not a dict of its own methods")
-    if not isinstance(connection.streams, dict):
-        raise InternalChanged("h2", "H2Connection.streams", "is not a dict")
-    if not isinstance(getattr(connection, "_data_to_send", None), bytearray):
-        raise InternalChanged("h2", "H2Connection._data_to_send", "is not a bytearray")
-    for settings in ("local_settings", "remote_settings"):
-        if not isinstance(getattr(getattr(connection, settings), "max_concurrent_streams", None), int):
-            raise InternalChanged("h2", f"H2Connection.{settings}.max_concurrent_streams", "is not an int")
-
-
-FRAME_HEADER_SIZE = 9
-_DATA_HEADER = struct.Struct(">IBI")  # 24-bit length and type 0 (DATA) in one word, flags, stream id
-_SENDING_STREAM_STATES = (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_REMOTE)
-_RECEIVING_STREAM_STATES = (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL)
-_OPEN_CONNECTION_STATES = (
-    h2.connection.ConnectionState.CLIENT_OPEN,
-    h2.connection.ConnectionState.SERVER_OPEN,
-)
-
-
-def _open_connect_stream(client: h2.connection.H2Connection) -> bytes:
-    """Stream 1 of a new client connection opened with a CONNECT; the bytes written for it."""
-    client.initiate_connection()
-    client.send_headers(1, [(":method", "CONNECT"), (":authority", "x:1")])
-    return client.data_to_send()
-
-
-def check_h2_data_frames() -> None:
-    """The DATA frames :meth:`TunnelH2Connection.send_data_frames` builds are byte for byte h2's,
-    and leave h2's windows where its ``send_data`` leaves them; the same for the frames
-    :meth:`TunnelH2Connection.take_data_frame` takes past h2's receive path."""
-    payload = bytes(range(256)) * 160  # two frames at the default 16 KiB maximum and a short one
-    sent = []
-    for fast in (False, True):
-        connection = TunnelH2Connection(h2.config.H2Configuration(client_side=True), check=False)
-        _open_connect_stream(connection)
-        view = memoryview(payload)
-        if fast:
-            try:
-                connection.send_data_frames(1, view)
-            except AttributeError as exc:
-                raise InternalChanged("h2", f"H2Stream.{exc.name}", "is missing") from exc
-        else:
-            for offset in range(0, len(view), connection.max_outbound_frame_size):
-                connection.send_data(1, view[offset : offset + connection.max_outbound_frame_size])
-        windows = (connection.outbound_flow_control_window, connection.local_flow_control_window(1))
-        sent.append((connection.data_to_send(), windows))
-    if sent[0] != sent[1]:
-        raise InternalChanged(
-            "h2",
-            "H2Connection.send_data",
-            "frames DATA or charges its windows another way than send_data_frames",
-        )
-    _check_h2_taking_data()
-
-
-def _check_h2_taking_data() -> None:
-    """A frame taken by :meth:`TunnelH2Connection.take_data_frame` leaves h2's inbound windows where
-    h2's own receive path leaves them, for a frame h2 takes as plain data."""
-    peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    opening = _open_connect_stream(peer)
-    payload = bytes(range(256)) * 40
-    peer.send_data(1, payload)
-    data_frame = peer.data_to_send()
-    windows = []
-    for fast in (False, True):
-        connection = TunnelH2Connection(h2.config.H2Configuration(client_side=False), check=False)
-        connection.initiate_connection()
-        events = connection.receive_data(opening if fast else opening + data_frame)
-        if fast:
-            try:
-                taken = connection.take_data_frame(1, len(payload))
-            except AttributeError as exc:
-                raise InternalChanged("h2", f"H2Stream.{exc.name}", "is missing") from exc
-            if not taken:
-                raise InternalChanged("h2", "H2Connection.receive_data", "no longer takes plain DATA here")
-        elif b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived)) != payload:
-            raise InternalChanged("h2", "H2Connection.receive_data", "no longer delivers plain DATA")
-        stream_window = connection.streams[1].inbound_flow_control_window
-        windows.append((stream_window, connection._inbound_flow_control_window_manager.current_window_size))
-    if windows[0] != windows[1]:
-        raise InternalChanged(
-            "h2", "H2Connection.receive_data", "charges its inbound windows another way than take_data_frame"
-        )
-
-
-@functools.cache
-def _check_h2_once() -> None:
-    check_h2_open_streams()
-    check_h2_data_frames()
 
 
 # -- trio: SSLStream's SSLObject ----------------------------------------------------------------------
@@ -565,7 +287,7 @@ def check_trio_handshake_once() -> None:
 
     once = _trio_once()
     ensure = getattr(once, "ensure", None)
-    if ensure is None or _parameter_names(inspect.unwrap(ensure)) != ["self", "checkpoint"]:
+    if ensure is None or parameter_names(inspect.unwrap(ensure)) != ["self", "checkpoint"]:
         raise InternalChanged("trio", "_ssl._Once.ensure", "is not ensure(self, *, checkpoint)")
     stream = _unconnected_ssl_stream()
     handshook = getattr(stream, "_handshook", None)
@@ -581,7 +303,8 @@ def check_trio_handshake_once() -> None:
 # -- messages ------------------------------------------------------------------------------------------
 
 
-def _parameter_names(function: Callable[..., object]) -> list[str]:
+def parameter_names(function: Callable[..., object]) -> list[str]:
+    """The names of ``function``'s parameters, in order: the shape a check compares."""
     return list(inspect.signature(function).parameters)
 
 

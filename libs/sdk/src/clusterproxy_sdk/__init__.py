@@ -52,7 +52,6 @@ means the connection to the server is gone (its streams fail at once); broken st
 See ``docs/sdk.md`` for more.
 """
 
-from clusterproxy_protocol.driver import TunnelStream
 from clusterproxy_protocol.errors import (
     ConnectRefused,
     DialTimeout,
@@ -65,6 +64,7 @@ from clusterproxy_protocol.errors import (
     TunnelError,
     UnknownCluster,
 )
+from clusterproxy_protocol.tunnel_stream import TunnelStream
 from clusterproxy_protocol.wire import CLUSTER_HEADER, REASON_HEADER
 
 from ._reload import LoadedTLS, ReloadingTLSFiles

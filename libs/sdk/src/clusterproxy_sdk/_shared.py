@@ -7,9 +7,9 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from clusterproxy_protocol.core import TunnelSettings
-from clusterproxy_protocol.driver import TunnelStream
 from clusterproxy_protocol.errors import TunnelClosed
+from clusterproxy_protocol.settings import TunnelSettings
+from clusterproxy_protocol.tunnel_stream import TunnelStream
 
 from ._tunnel import (
     DEFAULT_KEEPALIVE,

@@ -16,10 +16,12 @@ import trio
 from cryptography import x509
 
 from clusterproxy_protocol.config import ConfigError, parse_hostport
-from clusterproxy_protocol.core import Role, TunnelSettings
-from clusterproxy_protocol.driver import Mux, TunnelStream, open_mux
+from clusterproxy_protocol.core import Role
+from clusterproxy_protocol.driver import Mux, open_mux
 from clusterproxy_protocol.errors import TunnelClosed, TunnelError
+from clusterproxy_protocol.settings import TunnelSettings
 from clusterproxy_protocol.tls import client_context
+from clusterproxy_protocol.tunnel_stream import TunnelStream
 from clusterproxy_protocol.wire import ALPN_H2, CLUSTER_HEADER, CLUSTER_NAME
 from clusterproxy_protocol.wire import format_authority as wire_format_authority
 

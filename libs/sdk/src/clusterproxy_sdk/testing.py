@@ -20,9 +20,10 @@ from pathlib import Path
 import trio
 from cryptography import x509
 
-from clusterproxy_protocol.core import Role, TunnelSettings
+from clusterproxy_protocol.core import Role
 from clusterproxy_protocol.driver import IncomingRequest, Mux, open_mux
 from clusterproxy_protocol.pki import DevCA
+from clusterproxy_protocol.settings import TunnelSettings
 from clusterproxy_protocol.tls import server_context
 from clusterproxy_protocol.wire import CLUSTER_HEADER
 

@@ -4,7 +4,7 @@ The availability poll reads ``/api/v1/clusters``, which lists clusters and agent
 serves it over mutual TLS only, to a hub client certificate (docs/architecture.md, "The admin port").
 The manager gets one as every party does (docs/addon-manager.md, "Identities"): the cert-signer issues
 it for a single-use bootstrap token, and the manager renews it at 80 % of its lifetime and follows the
-trust bundle through CA rotations (:class:`~clusterproxy_protocol.reloader.CertRenewer`, as the other
+trust bundle through CA rotations (:class:`~clusterproxy_protocol.renewer.CertRenewer`, as the other
 parties). Only the signer signs: the manager holds the store, but it mints a token there (bound to a
 client certificate with CN ``addon-manager``, as it does for the health-collector's and the gateway's
 Secrets) and trades it at the signer over HTTPS, never touching the CA's key. The token goes from the
@@ -36,7 +36,7 @@ from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint, SignerRequestError
 from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.errors import describe_exception
-from clusterproxy_protocol.reloader import CertRenewer
+from clusterproxy_protocol.renewer import CertRenewer
 from clusterproxy_protocol.tls import client_context
 from clusterproxy_protocol.wire import ALPN_HTTP1
 

@@ -36,7 +36,7 @@ from clusterproxy_protocol.certclient import (
     server_csr,
 )
 from clusterproxy_protocol.config import ConfigError
-from clusterproxy_protocol.reloader import CertRenewer
+from clusterproxy_protocol.renewer import CertRenewer
 
 __all__ = [
     "SelfSigned",

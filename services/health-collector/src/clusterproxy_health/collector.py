@@ -297,7 +297,7 @@ async def _connect_probes(
     failed (then the rounds run with probes off, the reason shown, while a retryable failure is
     retried with a growing delay)."""
     from clusterproxy_protocol.certclient import CertFiles
-    from clusterproxy_protocol.reloader import CertRenewer
+    from clusterproxy_protocol.renewer import CertRenewer
     from clusterproxy_sdk import TLSFiles, open_shared_tunnel
 
     assert settings.proxy is not None and settings.ca is not None

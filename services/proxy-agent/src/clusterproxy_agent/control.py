@@ -27,9 +27,10 @@ import trio
 from clusterproxy_agent.dialer import Connector, Resolver, connect_any, resolve
 from clusterproxy_protocol import request_heads
 from clusterproxy_protocol.agent_control import CONTROL_CLIENT_HEADER, CONTROL_HOST, SERVICEACCOUNT_PATH
-from clusterproxy_protocol.driver import IncomingRequest, TunnelStream
+from clusterproxy_protocol.driver import IncomingRequest
 from clusterproxy_protocol.errors import describe_exception
 from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol.tunnel_stream import TunnelStream
 
 __all__ = ["ControlEndpoint", "KubeAPI", "KubeError", "ServiceAccountSettings", "is_control_target"]
 

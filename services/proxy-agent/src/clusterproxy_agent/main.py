@@ -41,12 +41,13 @@ from clusterproxy_protocol.config import (
     parse_positive_duration,
     parse_size,
 )
-from clusterproxy_protocol.core import TunnelSettings
 from clusterproxy_protocol.forward_proxy import NoProxy, ProxySettings, ProxyURL, Route
 from clusterproxy_protocol.forward_proxy_trio import ForwardProxy
 from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
 from clusterproxy_protocol.pki import agent_uri
-from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
+from clusterproxy_protocol.reloader import ReloadingContext
+from clusterproxy_protocol.renewer import CertRenewer, RenewalPolicy
+from clusterproxy_protocol.settings import TunnelSettings
 from clusterproxy_protocol.tls import client_context, web_client_context
 from clusterproxy_protocol.websocket import host_header
 from clusterproxy_protocol.wire import CLUSTER_NAME, WEBSOCKET_PATH, format_authority

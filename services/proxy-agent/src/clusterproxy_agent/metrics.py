@@ -134,5 +134,5 @@ class AgentMetrics:
         self.http2_limits.labels(limit).inc()
 
     def watch_renewer(self, renewer: RenewerCounters) -> None:
-        """Export a :class:`~clusterproxy_protocol.reloader.CertRenewer`'s counters."""
+        """Export a :class:`~clusterproxy_protocol.renewer.CertRenewer`'s counters."""
         self.registry.register(RenewerCollector(renewer, PREFIX))

@@ -15,10 +15,11 @@ from collections.abc import Callable
 import structlog
 import trio
 
-from clusterproxy_protocol.core import CANCEL, Role, TunnelSettings
+from clusterproxy_protocol.core import CANCEL, Role
 from clusterproxy_protocol.driver import Mux, limit_reporter, open_mux
 from clusterproxy_protocol.errors import TunnelClosed, TunnelError
 from clusterproxy_protocol.pki import CertRole, agent_identity_from_cert
+from clusterproxy_protocol.settings import TunnelSettings
 from clusterproxy_protocol.steering import format_worker
 from clusterproxy_protocol.wire import (
     INFO_PATH,

@@ -43,7 +43,8 @@ from clusterproxy_protocol.closing import close_cleanly
 from clusterproxy_protocol.driver import limit_reporter
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.pki import CertRole
-from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
+from clusterproxy_protocol.reloader import ReloadingContext
+from clusterproxy_protocol.renewer import CertRenewer, RenewalPolicy
 from clusterproxy_protocol.wire import ALPN_H2, ALPN_HTTP1, format_address
 from clusterproxy_server.admin import admin_routes, visibility
 from clusterproxy_server.agent_port import AgentPort

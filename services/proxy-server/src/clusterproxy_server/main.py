@@ -32,8 +32,8 @@ from clusterproxy_protocol.config import (
     parse_positive_int,
     parse_size,
 )
-from clusterproxy_protocol.core import TunnelSettings
 from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
+from clusterproxy_protocol.settings import TunnelSettings
 from clusterproxy_protocol.wire import CLUSTER_NAME
 from clusterproxy_server.app import ProxyServer, ServerConfig
 from clusterproxy_server.authz import load_policy

@@ -120,7 +120,7 @@ class ServerMetrics:
         return lambda limit: self.http2_limits.labels(port, limit).inc()
 
     def watch_renewer(self, renewer: RenewerCounters) -> None:
-        """Export a :class:`~clusterproxy_protocol.reloader.CertRenewer`'s counters."""
+        """Export a :class:`~clusterproxy_protocol.renewer.CertRenewer`'s counters."""
         self.registry.register(RenewerCollector(renewer, "cluster_proxy_server_"))
 
 

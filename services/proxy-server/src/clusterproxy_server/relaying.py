@@ -25,7 +25,6 @@ import structlog
 import trio
 
 from clusterproxy_protocol.audit import AuditRecord, AuditSink
-from clusterproxy_protocol.driver import TunnelStream
 from clusterproxy_protocol.errors import (
     ConnectRefused,
     DialTimeout,
@@ -37,6 +36,7 @@ from clusterproxy_protocol.errors import (
     UnknownCluster,
 )
 from clusterproxy_protocol.relay import RelayResult, relay
+from clusterproxy_protocol.tunnel_stream import TunnelStream
 from clusterproxy_protocol.windows import Budget
 from clusterproxy_protocol.wire import FAULT_HEADER, FAULT_TARGET
 from clusterproxy_server.authz import ClientIdentity, PolicyFile

@@ -47,8 +47,9 @@ from clusterproxy_protocol.admin import Authenticated, PeerRoute, Response, Rout
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
 from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.logs import get_logger
-from clusterproxy_protocol.reloader import CertRenewer, ReloadingContext, RenewalPolicy
+from clusterproxy_protocol.reloader import ReloadingContext
 from clusterproxy_protocol.renewal_metrics import RenewerCollector
+from clusterproxy_protocol.renewer import CertRenewer, RenewalPolicy
 from clusterproxy_protocol.steering import attach_steering
 from clusterproxy_protocol.wire import ALPN_HTTP1, format_address
 from clusterproxy_server.admin import metrics_routes, visibility
