@@ -1,5 +1,5 @@
 """Certificate signing requests: parse, check the key and the proof of possession, and match the names
-against a :class:`~clusterproxy_certsigner.models.Binding`.
+against a :class:`~clusterproxy_castore.models.Binding`.
 
 The CSR only *asks*: the certificate is built from the :class:`Identity` returned here, never from the
 CSR's extensions (so a CSR cannot smuggle ``CA:TRUE``, extra SANs or other key usages). The role is
