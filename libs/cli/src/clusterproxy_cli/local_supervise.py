@@ -18,11 +18,9 @@ from typing import TextIO
 
 import trio
 
-from clusterproxy_protocol import certclient
+from clusterproxy_protocol import certclient, http1client
 from clusterproxy_protocol.certclient import SignerEndpoint, SignerRequestError
 from clusterproxy_protocol.forward_proxy import without_proxy_variables
-
-from . import _http
 
 STOP_GRACE = 10.0
 POLL = 0.1
@@ -215,7 +213,7 @@ async def connected_clusters(
     """Clusters with at least one agent on the server's admin API (mutual TLS with the hub client
     certificate ``tls()`` presents), or None if it does not answer."""
     try:
-        response = await _http.get(host, admin_port, "/api/v1/agents", timeout=2, tls=tls())
+        response = await http1client.get(host, admin_port, "/api/v1/agents", timeout=2, tls=tls())
     except Exception:  # not up yet: refused, reset, timeout, garbage
         return None
     if response.status != 200:
