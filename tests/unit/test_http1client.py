@@ -116,8 +116,9 @@ async def test_body_limit() -> None:
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n0123456789X"
     response, _ = await _exchange(_answering(answer), max_body=11)
     assert response.body == b"0123456789X"
-    with pytest.raises(ResponseTooLarge, match="larger than 10 bytes"):
+    with pytest.raises(ResponseTooLarge, match="larger than 10 bytes") as caught:
         await _exchange(_answering(answer), max_body=10)
+    assert caught.value.status == 200
 
 
 async def test_body_limit_truncating_reads_to_the_end() -> None:

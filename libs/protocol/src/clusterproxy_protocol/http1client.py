@@ -57,9 +57,10 @@ class HTTPClientError(Exception):
 
 
 class ResponseTooLarge(HTTPClientError):
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, status: int) -> None:
         super().__init__(f"response body larger than {limit} bytes")
         self.limit = limit
+        self.status = status  # of the answer whose body it was
 
 
 class NoResponse(HTTPClientError):
@@ -190,7 +191,7 @@ async def _receive(
             room = max_body - len(received)
             if len(event.data) > room:
                 if not truncate:
-                    raise ResponseTooLarge(max_body)
+                    raise ResponseTooLarge(max_body, head.status_code if head else 0)
                 received += event.data[: max(room, 0)]
             else:
                 received += event.data
