@@ -42,12 +42,13 @@ from clusterproxy_cli.local_proxies import (
     parse_stats_csv,
     tinyproxy_config,
 )
-from clusterproxy_cli.local_supervise import Child, RestartPolicy
+from clusterproxy_cli.local_supervise import Child
 from clusterproxy_cli.main import main
 from clusterproxy_cli.state import api_url, proxy_settings
 from clusterproxy_protocol import http1client
 from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.pki import PemPair
+from clusterproxy_protocol.restart_policy import RestartPolicy
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from tests.support import require
 from tests.support.localup import LocalUp, wait_gone
