@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from clusterproxy_cli import _http
 from clusterproxy_cli.state import proxy_settings, read_local_json
-from clusterproxy_protocol import certclient
+from clusterproxy_protocol import certclient, http1client
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from tests.support.localup import LocalUp
 from tests.support.procs import BIN
@@ -43,7 +42,7 @@ async def echo_through(state: Path, cluster: str) -> dict:
     async with open_tunnel((proxy.host, proxy.port), tls, server_hostname="localhost") as tunnel:
         stream = await tunnel.connect(cluster, host, int(port))
         async with stream:
-            response = await _http.request(stream, "GET", "/certs", f"{host}:{port}")
+            response = await http1client.request(stream, "GET", "/certs", f"{host}:{port}")
     assert response.status == 200
     return json.loads(response.body)
 

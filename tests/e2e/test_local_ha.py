@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 import trio
 
-from clusterproxy_cli import _http
 from clusterproxy_cli.local_down import local_down
 from clusterproxy_cli.local_pki import issue_certificates
 from clusterproxy_cli.local_plan import (
@@ -43,11 +42,13 @@ from clusterproxy_cli.local_proxies import (
     parse_stats_csv,
     tinyproxy_config,
 )
-from clusterproxy_cli.local_supervise import Child, RestartPolicy
+from clusterproxy_cli.local_supervise import Child
 from clusterproxy_cli.main import main
 from clusterproxy_cli.state import api_url, proxy_settings
+from clusterproxy_protocol import http1client
 from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.pki import PemPair
+from clusterproxy_protocol.restart_policy import RestartPolicy
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from tests.support import require
 from tests.support.localup import LocalUp, wait_gone
@@ -294,14 +295,14 @@ async def _sdk_round_trip(doc: dict[str, Any], body: bytes) -> None:
             host, port = info["targets"][0]["address"].rsplit(":", 1)
             stream = await tunnel.connect(cluster, host, int(port))
             async with stream:
-                response = await _http.request(
+                response = await http1client.request(
                     stream, "POST", "/sdk", f"{host}:{port}", body, max_body=len(body)
                 )
             assert response.status == 200
             assert hashlib.sha256(response.body).hexdigest() == hashlib.sha256(body).hexdigest()
         stream = await tunnel.connect_kube_apiserver("cluster1")
         async with stream:
-            response = await _http.request(stream, "GET", "/api", "cluster1:443")
+            response = await http1client.request(stream, "GET", "/api", "cluster1:443")
         assert json.loads(response.body)["cluster"] == "cluster1"
 
 

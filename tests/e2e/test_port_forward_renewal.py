@@ -25,12 +25,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import h11
 import pytest
 import trio
 from cryptography import x509
 
 from clusterproxy_cli.state import proxy_settings
+from clusterproxy_protocol import http1client
 from tests.support.localup import LocalUp
 from tests.support.procs import BIN, json_records
 from tests.support.soak import print_report
@@ -147,34 +147,18 @@ class CuttableRelay:
 async def post_through(port: int, target: str, number: int) -> tuple[str | None, int]:
     """POST random bytes to the echo service through the port-forward; (error or None, bytes checked)."""
     body = os.urandom(BODY_SIZE)
-    conn = h11.Connection(h11.CLIENT)
-    request = h11.Request(
-        method="POST",
-        target=f"/port-forward/{number}",
-        headers=[
-            ("host", target),
-            ("content-type", "application/octet-stream"),
-            ("content-length", str(len(body))),
-            ("connection", "close"),
-        ],
-    )
-    received = bytearray()
-    status = 0
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
-        await stream.send_all(
-            conn.send(request) + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
+        response = await http1client.request(
+            stream,
+            "POST",
+            f"/port-forward/{number}",
+            target,
+            body,
+            headers=[("content-type", "application/octet-stream")],
+            max_body=2 * BODY_SIZE,
         )
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(1 << 16))
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                received += event.data
-            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                break
+    status, received = response.status, response.body
     if status != 200:
         return f"connection {number}: HTTP {status}", 0
     if hashlib.sha256(received).digest() != hashlib.sha256(body).digest():
@@ -239,7 +223,7 @@ async def test_port_forward_keeps_forwarding_past_its_certificates_lifetime(
             try:
                 with trio.fail_after(CONNECTION_DEADLINE):
                     error, nbytes = await post_through(local_port, target, number)
-            except (OSError, trio.BrokenResourceError, trio.TooSlowError, h11.ProtocolError) as exc:
+            except (OSError, trio.BrokenResourceError, trio.TooSlowError, http1client.HTTPClientError) as exc:
                 error, nbytes = f"connection {number}: {type(exc).__name__}: {exc}", 0
             latencies.append(time.monotonic() - begin)
             made += 1

@@ -11,7 +11,6 @@ import ssl
 from pathlib import Path
 from typing import Any
 
-import h11
 import pytest
 import trio
 from cryptography import x509
@@ -20,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
 from clusterproxy_certsigner.testing import RunningSigner, start_signer
-from clusterproxy_protocol import certclient
+from clusterproxy_protocol import certclient, http1client
 from clusterproxy_protocol.certclient import CertFiles, SignerRequestError
 from clusterproxy_protocol.pki import DevCA, agent_identity_from_cert, peer_identity
 from clusterproxy_protocol.tls import client_context
@@ -48,21 +47,8 @@ async def _raw(
     stream = trio.SSLStream(tcp, ctx, server_hostname="localhost")
     async with stream:
         await stream.send_all(data)
-        conn = h11.Connection(h11.CLIENT)
-        conn.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))  # sync h11's state
-        conn.send(h11.EndOfMessage())
-        status, headers, body = 0, {}, b""
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-                headers = {k.decode(): v.decode() for k, v in event.headers}
-            elif isinstance(event, h11.Data):
-                body += event.data
-            else:
-                return status, headers, json.loads(body)
+        response = await http1client.read_response(stream)
+        return response.status, response.headers, json.loads(response.body)
 
 
 # --- bootstrap -----------------------------------------------------------------------------------------

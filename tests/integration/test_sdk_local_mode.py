@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from clusterproxy_cli import _http
 from clusterproxy_cli.portforward import PortForward, run_port_forward
 from clusterproxy_cli.state import proxy_settings
+from clusterproxy_protocol import http1client
 from clusterproxy_sdk import Forbidden, TLSFiles, UnknownCluster, open_tunnel
 from tests.support.localup import LocalUp, wait_gone
 from tests.support.procs import alive
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 async def _get_through(tunnel, cluster: str, host: str, port: int, path: str) -> dict:  # type: ignore[no-untyped-def]
     stream = await tunnel.connect(cluster, host, port)
     async with stream:
-        response = await _http.request(stream, "GET", path, f"{host}:{port}")
+        response = await http1client.request(stream, "GET", path, f"{host}:{port}")
     assert response.status == 200
     return json.loads(response.body)
 
@@ -73,7 +73,7 @@ async def test_local_up_serves_sdk_curl_and_port_forward_then_stops_cleanly(tmp_
                 )
             stream = await tunnel.connect_kube_apiserver("cluster2")
             async with stream:
-                response = await _http.request(stream, "GET", "/api", "cluster2:443")
+                response = await http1client.request(stream, "GET", "/api", "cluster2:443")
             assert json.loads(response.body)["cluster"] == "cluster2"
             host1, port1 = echo["cluster1"]
             with pytest.raises(Forbidden) as refused:  # cluster2's agent allows only its own echo
@@ -88,7 +88,7 @@ async def test_local_up_serves_sdk_curl_and_port_forward_then_stops_cleanly(tmp_
             [(_, local_port)] = await nursery.start(
                 lambda task_status: run_port_forward(pf, out=open(os.devnull, "w"), task_status=task_status)  # noqa: SIM115
             )
-            response = await _http.get("127.0.0.1", local_port, "/via-port-forward")
+            response = await http1client.get("127.0.0.1", local_port, "/via-port-forward")
             assert json.loads(response.body)["path"] == "/via-port-forward"
             nursery.cancel_scope.cancel()
 

@@ -27,7 +27,7 @@ from clusterproxy_protocol.audit import (
 )
 from clusterproxy_protocol.config import ConfigError, InvalidValue, parse_args_or_exit
 from clusterproxy_server.main import build_parser, config_from_args, worker_config
-from clusterproxy_server.workers import WorkerSpec
+from clusterproxy_server.worker_sockets import WorkerSpec
 
 START = 1_795_000_000.25  # 2026-11-18T11:06:40.250Z
 

@@ -13,8 +13,8 @@ import sys
 import httpx
 import trio
 
-from clusterproxy_cli import _http
 from clusterproxy_cli.echo import serve
+from clusterproxy_protocol import http1client
 
 
 async def _start(
@@ -38,7 +38,7 @@ async def _raw_exchange(port: int, data: bytes) -> bytes:
 
 async def test_get_names_service_cluster_and_path(nursery: trio.Nursery) -> None:
     host, port = await _start(nursery)
-    response = await _http.get(host, port, "/some/path?q=1")
+    response = await http1client.get(host, port, "/some/path?q=1")
     assert response.status == 200
     assert response.headers["content-type"] == "application/json"
     info = json.loads(response.body)
@@ -111,7 +111,7 @@ async def test_other_methods_get_405_and_garbage_gets_400(nursery: trio.Nursery)
     garbage = await _raw_exchange(port, b"\x16\x03\x01 this is not HTTP\r\n\r\n")
     assert garbage.startswith(b"HTTP/1.1 400 ")
     # The service is still fine afterwards.
-    response = await _http.get("127.0.0.1", port, "/after")
+    response = await http1client.get("127.0.0.1", port, "/after")
     assert response.status == 200
 
 
@@ -151,7 +151,7 @@ async def test_module_runs_as_a_process_and_stops_on_sigterm() -> None:
                 line += chunk
         match = re.search(rb"listening on 127\.0\.0\.1:(\d+)", line)
         assert match, line
-        response = await _http.get("127.0.0.1", int(match.group(1)), "/p")
+        response = await http1client.get("127.0.0.1", int(match.group(1)), "/p")
         assert json.loads(response.body)["cluster"] == "c9"
         process.send_signal(signal.SIGTERM)
         with trio.fail_after(10):

@@ -15,13 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from clusterproxy_server import workers as workers_module
 from clusterproxy_server.config import ServerConfig
-from clusterproxy_server.workers import (
-    MergedMetrics,
-    WorkerSpec,
-    default_workers,
-    reuseport_sockets,
-    worker_server_id,
-)
+from clusterproxy_server.worker_metrics import MergedMetrics
+from clusterproxy_server.worker_sockets import WorkerSpec, reuseport_sockets
+from clusterproxy_server.workers import default_workers, worker_server_id
 
 
 def worker_metrics(streams: int, tunnels: int, dial: float) -> str:

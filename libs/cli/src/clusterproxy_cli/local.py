@@ -50,6 +50,7 @@ from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import SignerEndpoint, SignerRequestError
 from clusterproxy_protocol.config import ConfigError, parse_duration
 from clusterproxy_protocol.renewer import CertRenewer, RenewalPolicy
+from clusterproxy_protocol.restart_policy import RestartPolicy
 from clusterproxy_protocol.tls import client_context
 from clusterproxy_protocol.wire import ALPN_HTTP1
 
@@ -99,7 +100,6 @@ from .local_supervise import (
     AGENT_RESTART_DELAY,
     REPLICA_RESTART,
     Child,
-    RestartPolicy,
     Supervisor,
     connected_clusters,
     port_open,

@@ -12,9 +12,9 @@ from typing import TextIO
 
 import trio
 
+from clusterproxy_protocol import http1client
 from clusterproxy_sdk import TLSFiles, open_tunnel
 
-from . import _http
 from .local_plan import (
     BALANCER_NAME,
     FORWARD_PROXY_NAME,
@@ -37,7 +37,7 @@ async def self_test(proxy: ProxySettings, cluster: str, target: Target) -> str:
     async with open_tunnel((proxy.host, proxy.port), tls, server_hostname="localhost") as tunnel:
         stream = await tunnel.connect(cluster, target.host, target.port)
         async with stream:
-            response = await _http.request(stream, "GET", "/self-test", target.address)
+            response = await http1client.request(stream, "GET", "/self-test", target.address)
             with trio.move_on_after(2):  # let the echo's close come through: a clean end both ways
                 while await stream.receive_some():
                     pass

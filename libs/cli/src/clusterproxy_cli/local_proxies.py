@@ -26,9 +26,9 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+from clusterproxy_protocol import http1client
 from clusterproxy_protocol.config import ConfigError
 
-from . import _http
 from .local_plan import LOOPBACK, ServerPorts, loopback
 
 SBIN_FOLDERS = ("/usr/sbin", "/sbin")  # Debian installs haproxy there, often not on a user's PATH
@@ -134,7 +134,7 @@ def parse_stats_csv(text: str) -> dict[tuple[str, str], str]:
 async def backend_states(stats_port: int) -> dict[tuple[str, str], str] | None:
     """What haproxy's statistics page says of each replica, or None if it does not answer."""
     try:
-        response = await _http.get(LOOPBACK, stats_port, f"{STATS_PATH};csv", timeout=2)
+        response = await http1client.get(LOOPBACK, stats_port, f"{STATS_PATH};csv", timeout=2)
     except Exception:  # not up yet: refused, reset, timeout
         return None
     if response.status != 200:

@@ -18,26 +18,14 @@ from typing import TextIO
 
 import trio
 
-from clusterproxy_protocol import certclient
+from clusterproxy_protocol import certclient, http1client
 from clusterproxy_protocol.certclient import SignerEndpoint, SignerRequestError
 from clusterproxy_protocol.forward_proxy import without_proxy_variables
-
-from . import _http
+from clusterproxy_protocol.restart_policy import RestartPolicy
 
 STOP_GRACE = 10.0
 POLL = 0.1
 TAIL_LINES = 20
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """Restart a child that died on its own after ``delay`` seconds, unless it has already been
-    restarted ``limit`` times within the last ``window`` seconds (a crash loop: then its death stops
-    everything, as for a child without a policy)."""
-
-    delay: float = 1.0
-    limit: int = 5
-    window: float = 60.0
 
 
 REPLICA_RESTART = RestartPolicy(delay=1.0, limit=5, window=60.0)
@@ -58,11 +46,8 @@ class Child:
         return len(self.restarted_at)
 
     def may_restart(self, now: float) -> bool:
-        if self.restart is None:
-            return False
-        while self.restarted_at and self.restarted_at[0] < now - self.restart.window:
-            self.restarted_at.popleft()
-        return len(self.restarted_at) < self.restart.limit
+        # a crash loop stops everything, as the death of a child without a policy does
+        return self.restart is not None and self.restart.may_restart(self.restarted_at, now)
 
     @property
     def pid(self) -> int:
@@ -215,7 +200,7 @@ async def connected_clusters(
     """Clusters with at least one agent on the server's admin API (mutual TLS with the hub client
     certificate ``tls()`` presents), or None if it does not answer."""
     try:
-        response = await _http.get(host, admin_port, "/api/v1/agents", timeout=2, tls=tls())
+        response = await http1client.get(host, admin_port, "/api/v1/agents", timeout=2, tls=tls())
     except Exception:  # not up yet: refused, reset, timeout, garbage
         return None
     if response.status != 200:

@@ -37,20 +37,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import h11
 import trio
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from . import tls
+from . import http1client, tls
 from .config import ConfigError, parse_hostport
 from .errors import describe_exception
 from .files import write_atomic, write_temp
 from .forward_proxy_trio import ForwardProxy, open_tcp_or_proxy
 from .pki import AGENT_ORGANIZATION, agent_uri
-from .wire import PRESENTING_HEADER, TRUSTED_HEADER
+from .wire import PRESENTING_HEADER, TRUSTED_HEADER, format_authority
 
 __all__ = [
     "CertFiles",
@@ -324,29 +323,14 @@ async def _exchange(
     tcp = await open_tcp_or_proxy(endpoint.host, endpoint.port, endpoint.proxy)
     stream = trio.SSLStream(tcp, ctx, server_hostname=endpoint.server_name or endpoint.host)
     async with stream:
-        conn = h11.Connection(h11.CLIENT)
-        host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
-        head = [("host", f"{host}:{endpoint.port}"), ("content-length", str(len(body))), *headers]
-        data = conn.send(h11.Request(method=method, target=path, headers=head))
-        data += conn.send(h11.Data(data=body)) if body else b""
-        data += conn.send(h11.EndOfMessage())
-        await stream.send_all(data)
-        status = 0
-        received = bytearray()
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                chunk = await stream.receive_some(64 << 10)
-                conn.receive_data(chunk)
-                continue
-            if isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                received += event.data
-                if len(received) > MAX_RESPONSE:
-                    raise SignerRequestError(status, "bad_response", "the signer's answer is too large")
-            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                return status, bytes(received)
+        host = format_authority(endpoint.host, endpoint.port)
+        try:
+            answer = await http1client.request(
+                stream, method, path, host, body, headers=headers, max_body=MAX_RESPONSE
+            )
+        except http1client.ResponseTooLarge as exc:
+            raise SignerRequestError(exc.status, "bad_response", "the signer's answer is too large") from None
+        return answer.status, answer.body
 
 
 async def request_json(
@@ -372,7 +356,7 @@ async def request_json(
         raise SignerRequestError(
             0, "timeout", f"no answer from {endpoint.url} within {endpoint.timeout:g}s"
         ) from None
-    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
+    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, http1client.HTTPClientError) as exc:
         raise SignerRequestError(0, "unreachable", f"{endpoint.url}: {describe_exception(exc)}") from None
     try:
         answer = json.loads(data) if data else None

@@ -13,6 +13,7 @@ API): trio + h11, one request per connection, everything bounded.
 
 from __future__ import annotations
 
+import http
 import json
 import socket
 import ssl
@@ -30,7 +31,7 @@ from clusterproxy_protocol import request_heads
 from clusterproxy_protocol.closing import close_cleanly
 from clusterproxy_protocol.logs import get_logger
 
-__all__ = ["HttpLimits", "Request", "Response", "serve_http"]
+__all__ = ["HttpLimits", "Request", "Response", "serve_http", "serve_stream"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,23 @@ async def serve_http(
         task_status.started()
 
 
+async def serve_stream(
+    stream: trio.abc.Stream,
+    handler: Handler,
+    limits: HttpLimits = HttpLimits(),
+    *,
+    peer: str = "",
+    error_response: ErrorResponse = text_error,
+    log: structlog.stdlib.BoundLogger | None = None,
+    log_requests: bool = False,
+) -> None:
+    """One request on a stream the caller accepted (a tunnel stream: no socket, no TLS of ours), served
+    as :func:`serve_http` serves a connection: the same limits, deadlines, error answers and clean
+    close. ``peer`` names the other end in :attr:`Request.peer_ip` and the log."""
+    connection = _Connection(handler, limits, error_response, log or get_logger("http"), log_requests)
+    await connection.answer(stream, peer, None)
+
+
 TLS_HANDSHAKE_RECORD = 0x16  # the first byte of every TLS ClientHello; never the first of an HTTP method
 
 
@@ -162,6 +180,11 @@ class _Connection:
                 return
             der = stream.getpeercert(binary_form=True)
             peer_cert = x509.load_der_x509_certificate(der) if der else None
+        await self.answer(stream, peer_ip, peer_cert)
+
+    async def answer(self, stream: trio.abc.Stream, peer_ip: str, peer_cert: x509.Certificate | None) -> None:
+        """Read one request from ``stream``, answer it, close the stream (cleanly when the answer went
+        out whole)."""
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_head)
         started = time.monotonic()
         response: Response | None = None
@@ -254,14 +277,17 @@ async def _send(
         *response.headers,
     ]
     try:
-        data = conn.send(h11.Response(status_code=response.status, headers=headers))
+        data = conn.send(
+            h11.Response(status_code=response.status, headers=headers, reason=_phrase(response.status))
+        )
         if not head_only:
             data += conn.send(h11.Data(data=response.body)) or b""
         data += conn.send(h11.EndOfMessage()) or b""
     except h11.LocalProtocolError:
         # e.g. the request was so broken that h11 cannot answer within the protocol: answer raw
-        data = b"HTTP/1.1 %d \r\nconnection: close\r\ncontent-length: %d\r\ncontent-type: %s\r\n\r\n%s" % (
+        data = b"HTTP/1.1 %d %s\r\nconnection: close\r\ncontent-length: %d\r\ncontent-type: %s\r\n\r\n%s" % (
             response.status,
+            _phrase(response.status),
             len(response.body),
             response.content_type.encode(),
             response.body,
@@ -271,6 +297,13 @@ async def _send(
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         return False
     return True
+
+
+def _phrase(status: int) -> bytes:
+    try:
+        return http.HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""
 
 
 async def _linger(stream: trio.abc.Stream, budget: int) -> None:

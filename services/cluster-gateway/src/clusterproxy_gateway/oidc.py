@@ -39,16 +39,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import h11
 import trio
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
+from clusterproxy_protocol import http1client
 from clusterproxy_protocol.logs import get_logger
-
-from .http import HTTPConnection, ProtocolFailure
 
 __all__ = [
     "DEFAULT_SIGNING_ALGS",
@@ -324,9 +322,9 @@ Fetch = Callable[[str], Awaitable[Any]]  # an https URL -> its JSON
 
 
 async def fetch_json(url: str, ca_file: Path | None, timeout: float = FETCH_TIMEOUT) -> Any:
-    """GET ``url`` (https, no redirects) with the gateway's HTTP/1.1 client (:class:`.http.HTTPConnection`,
-    the one ClusterProxy speaks to kube-apiservers with) over TLS checked with ``ca_file`` (read again at
-    each fetch: a rotated CA applies at once) or the system's roots. IssuerUnavailable on any failure."""
+    """GET ``url`` (https, no redirects) with the project's HTTP/1.1 client (http1client) over TLS
+    checked with ``ca_file`` (read again at each fetch: a rotated CA applies at once) or the system's
+    roots. IssuerUnavailable on any failure."""
     parts = urlsplit(url)
     if parts.scheme != "https" or not parts.hostname:
         raise IssuerUnavailable(f"{url!r} is not an https URL")
@@ -336,30 +334,24 @@ async def fetch_json(url: str, ca_file: Path | None, timeout: float = FETCH_TIME
         context = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
         context.set_alpn_protocols(["http/1.1"])
         with trio.fail_after(timeout):
-            tcp = await trio.open_tcp_stream(parts.hostname, port)
-            stream = trio.SSLStream(tcp, context, server_hostname=parts.hostname)
+            stream = await http1client.connect(parts.hostname, port, tls=context)
             try:
-                http = HTTPConnection(stream, h11.CLIENT)
                 host = parts.netloc.rpartition("@")[2]
                 # kube-apiserver's /openid/v1/jwks answers 406 to application/json alone
                 accept = "application/json, application/jwk-set+json"
-                headers = [("Host", host), ("Accept", accept), ("Connection", "close")]
-                await http.send(h11.Request(method="GET", target=target, headers=headers))
-                await http.send(h11.EndOfMessage())
-                head = await http.next_event()
-                if not isinstance(head, h11.Response):
-                    raise ProtocolFailure(f"answered {head!r}")
-                body = await http.read_body(MAX_DOCUMENT)
+                response = await http1client.request(
+                    stream, "GET", target, host, headers=[("Accept", accept)], max_body=MAX_DOCUMENT
+                )
             finally:
                 await trio.aclose_forcefully(stream)
     except trio.TooSlowError:
         raise IssuerUnavailable(f"{url}: no answer within {timeout:g}s") from None
-    except (OSError, ssl.SSLError, trio.BrokenResourceError, ProtocolFailure, h11.ProtocolError) as exc:
+    except (OSError, ssl.SSLError, trio.BrokenResourceError, http1client.HTTPClientError) as exc:
         raise IssuerUnavailable(f"{url}: {exc}") from None
-    if head.status_code != 200:
-        raise IssuerUnavailable(f"{url}: HTTP {head.status_code} {body[:200].decode('utf-8', 'replace')}")
+    if response.status != 200:
+        raise IssuerUnavailable(f"{url}: {http1client.HTTPStatusError(response)}")
     try:
-        return json.loads(body)
+        return response.json()
     except ValueError:
         raise IssuerUnavailable(f"{url}: the answer is not JSON") from None
 

@@ -28,6 +28,7 @@ from urllib.parse import unquote
 import h11
 import trio
 
+from clusterproxy_protocol import http1client
 from clusterproxy_protocol.closing import reset_if_process_dies
 from clusterproxy_protocol.errors import (
     ConnectRefused,
@@ -252,35 +253,27 @@ class ClusterProxy:
         payload = json.dumps(body).encode()
         tls = await self.open_kube(cluster, token, secret)
         try:
-            upstream = HTTPConnection(tls, h11.CLIENT)
             headers = [
-                (b"Host", token.server_name.encode()),
-                (b"Authorization", f"Bearer {token.token}".encode()),
-                (b"Content-Type", b"application/json"),
-                (b"Accept", b"application/json"),
-                (b"Content-Length", str(len(payload)).encode()),
-                (b"Connection", b"close"),
+                ("Authorization", f"Bearer {token.token}"),
+                ("Content-Type", "application/json"),
+                ("Accept", "application/json"),
             ]
             with trio.fail_after(RESPONSE_HEAD_TIMEOUT):
-                await upstream.send(h11.Request(method=method, target=path, headers=headers))
-                await upstream.send(h11.Data(data=payload))
-                await upstream.send(h11.EndOfMessage())
-                head = await upstream.next_event()
-                if not isinstance(head, h11.Response):
-                    raise ProtocolFailure(f"answered {head!r}")
-                answer = await upstream.read_body(MAX_JSON_ANSWER)
-        except (ProtocolFailure, trio.BrokenResourceError, trio.TooSlowError) as exc:
+                response = await http1client.request(
+                    tls, method, path, token.server_name, payload, headers=headers, max_body=MAX_JSON_ANSWER
+                )
+        except (http1client.HTTPClientError, trio.BrokenResourceError, trio.TooSlowError) as exc:
             raise Refused(
                 502, f"the kube-apiserver of cluster {cluster!r} did not answer {path}: {exc}"
             ) from None
         finally:
             await trio.aclose_forcefully(tls)
-        if head.status_code == 401:
+        if response.status == 401:
             self.inventory.forget_token(cluster, secret)  # a rotated token: read the Secret again next time
         try:
-            return head.status_code, json.loads(answer or b"null")
+            return response.status, json.loads(response.body or b"null")
         except ValueError:
-            return head.status_code, {"message": answer[:300].decode("utf-8", "replace")}
+            return response.status, {"message": response.body[:300].decode("utf-8", "replace")}
 
     async def forward(
         self, http: HTTPConnection, request: IncomingRequest, cluster: str, path: str, identity: Identity

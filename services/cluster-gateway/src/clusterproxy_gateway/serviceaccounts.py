@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import h11
 import trio
 
+from clusterproxy_protocol import http1client
 from clusterproxy_protocol.agent_control import CONTROL_HOST, CONTROL_PORT, serviceaccount_path
 from clusterproxy_protocol.errors import ConnectRefused, NoAgentConnected, TunnelError, UnknownCluster
 from clusterproxy_protocol.logs import get_logger
@@ -165,43 +165,29 @@ async def _control_call(
             "ProxyServerUnreachable", f"the proxy-server cannot be reached: {exc}"
         ) from None
     payload = json.dumps(body).encode() if body is not None else b""
-    connection = h11.Connection(h11.CLIENT)
-    request = h11.Request(
-        method=method,
-        target=path,
-        headers=[
-            ("Host", CONTROL_HOST),
-            ("Content-Type", "application/json"),
-            ("Content-Length", str(len(payload))),
-            ("Connection", "close"),
-        ],
-    )
-    status, answer = 0, bytearray()
     try:
         with trio.fail_after(CONTROL_TIMEOUT):
-            await stream.send_all(
-                connection.send(request)
-                + connection.send(h11.Data(data=payload))
-                + connection.send(h11.EndOfMessage())
+            response = await http1client.request(
+                stream,
+                method,
+                path,
+                CONTROL_HOST,
+                payload,
+                headers=[("Content-Type", "application/json")],
+                max_body=MAX_ANSWER,
             )
-            while True:
-                event = connection.next_event()
-                if event is h11.NEED_DATA:
-                    connection.receive_data(await stream.receive_some(65536))
-                elif isinstance(event, h11.Response):
-                    status = event.status_code
-                elif isinstance(event, h11.Data):
-                    answer += event.data
-                    if len(answer) > MAX_ANSWER:
-                        raise h11.RemoteProtocolError("answer too large")
-                elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                    break
-    except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError) as exc:
+    except (
+        trio.TooSlowError,
+        trio.BrokenResourceError,
+        trio.ClosedResourceError,
+        http1client.HTTPClientError,
+    ) as exc:
         raise TokenFetchError(
             "AgentFailed", f"the agent of cluster {cluster!r} did not answer the control request: {exc!r}"
         ) from None
     finally:
         await trio.aclose_forcefully(stream)
+    status, answer = response.status, response.body
     try:
         decoded = json.loads(bytes(answer)) if answer else {}
     except ValueError:

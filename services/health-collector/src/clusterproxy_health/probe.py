@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-import h11
 import trio
 
+from clusterproxy_protocol import http1client
 from clusterproxy_protocol.config import InvalidValue
 from clusterproxy_protocol.errors import ConnectRefused, TunnelError, describe_exception
 from clusterproxy_protocol.wire import CLUSTER_NAME, format_authority
@@ -118,31 +118,6 @@ def _text(data: bytes) -> str:
     return line[:MAX_ERROR_TEXT] + ("..." if len(line) > MAX_ERROR_TEXT else "")
 
 
-async def _http_get(stream: trio.abc.Stream, path: str, host: str) -> tuple[int, bytes]:
-    conn = h11.Connection(h11.CLIENT)
-    request = h11.Request(
-        method="GET",
-        target=path,
-        headers=[("host", host), ("user-agent", "cluster-proxy-health-collector"), ("connection", "close")],
-    )
-    await stream.send_all(conn.send(request) + (conn.send(h11.EndOfMessage()) or b""))
-    status = 0
-    body = bytearray()
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            conn.receive_data(await stream.receive_some(MAX_BODY))
-        elif isinstance(event, h11.Response):
-            status = event.status_code
-        elif isinstance(event, h11.Data):
-            if len(body) < MAX_BODY:
-                body += event.data[: MAX_BODY - len(body)]
-        elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-            if not status:
-                raise h11.RemoteProtocolError("the connection closed before an answer")
-            return status, bytes(body)
-
-
 def _refusal_words(exc: ConnectRefused) -> str:
     status = exc.status
     what = {
@@ -186,11 +161,19 @@ async def probe_cluster(
                     ) from None
                 stream = tls
             if spec.scheme in ("http", "https"):
-                status, body = await _http_get(stream, spec.path, format_authority(host, port))
-                if status >= 400:
+                answer = await http1client.request(
+                    stream,
+                    "GET",
+                    spec.path,
+                    format_authority(host, port),
+                    headers=[("user-agent", "cluster-proxy-health-collector")],
+                    max_body=MAX_BODY,
+                    truncate=True,  # only the start of the body says anything to a person
+                )
+                if answer.status >= 400:
                     raise _ProbeFailed(
-                        f"{where} answered {status} to GET {spec.path}: {_text(body) or '(no body)'}",
-                        f"http_{status}",
+                        f"{where} answered {answer.status} to GET {spec.path}: {_text(answer.body) or '(no body)'}",
+                        f"http_{answer.status}",
                     )
         except _ProbeFailed as exc:
             error, reason = exc.message, exc.reason
@@ -198,7 +181,7 @@ async def probe_cluster(
             error, reason = _refusal_words(exc), f"refused_{exc.status}"
         except TunnelError as exc:  # the proxy-server cannot be reached, or its connection died
             error, reason = f"proxy-server: {exc}", "proxy_server"
-        except h11.ProtocolError as exc:
+        except http1client.HTTPClientError as exc:
             error, reason = f"{where} did not answer HTTP: {exc}", "protocol"
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             error, reason = f"the stream to {where} broke: {describe_exception(exc)}", "broken"

@@ -13,16 +13,15 @@ IP, which no certificate names.
 
 from __future__ import annotations
 
-import json
 import socket
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import h11
 import trio
 
+from clusterproxy_protocol import http1client
 from clusterproxy_protocol.config import InvalidValue
 from clusterproxy_protocol.errors import describe_exception
 from clusterproxy_protocol.wire import format_authority
@@ -67,39 +66,23 @@ async def resolve_admin_service(host: str, port: int) -> list[str]:
 
 async def fetch_json(url: str, *, timeout: float, tls: AdminTLS | None = None) -> object:
     """``GET url``, its JSON answer: plain HTTP, or with ``tls`` (an ``https://`` URL) TLS.
-    OSError, ValueError, h11 errors or TooSlowError."""
+    OSError, ValueError, HTTPClientError (an answer other than 200 in words) or TooSlowError."""
     parts = urlsplit(url)
     host, port = parts.hostname or "", parts.port or 80
     with trio.fail_after(timeout):
-        stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
-        if tls is not None:
-            stream = trio.SSLStream(stream, tls.context, server_hostname=tls.server_name or host)
+        stream = await http1client.connect(
+            host,
+            port,
+            tls=tls.context if tls is not None else None,
+            server_name=tls.server_name if tls is not None else None,
+        )
         async with stream:
-            conn = h11.Connection(h11.CLIENT)
-            request = h11.Request(
-                method="GET",
-                target=parts.path or "/",
-                headers=[("host", format_authority(host, port)), ("connection", "close")],
+            response = await http1client.request(
+                stream, "GET", parts.path or "/", format_authority(host, port), max_body=MAX_ANSWER
             )
-            await stream.send_all(conn.send(request) + (conn.send(h11.EndOfMessage()) or b""))
-            status = 0
-            body = bytearray()
-            while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    conn.receive_data(await stream.receive_some(256 << 10))
-                elif isinstance(event, h11.Response):
-                    status = event.status_code
-                elif isinstance(event, h11.Data):
-                    body += event.data
-                    if len(body) > MAX_ANSWER:
-                        raise ValueError(f"answer larger than {MAX_ANSWER} bytes")
-                elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                    break
-    if status != 200:
-        text = " ".join(body[:200].decode("utf-8", "replace").split())
-        raise ValueError(f"HTTP {status or 'no answer'}: {text}")
-    return json.loads(body)
+    if response.status != 200:
+        raise http1client.HTTPStatusError(response)
+    return response.json()
 
 
 @dataclass(frozen=True)
@@ -124,7 +107,7 @@ async def server_view(
             tunnels = parse_agents(await fetch_json(f"{url}/api/v1/agents", timeout=timeout, tls=tls), url)
     except trio.TooSlowError:
         return ServerView(url, now, error=f"no answer within {timeout:g}s")
-    except (OSError, ValueError, h11.ProtocolError, trio.BrokenResourceError) as exc:
+    except (OSError, ValueError, http1client.HTTPClientError, trio.BrokenResourceError) as exc:
         return ServerView(url, now, error=describe_exception(exc.__cause__ or exc))
     return ServerView(url, now, known=known, tunnels=tunnels)
 

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import h11
 import trio
 
 from clusterproxy_agent.dialer import Connector, Resolver, connect_any, resolve
-from clusterproxy_protocol import request_heads
+from clusterproxy_protocol import http1client
 from clusterproxy_protocol.agent_control import CONTROL_CLIENT_HEADER, CONTROL_HOST, SERVICEACCOUNT_PATH
 from clusterproxy_protocol.driver import IncomingRequest
 from clusterproxy_protocol.errors import describe_exception
+from clusterproxy_protocol.httpserver import HttpLimits, Request, Response, serve_stream
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.tunnel_stream import TunnelStream
 
@@ -41,13 +41,8 @@ KUBE_TIMEOUT = 20.0
 MANAGED_LABEL = "authentication.open-cluster-management.io/managed-by"
 MANAGED_BY = "cluster-proxy-agent"
 MIN_EXPIRATION = 600  # what TokenRequest accepts at least
-HTTP_REASONS = {
-    200: b"OK",
-    400: b"Bad Request",
-    403: b"Forbidden",
-    404: b"Not Found",
-    405: b"Method Not Allowed",
-}
+# the request's head, its body, its deadline (the whole exchange is under REQUEST_TIMEOUT too)
+CONTROL_LIMITS = HttpLimits(max_body=MAX_REQUEST_BODY, max_head=16 * 1024, request_timeout=REQUEST_TIMEOUT)
 
 
 @dataclass(frozen=True)
@@ -106,13 +101,7 @@ class KubeAPI:
     async def call(self, method: str, path: str, body: Any = None) -> tuple[int, dict[str, Any]]:
         host, port = self.address
         payload = json.dumps(body).encode() if body is not None else b""
-        headers = [
-            ("Host", f"{host}:{port}"),
-            ("Authorization", f"Bearer {self._token()}"),
-            ("Accept", "application/json"),
-            ("Content-Length", str(len(payload))),
-            ("Connection", "close"),
-        ]
+        headers = [("Authorization", f"Bearer {self._token()}"), ("Accept", "application/json")]
         if body is not None:
             headers.append(("Content-Type", "application/json"))
         context = self._context()
@@ -121,8 +110,14 @@ class KubeAPI:
                 tcp = await self._connect(await self._resolve(host, port), port)
                 tls = trio.SSLStream(tcp, context, server_hostname=host)
                 try:
-                    return await _exchange(
-                        tls, h11.Request(method=method, target=path, headers=headers), payload
+                    response = await http1client.request(
+                        tls,
+                        method,
+                        path,
+                        f"{host}:{port}",
+                        payload,
+                        headers=headers,
+                        max_body=MAX_KUBE_ANSWER,
                     )
                 finally:
                     await trio.aclose_forcefully(tls)
@@ -130,42 +125,15 @@ class KubeAPI:
             raise KubeError(
                 504, f"the kube-apiserver at {host}:{port} did not answer within {KUBE_TIMEOUT:g}s"
             ) from None
-        except (OSError, ssl.SSLError, trio.BrokenResourceError, h11.ProtocolError) as exc:
+        except (OSError, ssl.SSLError, trio.BrokenResourceError, http1client.HTTPClientError) as exc:
             raise KubeError(
                 502, f"the kube-apiserver at {host}:{port} could not be reached: {describe_exception(exc)}"
             ) from None
-
-
-async def _exchange(
-    stream: trio.abc.Stream, request: h11.Request, payload: bytes
-) -> tuple[int, dict[str, Any]]:
-    connection = h11.Connection(h11.CLIENT)
-    await stream.send_all(
-        connection.send(request)
-        + connection.send(h11.Data(data=payload))
-        + connection.send(h11.EndOfMessage())
-    )
-    status = 0
-    body = bytearray()
-    while True:
-        event = connection.next_event()
-        if event is h11.NEED_DATA:
-            data = await stream.receive_some(65536)
-            connection.receive_data(data)
-            continue
-        if isinstance(event, h11.Response):
-            status = event.status_code
-        elif isinstance(event, h11.Data):
-            body += event.data
-            if len(body) > MAX_KUBE_ANSWER:
-                raise h11.RemoteProtocolError("answer too large")
-        elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-            break
-    try:
-        decoded = json.loads(bytes(body)) if body else {}
-    except ValueError:
-        decoded = {"message": bytes(body[:300]).decode("utf-8", "replace")}
-    return status, decoded if isinstance(decoded, dict) else {}
+        try:
+            decoded = response.json() if response.body else {}
+        except ValueError:
+            decoded = {"message": response.body[:300].decode("utf-8", "replace")}
+        return response.status, decoded if isinstance(decoded, dict) else {}
 
 
 def _kube_failure(status: int, answer: dict[str, Any], doing: str) -> KubeError:
@@ -263,47 +231,27 @@ class ControlEndpoint:
         try:
             with trio.fail_after(REQUEST_TIMEOUT):
                 await self._serve(stream, client)
-        except (
-            trio.TooSlowError,
-            trio.BrokenResourceError,
-            trio.ClosedResourceError,
-            h11.ProtocolError,
-        ) as exc:
+        except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self.log.info("control_request_failed", client=client, error=describe_exception(exc))
         finally:
             await stream.aclose()
 
-    async def _serve(self, stream: TunnelStream, client: str) -> None:
-        connection = h11.Connection(h11.SERVER, max_incomplete_event_size=16 * 1024)
-        head: h11.Request | None = None
-        body = bytearray()
-        while True:
-            try:
-                event = request_heads.next_event(connection)
-            except h11.RemoteProtocolError as exc:
-                reason = request_heads.malformed_reason(exc)
+    async def _serve(self, stream: trio.abc.Stream, client: str) -> None:
+        """One request on the tunnel stream, served by the admin ports' server loop (httpserver)."""
+
+        async def answer(request: Request) -> Response:
+            status, answer = await self._route(request.method, request.path, request.body)
+            self.log.info(
+                "control_request", client=client, method=request.method, path=request.path, status=status
+            )
+            return _json(status, answer)
+
+        def refusal(status: int, error: str, reason: str) -> Response:
+            if error == "bad_request":
                 self.log.info("control_request_malformed", client=client, error=reason)
-                await _reply(stream, connection, exc.error_status_hint, {"message": reason})
-                return
-            if event is h11.NEED_DATA:
-                data = await stream.receive_some(65536)
-                connection.receive_data(data)
-                continue
-            if isinstance(event, h11.Request):
-                head = event
-            elif isinstance(event, h11.Data):
-                body += event.data
-                if len(body) > MAX_REQUEST_BODY:
-                    await _reply(stream, connection, 413, {"message": "request body too large"})
-                    return
-            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                break
-        if head is None:
-            return
-        method, path = head.method.decode(), head.target.decode("latin-1").partition("?")[0]
-        status, answer = await self._route(method, path, bytes(body))
-        self.log.info("control_request", client=client, method=method, path=path, status=status)
-        await _reply(stream, connection, status, answer)
+            return _json(status, {"message": reason})
+
+        await serve_stream(stream, answer, CONTROL_LIMITS, peer=client, error_response=refusal, log=self.log)
 
     async def _route(self, method: str, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
         match = SERVICEACCOUNT_PATH.match(path)
@@ -375,26 +323,8 @@ class ControlEndpoint:
         }
 
 
-async def _reply(
-    stream: TunnelStream, connection: h11.Connection, status: int, answer: dict[str, Any]
-) -> None:
-    body = json.dumps(answer).encode()
-    head = h11.Response(
-        status_code=status,
-        reason=HTTP_REASONS.get(status, b""),
-        headers=[
-            ("Content-Type", "application/json"),
-            ("Content-Length", str(len(body))),
-            ("Connection", "close"),
-        ],
-    )
-    if connection.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-        return  # our side has answered or failed: nothing more can be sent
-    # IDLE: h11 refused the request head (their state ERROR); a server may still answer it
-    await stream.send_all(
-        connection.send(head) + connection.send(h11.Data(data=body)) + connection.send(h11.EndOfMessage())
-    )
-    await stream.send_eof()
+def _json(status: int, answer: dict[str, Any]) -> Response:
+    return Response(status, json.dumps(answer).encode())
 
 
 def is_control_target(authority: str) -> bool:

@@ -63,7 +63,7 @@ from clusterproxy_server.pending_dials import PendingDials
 from clusterproxy_server.quotas import ClientQuotas, ConnectionQuota, QuotaExceeded
 from clusterproxy_server.registry import Registry
 from clusterproxy_server.relaying import Relayer
-from clusterproxy_server.workers import WorkerSpec, listeners_from_fds
+from clusterproxy_server.worker_sockets import WorkerSpec, listeners_from_fds
 
 __all__ = ["BoundAddresses", "ProxyServer", "ServerConfig"]
 

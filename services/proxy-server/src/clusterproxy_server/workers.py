@@ -9,20 +9,15 @@ N, so every agent holds a tunnel to every worker through the agents' usual repli
 client's stream is served by the worker that accepted its connection (docs/architecture.md,
 "Workers").
 
-**Sockets.** For each of the agent, client and WebSocket ports the parent opens N listening sockets on
-the same address with ``SO_REUSEPORT`` and hands worker i the i-th (``pass_fds``): the kernel spreads
-new connections over the N accept queues by a hash of the connection's addresses, so a dial lands on
-each worker with the same chance whatever their load (an agent missing one of two workers finds it in
-two dials on average). The parent keeps its copy of every socket: a worker that dies leaves its queue
-to its successor (connections queued meanwhile wait for the restart instead of being reset, which is
-what closing the last descriptor of a listening socket does to them). On SIGTERM the parent closes its
-copies first, so that each worker's drain closes its queue for good, as a single process does.
+The module's neighbours hold its other jobs: the shared ports and what a worker inherits
+(:mod:`.worker_sockets`), the merged metrics (:mod:`.worker_metrics`), and the worker's side of the
+bond (:mod:`.worker_process`); the restart rule is clusterproxy_protocol.restart_policy, the one of
+``local up`` too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -30,42 +25,49 @@ import signal
 import socket
 import sys
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-import h11
 import trio
 from cryptography import x509
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
 
+from clusterproxy_protocol import http1client
 from clusterproxy_protocol.admin import Authenticated, PeerRoute, Response, Route, serve_admin
 from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
-from clusterproxy_protocol.config import ConfigError
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.reloader import ReloadingContext
 from clusterproxy_protocol.renewal_metrics import RenewerCollector
 from clusterproxy_protocol.renewer import CertRenewer, RenewalPolicy
+from clusterproxy_protocol.restart_policy import RestartPolicy
 from clusterproxy_protocol.steering import attach_steering
 from clusterproxy_protocol.wire import ALPN_HTTP1, format_address
 from clusterproxy_server.admin import metrics_routes, visibility
 from clusterproxy_server.authz import PolicyFile
 from clusterproxy_server.config import ServerConfig
+from clusterproxy_server.worker_metrics import MergedMetrics, sum_samples
+from clusterproxy_server.worker_process import follow_cert_files, watch_parent
+from clusterproxy_server.worker_sockets import WORKER_ENV, WorkerSpec, reuseport_sockets
 
-__all__ = ["WORKER_ENV", "Supervisor", "WorkerSpec", "default_workers", "worker_server_id"]
+# WORKER_ENV, WorkerSpec, follow_cert_files, watch_parent: main.py starts a worker with them from here
+__all__ = [
+    "WORKER_ENV",
+    "Supervisor",
+    "WorkerSpec",
+    "default_workers",
+    "follow_cert_files",
+    "watch_parent",
+    "worker_server_id",
+]
 
-WORKER_ENV = "_CLUSTER_PROXY_SERVER_WORKER"  # set by the parent for its workers only: what they inherit
-LISTEN_BACKLOG = 0xFFFF  # the kernel caps it at net.core.somaxconn
-RESTART_DELAY = 0.5  # seconds before a dead worker is started again
-CRASH_LOOP_DEATHS = 5  # this many deaths of one worker within CRASH_LOOP_WINDOW stop the pod
-CRASH_LOOP_WINDOW = 60.0
+# A dead worker is started again after half a second; its fifth death within a minute (four restarts
+# already) stops the pod.
+WORKER_RESTART = RestartPolicy(delay=0.5, limit=4, window=60.0)
 WORKER_ANSWER_TIMEOUT = 5.0  # a worker's admin answer to the parent
+WORKER_ANSWER_MAX = 256 << 20  # its /metrics or /api/v1/agents, with room for every tunnel it may hold
 READY_POLL = 0.05
-FILE_POLL = 2.0  # a worker notices the parent's renewal of the certificate files within this
 
 
 def default_workers(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
@@ -87,118 +89,6 @@ def worker_server_id(base: str, index: int, restarts: int = 0) -> str:
     return f"{base}.w{index}" + (f".r{restarts}" if restarts else "")
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a worker process inherits from its parent (in :data:`WORKER_ENV`, as JSON)."""
-
-    index: int
-    workers: int
-    server_id: str
-    server_count: int  # told to agents: replicas x workers
-    agent: tuple[int, ...]  # inherited listening descriptors
-    client: tuple[int, ...]
-    websocket: tuple[int, ...]
-    admin: int  # the private admin socket (loopback) the parent asks
-    parent_alive: int  # read end of a pipe: EOF when the parent is gone
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> WorkerSpec:
-        raw = json.loads(text)
-        for name in ("agent", "client", "websocket"):
-            raw[name] = tuple(raw[name])
-        return cls(**raw)
-
-    def fds(self) -> tuple[int, ...]:
-        return (*self.agent, *self.client, *self.websocket, self.admin, self.parent_alive)
-
-
-def listeners_from_fds(fds: Iterable[int]) -> list[trio.SocketListener]:
-    return [trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=fd))) for fd in fds]
-
-
-def reuseport_sockets(host: str, port: int, count: int) -> list[list[socket.socket]]:
-    """``count`` groups of listening sockets on ``host:port`` (one socket per address it resolves to,
-    as ``trio.open_tcp_listeners`` binds), all sharing the port through ``SO_REUSEPORT``; port 0 takes
-    the port the first bind got."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    groups: list[list[socket.socket]] = [[] for _ in range(count)]
-    try:
-        for family, kind, proto, _, address in dict.fromkeys((i[0], i[1], i[2], i[3], i[4]) for i in infos):
-            for group in groups:
-                sock = socket.socket(family, kind, proto)
-                group.append(sock)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-                if family == socket.AF_INET6:
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                if port == 0:
-                    sock.bind(address)
-                    port = sock.getsockname()[1]
-                else:
-                    sock.bind((address[0], port, *address[2:]))
-                sock.listen(LISTEN_BACKLOG)
-    except OSError:
-        for group in groups:
-            for sock in group:
-                sock.close()
-        raise
-    return groups
-
-
-async def admin_get(port: int, path: str, timeout: float = WORKER_ANSWER_TIMEOUT) -> tuple[int, bytes]:
-    """GET ``path`` from a worker's private admin socket on 127.0.0.1."""
-    with trio.fail_after(timeout):
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
-        async with stream:
-            conn = h11.Connection(h11.CLIENT)
-            request = h11.Request(
-                method="GET", target=path, headers=[("host", "worker"), ("connection", "close")]
-            )
-            await stream.send_all(conn.send(request) + (conn.send(h11.EndOfMessage()) or b""))
-            status, body = 0, bytearray()
-            while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    conn.receive_data(await stream.receive_some(256 << 10))
-                elif isinstance(event, h11.Response):
-                    status = event.status_code
-                elif isinstance(event, h11.Data):
-                    body += event.data
-                elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                    return status, bytes(body)
-
-
-class MergedMetrics(Collector):
-    """The workers' metrics as one process would count them: every sample summed over the workers
-    (counters, gauges of what each holds, histogram buckets), the ``_created`` times the earliest."""
-
-    def __init__(self) -> None:
-        self.texts: list[str] = []
-
-    def collect(self) -> Iterable[Metric]:
-        families: dict[str, Metric] = {}
-        values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
-        for text in self.texts:
-            for family in text_string_to_metric_families(text):
-                families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
-                samples = values.setdefault(family.name, {})
-                for sample in family.samples:
-                    key = (sample.name, tuple(sample.labels.items()))
-                    if key not in samples:
-                        samples[key] = sample.value
-                    elif sample.name.endswith("_created"):
-                        samples[key] = min(samples[key], sample.value)
-                    else:
-                        samples[key] += sample.value
-        for name, family in families.items():
-            for (sample_name, labels), value in values[name].items():
-                family.add_sample(sample_name, dict(labels), value)
-            yield family
-
-
 @dataclass
 class WorkerState:
     index: int
@@ -206,7 +96,7 @@ class WorkerState:
     pid: int | None = None
     process: trio.Process | None = None
     restarts: int = 0
-    deaths: deque[float] = field(default_factory=deque)
+    restarted_at: deque[float] = field(default_factory=deque)  # trio clock, within WORKER_RESTART.window
     last_status: int | None = None
 
 
@@ -424,28 +314,28 @@ class Supervisor:
                 log("worker_exited", worker=state.index, pid=state.pid, status=_describe_status(status))
                 return
             now = trio.current_time()
-            state.deaths.append(now)
-            while state.deaths and now - state.deaths[0] > CRASH_LOOP_WINDOW:
-                state.deaths.popleft()
+            restarting = WORKER_RESTART.may_restart(state.restarted_at, now)
+            deaths = len(state.restarted_at) + 1  # within the window, this one included
             self.log.error(
                 "worker_died",
                 worker=state.index,
                 pid=state.pid,
                 worker_server_id=state.server_id,
                 status=_describe_status(status),
-                deaths_in_window=len(state.deaths),
+                deaths_in_window=deaths,
             )
-            if len(state.deaths) >= CRASH_LOOP_DEATHS:
+            if not restarting:
                 self.failure = (
-                    f"worker {state.index} died {len(state.deaths)} times within {CRASH_LOOP_WINDOW:g}s "
+                    f"worker {state.index} died {deaths} times within {WORKER_RESTART.window:g}s "
                     f"(last: {_describe_status(status)}); its log lines carry worker={state.index}"
                 )
                 self.log.error("workers_stopping", error=self.failure)
                 self._stop.set()
                 return
-            await trio.sleep(RESTART_DELAY)
+            await trio.sleep(WORKER_RESTART.delay)
             if self.stopping:
                 return
+            state.restarted_at.append(trio.current_time())
             state.restarts += 1
             self.worker_restarts.labels(str(state.index)).inc()
 
@@ -480,8 +370,15 @@ class Supervisor:
 
         async def ask(index: int) -> None:
             try:
-                answers[index] = await admin_get(self.admin_port(index), path)
-            except (OSError, trio.TooSlowError, h11.ProtocolError) as exc:
+                answer = await http1client.get(
+                    "127.0.0.1",
+                    self.admin_port(index),
+                    path,
+                    timeout=WORKER_ANSWER_TIMEOUT,
+                    max_body=WORKER_ANSWER_MAX,
+                )
+                answers[index] = (answer.status, answer.body)
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError, http1client.HTTPClientError) as exc:
                 answers[index] = (0, f"no answer: {type(exc).__name__}: {exc}".encode())
 
         async with trio.open_nursery() as nursery:
@@ -558,7 +455,7 @@ class Supervisor:
                         "running": state.process is not None,
                         "restarts": state.restarts,
                         "admin_answered": status == 200,
-                        "streams_total": _sum_samples(body, "cluster_proxy_server_streams_total")
+                        "streams_total": sum_samples(body, "cluster_proxy_server_streams_total")
                         if status == 200
                         else None,
                         "tunnels": len(json.loads(agents_answers[state.index][1]))
@@ -582,62 +479,9 @@ class Supervisor:
         return plain, private
 
 
-def _sum_samples(text: bytes, name: str) -> float:
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text.decode())
-        for sample in family.samples
-        if sample.name == name
-    )
-
-
 def _describe_status(status: int | None) -> str:
     if status is None:
         return "not started"
     if status < 0:
         return f"killed by {signal.Signals(-status).name}"
     return f"exit status {status}"
-
-
-# -- inside a worker --------------------------------------------------------------------------------
-
-
-async def watch_parent(fd: int, on_gone: Callable[[], None]) -> None:
-    """Call ``on_gone()`` when the parent's end of the pipe closes (the parent died: SIGKILL, a crash):
-    an orphaned worker would keep its ports and take connections nobody supervises."""
-    pipe = trio.lowlevel.FdStream(fd)
-    while await pipe.receive_some(64):
-        pass
-    on_gone()
-
-
-async def follow_cert_files(contexts: Sequence[ReloadingContext], files: Sequence[os.PathLike[str]]) -> None:
-    """Reload ``contexts`` when the parent's renewer changes the certificate, key or trust bundle."""
-    log = get_logger("proxy-server")
-
-    def stamp() -> tuple[tuple[int, int, int], ...]:
-        stamps = []
-        for path in files:
-            try:
-                info = os.stat(path)
-                stamps.append((info.st_mtime_ns, info.st_size, info.st_ino))
-            except OSError:
-                stamps.append((0, 0, 0))
-        return tuple(stamps)
-
-    seen = stamp()
-    while True:
-        await trio.sleep(FILE_POLL)
-        now = stamp()
-        if now == seen:
-            continue
-        seen = now
-        for context in contexts:
-            try:
-                outcome = context.reload()
-            except ConfigError as exc:  # a half-written file: the next poll sees it whole
-                log.warning("certificate_reload_failed", error=str(exc))
-                seen = ()
-                break
-            else:
-                log.info("certificate_reloaded", outcome=outcome, serial=context.presenting)
