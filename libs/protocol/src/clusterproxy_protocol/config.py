@@ -29,8 +29,6 @@ from typing import Any
 from clusterproxy_protocol.windows import format_size
 from clusterproxy_protocol.wire import MalformedAddress, split_hostport
 
-__all__ = ["format_size"]  # re-exported: the inverse of parse_size, for flags' defaults
-
 __all__ = [
     "ConfigError",
     "InvalidValue",
@@ -38,6 +36,8 @@ __all__ = [
     "env_for",
     "existing_dir",
     "existing_file",
+    "flag_adder",
+    "format_size",  # re-exported: the inverse of parse_size, for flags' defaults
     "parse_args_or_exit",
     "parse_bool",
     "parse_duration",
@@ -335,6 +335,19 @@ def add_flag(
     action.cluster_proxy_multiple = multiple  # type: ignore[attr-defined]
     action.cluster_proxy_required = required  # type: ignore[attr-defined]
     return action
+
+
+def flag_adder(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: str
+) -> Callable[..., argparse.Action]:
+    """A program's ``flag(name, **kwargs)``: :func:`add_flag` to ``parser`` with the environment twin
+    ``prefix`` + the flag's name (``flag_adder(p, "CLUSTER_PROXY_SERVER_")("--agent-listen", ...)``
+    reads ``CLUSTER_PROXY_SERVER_AGENT_LISTEN``)."""
+
+    def flag(name: str, **kwargs: Any) -> argparse.Action:
+        return add_flag(parser, name, env=env_for(name, prefix), **kwargs)
+
+    return flag
 
 
 def _convert(action: argparse.Action, convert: Callable[[str], Any], text: str) -> Any:
