@@ -198,6 +198,39 @@ def parse_count(text: str | int) -> int:
     return value
 
 
+def parse_positive_float(text: str) -> float:
+    """A number greater than 0 (a rate, a burst)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidValue(f"invalid number {text!r}: expected a number > 0") from None
+    if not value > 0:
+        raise InvalidValue(f"invalid number {text!r}: expected a number > 0")
+    return value
+
+
+def parse_non_negative_float(text: str) -> float:
+    """A finite number >= 0 (0 often meaning "no limit")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidValue(f"invalid number {text!r}: expected a number >= 0, e.g. 500") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidValue(f"invalid number {text!r}: must be a finite number >= 0")
+    return value
+
+
+def parse_fraction(text: str) -> float:
+    """A share in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidValue(f"invalid fraction {text!r}: expected a number in (0, 1], e.g. 0.5") from None
+    if not 0 < value <= 1:
+        raise InvalidValue(f"invalid fraction {text!r}: must be greater than 0 and at most 1")
+    return value
+
+
 _TRUE = {"1", "true", "yes", "on", "y", "t"}
 _FALSE = {"0", "false", "no", "off", "n", "f", ""}
 
