@@ -211,7 +211,6 @@ class SignerSettings:
 # --- signals -----------------------------------------------------------------------------------------
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-EVENTS = ("signal_received", "drain_cut_by_signal")  # the log events of the first signal and the later
 
 
 async def watch_signals(
@@ -219,12 +218,13 @@ async def watch_signals(
     stop: Callable[[], object],
     cut: Callable[[], object] | None = None,
     *,
-    events: tuple[str, str] = EVENTS,
+    first_event: str = "signal_received",
+    cut_event: str = "drain_cut_by_signal",
     signals: Sequence[int] = SIGNALS,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """At the first SIGTERM/SIGINT call ``stop()``, at each later one ``cut()`` (when given); each
-    logged (``events``). Started (``nursery.start``) once the signals are caught: none sent after
+    logged (``first_event``, ``cut_event``). Started (``nursery.start``) once the signals are caught: none sent after
     is lost, and none kills the process before its drain."""
     with trio.open_signal_receiver(*signals) as received:
         task_status.started()
@@ -233,10 +233,10 @@ async def watch_signals(
             name = signal.Signals(signum).name
             if first:
                 first = False
-                log.info(events[0], signal=name)
+                log.info(first_event, signal=name)
                 stop()
             elif cut is not None:
-                log.warning(events[1], signal=name)
+                log.warning(cut_event, signal=name)
                 cut()
 
 
@@ -247,7 +247,8 @@ async def serve_until_signalled(
     drain: Callable[[], Awaitable[object]] | None = None,
     cut: Callable[[], object] | None = None,
     stop: trio.Event | None = None,
-    events: tuple[str, str] = EVENTS,
+    first_event: str = "signal_received",
+    cut_event: str = "drain_cut_by_signal",
     task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start ``run`` (``nursery.start``: what it reports is reported on) and serve until the first
@@ -256,7 +257,9 @@ async def serve_until_signalled(
     Returns as well when ``run`` returns by itself."""
     stop = stop if stop is not None else trio.Event()
     async with trio.open_nursery() as nursery:
-        await nursery.start(partial(watch_signals, log, stop.set, cut, events=events))
+        await nursery.start(
+            partial(watch_signals, log, stop.set, cut, first_event=first_event, cut_event=cut_event)
+        )
         ended = trio.Event()
 
         async def service(task_status: trio.TaskStatus[Any]) -> None:

@@ -182,6 +182,7 @@ async def serve(
         stop=service.stop_requested,  # run() drains by itself once it is set
         drain=service.stopped.wait,
         cut=lambda: service.agent.close_all("agent stopped"),
-        events=("shutdown_requested", "shutdown_forced"),
+        first_event="shutdown_requested",
+        cut_event="shutdown_forced",
         task_status=task_status,
     )
