@@ -247,50 +247,27 @@ def build_parser() -> argparse.ArgumentParser:
         "waiting for an agent's answer; more get 429",
     )
     # Per client identity (quotas.py; docs/protocol.md, "Budgets per client"); 0 turns a bound off.
-    flag(
-        "--client-max-connections",
-        type=parse_count,
-        default=str(QuotaSettings.max_connections),
-        help="client connections one identity (certificate subject) may hold; more are refused with 429",
-    )
-    flag(
-        "--client-max-concurrent-streams",
-        type=parse_count,
-        default=str(QuotaSettings.max_streams),
-        help="streams one client identity may have open over all its connections; more get 429",
-    )
-    flag(
-        "--client-stream-rate",
-        type=parse_non_negative_float,
-        default=f"{QuotaSettings.stream_rate:g}",
-        help="new streams per second one client identity may open (a token bucket of "
-        "--client-stream-burst); more get 429",
-    )
-    flag(
-        "--client-stream-burst",
-        type=parse_count,
-        default=str(QuotaSettings.stream_burst),
-        help="new streams one client identity may open at once before --client-stream-rate applies",
-    )
-    flag(
-        "--client-buffer-budget",
-        type=parse_size,
-        default=format_size(QuotaSettings.buffer),
-        help="bytes of stream windows (data received and not read yet by the other end) the server "
-        "may hold for one client identity; its new streams get 429 beyond it",
-    )
-    flag(
-        "--connection-buffer-budget",
-        type=parse_size,
-        default=format_size(QuotaSettings.connection_buffer),
-        help="the same for one client connection",
-    )
-    flag(
-        "--buffer-budget",
-        type=parse_size,
-        default=format_size(QuotaSettings.process_buffer),
-        help="the same for all clients together; new streams get 503 beyond it",
-    )
+    # One row a bound: (flag, converter, default, help).
+    defaults = QuotaSettings  # its fields' defaults
+    for name, convert, default, text in (
+        ("--client-max-connections", parse_count, str(defaults.max_connections),
+         "client connections one identity (certificate subject) may hold; more are refused with 429"),
+        ("--client-max-concurrent-streams", parse_count, str(defaults.max_streams),
+         "streams one client identity may have open over all its connections; more get 429"),
+        ("--client-stream-rate", parse_non_negative_float, f"{defaults.stream_rate:g}",
+         "new streams per second one client identity may open (a token bucket of --client-stream-burst); "
+         "more get 429"),
+        ("--client-stream-burst", parse_count, str(defaults.stream_burst),
+         "new streams one client identity may open at once before --client-stream-rate applies"),
+        ("--client-buffer-budget", parse_size, format_size(defaults.buffer),
+         "bytes of stream windows (data received and not read yet by the other end) the server may hold "
+         "for one client identity; its new streams get 429 beyond it"),
+        ("--connection-buffer-budget", parse_size, format_size(defaults.connection_buffer),
+         "the same for one client connection"),
+        ("--buffer-budget", parse_size, format_size(defaults.process_buffer),
+         "the same for all clients together; new streams get 503 beyond it"),
+    ):  # fmt: skip
+        flag(name, type=convert, default=default, help=text)
     flag(
         "--handshake-timeout",
         type=parse_duration,
@@ -446,11 +423,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         keepalive_timeout=args.keepalive_timeout,
         drain_timeout=args.drain_timeout,
         shutdown_delay=args.shutdown_delay,
-        startup_grace=(
-            args.startup_grace
-            if args.startup_grace is not None
-            else (REPLICA_STARTUP_GRACE if args.server_count > 1 else 0.0)
-        ),
+        startup_grace=_startup_grace(args, args.server_count),
         tunnel=tunnel,
         client_tunnel=client_tunnel,
         audit_log=args.audit_log,
@@ -498,6 +471,13 @@ async def bootstrap(config: ServerConfig) -> None:
     )
 
 
+def _startup_grace(args: argparse.Namespace, server_count: int) -> float:
+    """--startup-grace, else its default: agents need a while to find a new replica among several."""
+    if args.startup_grace is not None:
+        return float(args.startup_grace)
+    return REPLICA_STARTUP_GRACE if server_count > 1 else 0.0
+
+
 def worker_config(config: ServerConfig, args: argparse.Namespace, spec: WorkerSpec) -> ServerConfig:
     """A worker's settings: its replica id and count from the parent; no signer (the parent bootstraps
     and renews the files, the worker reloads them); an audit log file of its own (``audit.w0.jsonl``:
@@ -508,11 +488,7 @@ def worker_config(config: ServerConfig, args: argparse.Namespace, spec: WorkerSp
         server_id=spec.server_id,
         server_count=spec.server_count,
         worker=(spec.index, spec.workers),
-        startup_grace=(
-            args.startup_grace
-            if args.startup_grace is not None
-            else (REPLICA_STARTUP_GRACE if spec.server_count > 1 else 0.0)
-        ),
+        startup_grace=_startup_grace(args, spec.server_count),
         signer=None,
         bootstrap_token=None,
     )
