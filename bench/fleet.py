@@ -16,8 +16,9 @@ from pathlib import Path
 
 import trio
 
+from clusterproxy_agent.app import Service
+from clusterproxy_agent.config import AgentSettings
 from clusterproxy_agent.egress import parse_rule
-from clusterproxy_agent.main import AgentSettings, Service
 from clusterproxy_protocol import workarounds
 from clusterproxy_protocol.logs import configure_logging
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from clusterproxy_agent.main import Service
+from clusterproxy_agent.app import Service
 from clusterproxy_protocol.pki import PemPair
 from clusterproxy_protocol.tls import client_context
 from clusterproxy_protocol.wire import ALPN_HTTP1

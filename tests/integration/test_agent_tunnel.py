@@ -15,8 +15,9 @@ import trio
 import trio.testing
 
 from clusterproxy_agent.agent import Agent, AgentConfig
+from clusterproxy_agent.app import Service
+from clusterproxy_agent.config import AgentSettings
 from clusterproxy_agent.egress import EgressPolicy, parse_rule
-from clusterproxy_agent.main import AgentSettings, Service
 from clusterproxy_agent.tunnel import TunnelOptions, TunnelRunner
 from clusterproxy_protocol.core import Role
 from clusterproxy_protocol.driver import Mux, open_mux

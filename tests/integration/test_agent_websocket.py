@@ -15,8 +15,10 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected, open_websocket, wrap_client_stream
 
+from clusterproxy_agent.app import Service
+from clusterproxy_agent.config import AgentSettings, WebSocketEndpoint
 from clusterproxy_agent.egress import parse_rule
-from clusterproxy_agent.main import AgentSettings, Service, WebSocketEndpoint, parse_settings
+from clusterproxy_agent.main import parse_settings
 from clusterproxy_protocol import tls
 from clusterproxy_protocol.websocket import WebSocketStream
 from clusterproxy_protocol.wire import ALPN_H2, WEBSOCKET_PATH, WEBSOCKET_SUBPROTOCOL

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import trio
 
+from clusterproxy_agent.app import Service
+from clusterproxy_agent.config import AgentSettings
 from clusterproxy_agent.egress import parse_rule
-from clusterproxy_agent.main import AgentSettings, Service
 from clusterproxy_protocol.pki import DevCA, PemPair
 from clusterproxy_protocol.tls import client_context
 from clusterproxy_sdk import Forbidden, open_tunnel

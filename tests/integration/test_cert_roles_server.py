@@ -20,8 +20,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from structlog.testing import capture_logs
 
+from clusterproxy_agent.app import Service
+from clusterproxy_agent.config import AgentSettings
 from clusterproxy_agent.egress import parse_rule
-from clusterproxy_agent.main import AgentSettings, Service
 from clusterproxy_certsigner.testing import RunningSigner, start_signer
 from clusterproxy_protocol import certclient
 from clusterproxy_protocol.certclient import CertFiles, SignerRequestError

@@ -13,8 +13,9 @@ import pytest
 import trio
 from hyperframe.frame import DataFrame, HeadersFrame
 
+from clusterproxy_agent.app import Service
+from clusterproxy_agent.config import AgentSettings
 from clusterproxy_agent.egress import parse_rule
-from clusterproxy_agent.main import AgentSettings, Service
 from clusterproxy_server.frontends import konnectivity_pb2 as pb
 from clusterproxy_server.frontends.konnectivity import MessageReader, frame
 from tests.support.h2_attacker import Attacker

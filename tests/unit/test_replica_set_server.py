@@ -10,8 +10,9 @@ import socket
 import pytest
 import trio
 
+from clusterproxy_agent.app import Service
+from clusterproxy_agent.config import AgentSettings
 from clusterproxy_agent.egress import parse_rule
-from clusterproxy_agent.main import AgentSettings, Service
 from clusterproxy_protocol.config import parse_args_or_exit
 from clusterproxy_protocol.errors import ConnectRefused
 from clusterproxy_sdk import TLSFiles, open_tunnel

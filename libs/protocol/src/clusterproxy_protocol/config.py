@@ -29,8 +29,6 @@ from typing import Any
 from clusterproxy_protocol.windows import format_size
 from clusterproxy_protocol.wire import MalformedAddress, split_hostport
 
-__all__ = ["format_size"]  # re-exported: the inverse of parse_size, for flags' defaults
-
 __all__ = [
     "ConfigError",
     "InvalidValue",
@@ -38,6 +36,8 @@ __all__ = [
     "env_for",
     "existing_dir",
     "existing_file",
+    "flag_adder",
+    "format_size",  # re-exported: the inverse of parse_size, for flags' defaults
     "parse_args_or_exit",
     "parse_bool",
     "parse_duration",
@@ -198,6 +198,39 @@ def parse_count(text: str | int) -> int:
     return value
 
 
+def parse_positive_float(text: str) -> float:
+    """A number greater than 0 (a rate, a burst)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidValue(f"invalid number {text!r}: expected a number > 0") from None
+    if not value > 0:
+        raise InvalidValue(f"invalid number {text!r}: expected a number > 0")
+    return value
+
+
+def parse_non_negative_float(text: str) -> float:
+    """A finite number >= 0 (0 often meaning "no limit")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidValue(f"invalid number {text!r}: expected a number >= 0, e.g. 500") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise InvalidValue(f"invalid number {text!r}: must be a finite number >= 0")
+    return value
+
+
+def parse_fraction(text: str) -> float:
+    """A share in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidValue(f"invalid fraction {text!r}: expected a number in (0, 1], e.g. 0.5") from None
+    if not 0 < value <= 1:
+        raise InvalidValue(f"invalid fraction {text!r}: must be greater than 0 and at most 1")
+    return value
+
+
 _TRUE = {"1", "true", "yes", "on", "y", "t"}
 _FALSE = {"0", "false", "no", "off", "n", "f", ""}
 
@@ -335,6 +368,19 @@ def add_flag(
     action.cluster_proxy_multiple = multiple  # type: ignore[attr-defined]
     action.cluster_proxy_required = required  # type: ignore[attr-defined]
     return action
+
+
+def flag_adder(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, prefix: str
+) -> Callable[..., argparse.Action]:
+    """A program's ``flag(name, **kwargs)``: :func:`add_flag` to ``parser`` with the environment twin
+    ``prefix`` + the flag's name (``flag_adder(p, "CLUSTER_PROXY_SERVER_")("--agent-listen", ...)``
+    reads ``CLUSTER_PROXY_SERVER_AGENT_LISTEN``)."""
+
+    def flag(name: str, **kwargs: Any) -> argparse.Action:
+        return add_flag(parser, name, env=env_for(name, prefix), **kwargs)
+
+    return flag
 
 
 def _convert(action: argparse.Action, convert: Callable[[str], Any], text: str) -> Any:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import signal
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -23,11 +22,10 @@ from typing import Any
 import trio
 
 from clusterproxy_protocol.admin import Response, metrics_response, serve_admin
-from clusterproxy_protocol.certclient import SignerEndpoint
 from clusterproxy_protocol.config import (
     ConfigError,
     InvalidValue,
-    add_flag,
+    flag_adder,
     parse_args_or_exit,
     parse_duration,
     parse_hostport,
@@ -36,6 +34,12 @@ from clusterproxy_protocol.config import (
 )
 from clusterproxy_protocol.kubeconfig import load_configuration
 from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
+from clusterproxy_protocol.service_runtime import (
+    failure_in_log,
+    run_service,
+    serve_until_signalled,
+    signer_url,
+)
 from clusterproxy_protocol.wire import CLUSTER_NAME, format_authority
 
 from . import render
@@ -105,17 +109,6 @@ def _admin_url(text: str) -> str:
     return value
 
 
-def _signer_url(text: str) -> str:
-    value = text.strip().rstrip("/")
-    try:
-        SignerEndpoint.parse(value, Path("unused"))
-    except ConfigError as exc:
-        raise InvalidValue(str(exc)) from None
-    if not value.startswith("https://"):
-        raise InvalidValue(f"invalid signer URL {text!r}: expected https://HOST:PORT")
-    return value
-
-
 def _token_ttl(text: str) -> float:
     seconds = parse_duration(text)
     if not 60 <= seconds <= 24 * 3600:
@@ -174,8 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         "cluster whose ManagedClusterAddOn 'cluster-proxy' exists; keeps their status.",
     )
 
-    def flag(name: str, **kwargs: Any) -> None:
-        add_flag(parser, name, env=ENV_PREFIX + name.lstrip("-").upper().replace("-", "_"), **kwargs)
+    flag = flag_adder(parser, ENV_PREFIX)
 
     flag(
         "--kubeconfig",
@@ -209,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag(
         "--signer",
-        type=_signer_url,
+        type=signer_url,
         metavar="URL",
         help="the cert-signer that issues the manager's own hub client certificate (the proxy-servers "
         f"list their clusters to hub clients only), https://HOST:PORT; default: its Service "
@@ -536,18 +528,9 @@ async def serve(
     """Run until SIGTERM/SIGINT."""
     kube = Kube(load_configuration(settings.kubeconfig, flag_env=ENV_PREFIX + "KUBECONFIG").configuration)
     manager = Manager(settings, kube)
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
-
-            async def stop_on_signal() -> None:
-                async for signum in signals:
-                    manager.log.info("shutdown_requested", signal=signal.Signals(signum).name)
-                    nursery.cancel_scope.cancel()
-                    return
-
-            nursery.start_soon(stop_on_signal)
-            await nursery.start(manager.run)
-            task_status.started(manager)
+    await serve_until_signalled(
+        manager.run, manager.log, first_event="shutdown_requested", task_status=task_status
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -556,24 +539,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging(settings.log_level, json=json_logs)
     log = get_logger("clusterproxy_addon_manager")
     log.info("manager_starting", **settings.summary())
-    try:
-        trio.run(serve, settings)
-    except KeyboardInterrupt:
-        pass
-    except Exception as exc:
-        leaves = _leaves(exc)
-        if not all(isinstance(e, ConfigError | OSError) for e in leaves):
-            raise
-        log.error("manager_failed", error="; ".join(str(e) for e in leaves))
-        sys.exit(1)
-    log.info("manager_stopped")
-    sys.exit(0)
-
-
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
-    return [exc]
+    status = run_service(serve, settings, on_failure=failure_in_log(log, "manager_failed"))
+    if status == 0:
+        log.info("manager_stopped")
+    sys.exit(status)
 
 
 if __name__ == "__main__":

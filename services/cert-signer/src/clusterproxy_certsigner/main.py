@@ -20,14 +20,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import signal
 import sys
 import tempfile
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
-
-import trio
 
 from clusterproxy_castore.filestore import FileStore
 from clusterproxy_castore.rotation import DEFAULT_CA_DAYS, RotationError, ensure_ca
@@ -35,30 +31,23 @@ from clusterproxy_castore.store import CertStore, StoreError
 from clusterproxy_protocol.config import (
     ConfigError,
     InvalidValue,
-    add_flag,
+    flag_adder,
     parse_args_or_exit,
     parse_duration,
     parse_hostport,
+    parse_positive_float,
     parse_positive_int,
     parse_size,
 )
 from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
+from clusterproxy_protocol.service_runtime import failure_in_log, run_service, serve_until_signalled
 
 from .cli_commands import add_store_flag, open_store_from_args, parse_host, register_certs_commands
 from .https import HttpLimits
 from .service import SignerConfig, SignerService
 
 ENV = "CLUSTER_PROXY_CERT_SIGNER_"
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise InvalidValue(f"invalid number {text!r}: expected a number > 0") from None
-    if not value > 0:
-        raise InvalidValue(f"invalid number {text!r}: expected a number > 0")
-    return value
+PROG = "cluster-proxy-cert-signer"
 
 
 def _cert_ttl(text: str) -> dt.timedelta:
@@ -77,7 +66,7 @@ def _rotation_refresh(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cluster-proxy-cert-signer",
+        prog=PROG,
         description="The cluster-proxy CA: issues server, agent and client certificates over HTTPS "
         "(bootstrap tokens, mTLS renewal) and rotates the CA with overlap.",
     )
@@ -85,8 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the signing API")
 
-    def flag(name: str, **kwargs: object) -> None:
-        add_flag(serve, name, env=ENV + name[2:].upper().replace("-", "_"), **kwargs)  # type: ignore[arg-type]
+    flag = flag_adder(serve, ENV)
 
     add_store_flag(serve)
     flag("--listen", type=parse_hostport, default="0.0.0.0:8443", help="HTTPS address of the signing API")
@@ -110,32 +98,32 @@ def build_parser() -> argparse.ArgumentParser:
     flag("--max-body", type=parse_size, default="64KiB", help="largest request body (413 above)")
     flag(
         "--ip-burst",
-        type=_positive_float,
+        type=parse_positive_float,
         default="20",
         help="requests without a client certificate per client IP at once",
     )
     flag(
         "--ip-rate",
-        type=_positive_float,
+        type=parse_positive_float,
         default="2",
         help="requests without a client certificate per client IP per second, sustained",
     )
     flag(
         "--cert-burst",
-        type=_positive_float,
+        type=parse_positive_float,
         default="20",
         help="requests per client certificate (mTLS: renewals, trust reports) at once",
     )
     flag(
         "--cert-rate",
-        type=_positive_float,
+        type=parse_positive_float,
         default="1",
         help="requests per client certificate per second, sustained",
     )
-    flag("--token-burst", type=_positive_float, default="5", help="attempts per bootstrap token at once")
+    flag("--token-burst", type=parse_positive_float, default="5", help="attempts per bootstrap token at once")
     flag(
         "--token-rate",
-        type=_positive_float,
+        type=parse_positive_float,
         default="0.0167",
         help="attempts per token per second, sustained",
     )
@@ -220,32 +208,32 @@ def config_from_args(args: argparse.Namespace, scratch: Path) -> SignerConfig:
 
 
 async def serve(config: SignerConfig) -> None:
+    """Run until SIGTERM/SIGINT (nothing to drain: each request is one short exchange)."""
     service = SignerService(config)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(service.run)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                service.log.info("signal_received", signal=signal.Signals(signum).name)
-                nursery.cancel_scope.cancel()
-                break
+    await serve_until_signalled(service.run, service.log)
+
+
+FAILURES = (ConfigError, RotationError, StoreError, NotImplementedError, OSError)
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     configure_logging(args.log_level, json=LOG_FORMATS[args.log_format])
-    log = get_logger("cert-signer")
-    try:
-        # the signer's key must not outlive it on disk: a folder that goes with the process
-        with tempfile.TemporaryDirectory(prefix="cert-signer-") as scratch:
-            trio.run(partial(serve, config_from_args(args, Path(scratch))))
-    except ConfigError as exc:
-        parser.exit(2, f"cluster-proxy-cert-signer: error: {exc}\n")
-    except (RotationError, StoreError, NotImplementedError) as exc:
-        log.error("signer_failed", error=str(exc))
-        return 1
-    except OSError as exc:
-        log.error("signer_failed", error=str(exc))
-        return 1
-    return 0
+    in_log = failure_in_log(get_logger("cert-signer"), "signer_failed")
+
+    def failed(errors: list[BaseException]) -> int:
+        """A bad setting: status 2 and its message, as for a bad flag; else one ``signer_failed``."""
+        config_errors = [e for e in errors if isinstance(e, ConfigError)]
+        if config_errors:
+            parser.exit(2, f"{PROG}: error: {config_errors[0]}\n")
+        return in_log(errors)
+
+    # the signer's key must not outlive it on disk: a folder that goes with the process
+    with tempfile.TemporaryDirectory(prefix="cert-signer-") as scratch:
+        try:
+            config = config_from_args(args, Path(scratch))
+        except FAILURES as exc:
+            return failed([exc])
+        return run_service(serve, config, on_failure=failed, known=FAILURES)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -254,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         code = args.run(args, args.subparser)
     except (StoreError, RotationError, NotImplementedError) as exc:
-        print(f"cluster-proxy-cert-signer: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         code = 1
     raise SystemExit(code)
 

@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,8 +26,8 @@ from clusterproxy_protocol.audit import add_audit_flag, open_sink
 from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.config import (
     ConfigError,
-    add_flag,
     existing_file,
+    flag_adder,
     parse_args_or_exit,
     parse_duration,
     parse_hostport,
@@ -35,6 +36,14 @@ from clusterproxy_protocol.config import (
 )
 from clusterproxy_protocol.kubeconfig import load_configuration
 from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
+from clusterproxy_protocol.service_runtime import (
+    add_certificate_flags,
+    add_signer_flags,
+    check_without_signer,
+    failure_on_stderr,
+    run_service,
+    serve_until_signalled,
+)
 from clusterproxy_sdk import TLSFiles, open_shared_tunnel
 
 from .allowlist import DEFAULT_ALLOWLIST, AllowList
@@ -53,18 +62,16 @@ from .service_proxy import DEFAULT_CREDENTIAL_SECRET, ServiceProxy, ServingCerti
 from .serviceaccounts import ManagedServiceAccounts
 
 ENV_PREFIX = "CLUSTER_PROXY_GATEWAY_"
+PROG = "cluster-proxy-cluster-gateway"
 DEFAULT_TOKEN_SECRET = "cluster-gateway"
 DEFAULT_PROFILE_NAMESPACE = "open-cluster-management"
 DEFAULT_SERVICE_PROXY_NAME = "cluster-proxy-service-proxy"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="cluster-proxy-cluster-gateway", description=__doc__.split("\n\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
 
-    def flag(name: str, **kwargs: Any) -> None:
-        add_flag(parser, name, env=ENV_PREFIX + name.removeprefix("--").upper().replace("-", "_"), **kwargs)
+    flag = flag_adder(parser, ENV_PREFIX)
 
     flag("--listen", type=parse_hostport, default="0.0.0.0:9443", metavar="HOST:PORT",
          help="HTTPS address the hub's aggregator calls (port 0: any free port, logged as gateway_started)")  # fmt: skip
@@ -83,17 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
          help="hub kubeconfig (default: $KUBECONFIG, else the pod's service account)")  # fmt: skip
     flag("--proxy-server", type=parse_hostport, required=True, metavar="HOST:PORT",
          help="the proxy-server's client port (HTTP/2 frontend)")  # fmt: skip
-    flag("--proxy-ca", type=Path, required=True, metavar="FILE",
-         help="CA bundle that signed the proxy-server's certificate (with --signer: kept current)")  # fmt: skip
-    flag("--proxy-cert", type=Path, required=True, metavar="FILE",
-         help="the gateway's hub client certificate (read again at each dial; with --signer: written there)")  # fmt: skip
-    flag("--proxy-key", type=Path, required=True, metavar="FILE", help="its private key")
-    flag("--signer", metavar="URL",
-         help="cert-signer (https://HOST:PORT): get --proxy-cert/--proxy-key with --bootstrap-token when they "
-         "hold no valid certificate, renew them, follow the trust bundle")  # fmt: skip
-    flag("--bootstrap-token", metavar="TOKEN",
-         help="with --signer: a single-use token bound to --client-name "
-         "(cluster-proxy-cert-signer token create --client cluster-gateway)")  # fmt: skip
+    add_certificate_flags(
+        flag,
+        prefix="--proxy-",
+        ca_help="CA bundle that signed the proxy-server's certificate (with --signer: kept current)",
+        cert_help="the gateway's hub client certificate (read again at each dial; with --signer: written there)",
+        key_help="its private key",
+        metavar="FILE",
+    )
+    add_signer_flags(
+        flag,
+        signer_help="cert-signer (https://HOST:PORT): get --proxy-cert/--proxy-key with --bootstrap-token when "
+        "they hold no valid certificate, renew them, follow the trust bundle",
+        token_help="with --signer: a single-use token bound to --client-name "
+        "(cluster-proxy-cert-signer token create --client cluster-gateway)",
+    )
     flag("--bootstrap-ca", type=Path, metavar="FILE",
          help="with --signer: the trust bundle that seeds --proxy-ca when that file does not exist yet")  # fmt: skip
     flag("--client-name", default="cluster-gateway", metavar="NAME",
@@ -237,18 +248,16 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         parser.error("--service-proxy-tls-cert and --service-proxy-tls-key go together")
     check_oidc_args(args, parser)
     if args.signer is None:
-        for name in ("--bootstrap-token", "--bootstrap-ca", "--service-proxy-bootstrap-token"):
-            if getattr(args, name[2:].replace("-", "_")):
-                parser.error(f"{name} needs --signer (the cert-signer that trades the token)")
-        for name, path in (
-            ("--proxy-ca", args.proxy_ca),
-            ("--proxy-cert", args.proxy_cert),
-            ("--proxy-key", args.proxy_key),
-        ):
-            try:
-                existing_file(path)
-            except ConfigError as exc:
-                parser.error(f"argument {name}: {exc} (or use --signer to get the certificate)")
+        tokens = ("--bootstrap-token", "--bootstrap-ca", "--service-proxy-bootstrap-token")
+        check_without_signer(
+            parser.error,
+            tokens=[(name, getattr(args, name[2:].replace("-", "_"))) for name in tokens],
+            files=[
+                ("--proxy-ca", args.proxy_ca),
+                ("--proxy-cert", args.proxy_cert),
+                ("--proxy-key", args.proxy_key),
+            ],
+        )
 
 
 def check_oidc_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -295,9 +304,13 @@ def oidc_verifier(args: argparse.Namespace) -> OIDCVerifier | None:
     )
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(
+    args: argparse.Namespace, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """The gateway until cancelled (``main``: at SIGTERM or SIGINT)."""
     from kubernetes import client
 
+    task_status.started()  # nothing to wait for: a signal during the start stops it too
     log = get_logger("cluster-gateway")
     api = client.ApiClient(
         load_configuration(args.kubeconfig, flag_env=ENV_PREFIX + "KUBECONFIG").configuration
@@ -440,12 +453,12 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     args = parse_args_or_exit(parser, argv, environ=environ)
     check_args(args, parser)
     configure_logging(args.log_level, json=LOG_FORMATS[args.log_format])
-    try:
-        trio.run(run, args)
-    except ConfigError as exc:
-        sys.exit(f"cluster-proxy-cluster-gateway: {exc}")
-    except KeyboardInterrupt:
-        pass
+    sys.exit(run_service(serve, args, on_failure=failure_on_stderr(PROG)))
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """:func:`run` until SIGTERM/SIGINT (nothing to drain: the aggregator retries elsewhere)."""
+    await serve_until_signalled(partial(run, args), get_logger("cluster-gateway"))
 
 
 if __name__ == "__main__":

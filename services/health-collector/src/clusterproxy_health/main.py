@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +27,23 @@ from clusterproxy_protocol.admin import Response, metrics_response, serve_admin
 from clusterproxy_protocol.config import (
     ConfigError,
     InvalidValue,
-    add_flag,
     existing_file,
+    flag_adder,
     parse_args_or_exit,
     parse_hostport,
     parse_positive_duration,
     parse_positive_int,
 )
 from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
+from clusterproxy_protocol.service_runtime import (
+    SignerSettings,
+    add_certificate_flags,
+    add_signer_flags,
+    check_without_signer,
+    failure_on_stderr,
+    run_service,
+    serve_until_signalled,
+)
 from clusterproxy_protocol.wire import CLUSTER_NAME, format_authority
 
 from .collector import Collector, CollectorSettings, run_with
@@ -57,13 +66,6 @@ def _dialable(text: str) -> tuple[str, int]:
     if port == 0 or not host:
         raise InvalidValue(f"invalid address {raw!r}: HOST:PORT with a port 1-65535")
     return host, port
-
-
-def _signer_url(text: str) -> str:
-    """``https://HOST:PORT`` (or ``HOST:PORT``) of the cert-signer."""
-    value = text.strip().rstrip("/")
-    host, port = _dialable(value)
-    return f"https://{format_authority(host, port)}"
 
 
 def _secret_name(text: str) -> tuple[str, str]:
@@ -93,8 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         "/api/v1/clusters (JSON), /metrics (Prometheus), /healthz, /readyz and / (a page).",
     )
 
-    def flag(name: str, **kwargs: Any) -> None:
-        add_flag(parser, name, env=ENV_PREFIX + name.lstrip("-").upper().replace("-", "_"), **kwargs)
+    flag = flag_adder(parser, ENV_PREFIX)
 
     flag("--listen", type=parse_hostport, default="0.0.0.0:8080", metavar="HOST:PORT",
          help="plain HTTP: / /api/v1/clusters /metrics /healthz /readyz (port 0: any free port)")  # fmt: skip
@@ -106,23 +107,23 @@ def build_parser() -> argparse.ArgumentParser:
          "the headless Service, cluster-proxy-admin.NAMESPACE.svc:8092)")  # fmt: skip
     flag("--proxy", type=_dialable, metavar="HOST:PORT",
          help="the proxy-server's client port the probes go through (without it: no probes)")  # fmt: skip
-    flag(
-        "--ca",
-        type=Path,
-        metavar="FILE",
-        help="CA bundle that signed the proxy-server's certificate (with --signer: the cert-signer's "
+    add_certificate_flags(
+        flag,
+        ca_help="CA bundle that signed the proxy-server's certificate (with --signer: the cert-signer's "
         "too, kept current there)",
+        cert_help="hub client certificate (followed when renewed; with --signer: written there)",
+        key_help="its private key",
+        required=False,  # asked for below, with why
+        metavar="FILE",
     )
-    flag("--cert", type=Path, metavar="FILE",
-         help="hub client certificate (followed when renewed; with --signer: written there)")  # fmt: skip
-    flag("--key", type=Path, metavar="FILE", help="its private key")
-    flag("--signer", type=_signer_url, metavar="URL",
-         help="cert-signer (https://HOST:PORT, verified with --ca): get --cert/--key with "
-         "--bootstrap-token when they hold no valid certificate, renew them at 80%% of their lifetime, "
-         "follow the trust bundle in --ca")  # fmt: skip
-    flag("--bootstrap-token", metavar="TOKEN",
-         help="with --signer: a single-use token bound to --client-name (cluster-proxy-cert-signer "
-         "token create --client NAME); better given as its environment twin")  # fmt: skip
+    add_signer_flags(
+        flag,
+        signer_help="cert-signer (https://HOST:PORT, verified with --ca): get --cert/--key with "
+        "--bootstrap-token when they hold no valid certificate, renew them at 80% of their lifetime, "
+        "follow the trust bundle in --ca",
+        token_help="with --signer: a single-use token bound to --client-name (cluster-proxy-cert-signer "
+        "token create --client NAME); better given as its environment twin",
+    )
     flag("--bootstrap-secret", type=_secret_name, metavar="NAMESPACE/NAME",
          help="with --signer, instead of --bootstrap-token: a Secret (keys bootstrap-token and ca.crt, the "
          "hub's trust bundle, which seeds --ca) read through the Kubernetes API until the first "
@@ -180,18 +181,10 @@ def parse_settings(
         )
     if args.bootstrap_token and args.bootstrap_secret:
         parser.error("give the token once: --bootstrap-token or --bootstrap-secret")
-    if args.signer is None:
-        for name, value in (
-            ("--bootstrap-token", args.bootstrap_token),
-            ("--bootstrap-secret", args.bootstrap_secret),
-        ):
-            if value:
-                parser.error(f"{name} needs --signer (the cert-signer that trades the token)")
-        for name, value in ((n, v) for n, v in tls_files if v is not None):
-            try:
-                existing_file(value)
-            except InvalidValue as exc:
-                parser.error(f"argument {name}: {exc} (or use --signer to get the certificate)")
+    signer = SignerSettings.from_args(args)
+    if signer is None:
+        tokens = [("--bootstrap-token", args.bootstrap_token), ("--bootstrap-secret", args.bootstrap_secret)]
+        check_without_signer(parser.error, tokens=tokens, files=tls_files)
     elif args.proxy is None:
         parser.error("--signer needs --proxy: the client certificate is for the probes through it")
     if not args.admin_url and args.admin_service is None:
@@ -211,8 +204,8 @@ def parse_settings(
         cert=args.cert,
         key=args.key,
         server_name=args.server_name,
-        signer=args.signer,
-        bootstrap_token=(args.bootstrap_token or "").strip() or None,
+        signer=signer and signer.url,
+        bootstrap_token=signer and signer.bootstrap_token,
         bootstrap_secret=args.bootstrap_secret,
         client_name=args.client_name,
         probe=probe,
@@ -307,13 +300,8 @@ async def once(settings: CollectorSettings) -> dict[str, Any]:
 
 
 async def _until_signal(settings: CollectorSettings) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(serve, settings)
-            async for signum in signals:
-                get_logger("clusterproxy_health").info("stopping", signal=signal.Signals(signum).name)
-                nursery.cancel_scope.cancel()
-                return
+    log = get_logger("clusterproxy_health")
+    await serve_until_signalled(partial(serve, settings), log, first_event="stopping")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -323,16 +311,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     # h2's and hpack's debug lines are one per frame and header: a thousand probes a round drown the log
     for noisy in ("h2", "hpack"):
         logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger(noisy).level))
-    try:
-        if run_once:
-            document = trio.run(once, settings)
+    failed = failure_on_stderr(PROG)
+    if run_once:
+
+        async def print_once() -> None:
+            document = await once(settings)
             sys.stdout.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
-            return
-        trio.run(_until_signal, settings)
-    except* ConfigError as group:
-        sys.exit(f"{PROG}: error: {group.exceptions[0]}")
-    except* KeyboardInterrupt:
-        pass
+
+        sys.exit(run_service(print_once, on_failure=failed, known=(ConfigError,)))
+    sys.exit(run_service(_until_signal, settings, on_failure=failed, known=(ConfigError,)))
 
 
 if __name__ == "__main__":

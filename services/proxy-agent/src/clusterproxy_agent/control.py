@@ -30,7 +30,6 @@ from clusterproxy_protocol.driver import IncomingRequest
 from clusterproxy_protocol.errors import describe_exception
 from clusterproxy_protocol.httpserver import HttpLimits, Request, Response, serve_stream
 from clusterproxy_protocol.logs import get_logger
-from clusterproxy_protocol.tunnel_stream import TunnelStream
 
 __all__ = ["ControlEndpoint", "KubeAPI", "KubeError", "ServiceAccountSettings", "is_control_target"]
 

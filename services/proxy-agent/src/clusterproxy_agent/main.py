@@ -1,4 +1,8 @@
-"""``cluster-proxy-agent``: command line, startup, admin endpoints, graceful shutdown."""
+"""``cluster-proxy-agent``: the command line (flags and their environment twins) and ``main``.
+
+The settings are in ``config.py``, the running agent (tunnels, admin port, certificate renewal,
+drain) in ``app.py``.
+"""
 
 from __future__ import annotations
 
@@ -6,32 +10,27 @@ import argparse
 import dataclasses
 import math
 import os
-import signal
-import socket
-import ssl
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
-import trio
-
-from clusterproxy_agent.agent import Agent, AgentConfig, agent_version
-from clusterproxy_agent.aiming import aimed_dial
-from clusterproxy_agent.control import ControlEndpoint, ServiceAccountSettings
-from clusterproxy_agent.egress import EgressPolicy, Rule, parse_rule
-from clusterproxy_agent.replicas import ReplicaSet
-from clusterproxy_agent.tunnel import Opener, TunnelOptions, tls_opener, websocket_carrier
-from clusterproxy_protocol import allocator, certclient, workarounds
-from clusterproxy_protocol.admin import Response, metrics_response, serve_admin
-from clusterproxy_protocol.bootstrap import bootstrap_with_retry
-from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
+from clusterproxy_agent.agent import AgentConfig
+from clusterproxy_agent.app import serve
+from clusterproxy_agent.config import (
+    TUNNEL,
+    AgentSettings,
+    agent_id,
+    cluster_name,
+    default_agent_id,
+    server_addresses,
+)
+from clusterproxy_agent.control import ServiceAccountSettings
+from clusterproxy_agent.egress import parse_rule
+from clusterproxy_protocol import allocator, workarounds
 from clusterproxy_protocol.config import (
     ConfigError,
-    InvalidValue,
-    add_flag,
     existing_file,
+    flag_adder,
     format_size,
     parse_args_or_exit,
     parse_count,
@@ -41,257 +40,25 @@ from clusterproxy_protocol.config import (
     parse_positive_duration,
     parse_size,
 )
-from clusterproxy_protocol.forward_proxy import NoProxy, ProxySettings, ProxyURL, Route
-from clusterproxy_protocol.forward_proxy_trio import ForwardProxy
+from clusterproxy_protocol.forward_proxy import NoProxy, ProxySettings, ProxyURL
 from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
-from clusterproxy_protocol.pki import agent_uri
-from clusterproxy_protocol.reloader import ReloadingContext
-from clusterproxy_protocol.renewer import CertRenewer, RenewalPolicy
-from clusterproxy_protocol.settings import TunnelSettings
-from clusterproxy_protocol.tls import client_context, web_client_context
-from clusterproxy_protocol.websocket import host_header
-from clusterproxy_protocol.wire import CLUSTER_NAME, WEBSOCKET_PATH, format_authority
+from clusterproxy_protocol.service_runtime import (
+    SIGNER_HELP,
+    SignerSettings,
+    add_certificate_flags,
+    add_signer_flags,
+    check_without_signer,
+    failure_in_log,
+    run_service,
+)
+from clusterproxy_protocol.tls import web_client_context
+from clusterproxy_protocol.wire import format_authority
 
 __all__ = ["AgentSettings", "build_parser", "main", "parse_settings", "serve"]
 
 ENV_PREFIX = "CLUSTER_PROXY_AGENT_"
 PROG = "cluster-proxy-agent"
 SERVICEACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")  # the pod's own token and CA
-
-
-# --- converters -----------------------------------------------------------------------------------------
-
-
-def cluster_name(text: str) -> str:
-    """A Kubernetes object name (RFC 1123 subdomain): lower-case letters, digits, '-' and '.'."""
-    name = text.strip()
-    if not name or len(name) > 253 or not CLUSTER_NAME.match(name):
-        raise InvalidValue(
-            f"invalid cluster name {text!r}: use lower-case letters, digits, '-' and '.', starting and "
-            "ending with a letter or digit (a Kubernetes object name, at most 253 characters)"
-        )
-    return name
-
-
-def agent_id(text: str) -> str:
-    value = text.strip()
-    try:
-        agent_uri("x", value)
-    except ValueError:
-        raise InvalidValue(
-            f"invalid agent id {text!r}: use letters, digits, '.', '_' and '-' "
-            "(starting and ending with a letter or digit, at most 253 characters)"
-        ) from None
-    return value
-
-
-@dataclass(frozen=True)
-class WebSocketEndpoint:
-    """The tunnel carried in a WebSocket (``--server ws[s]://HOST[:PORT][/PATH]``): ``secure`` for
-    ``wss://`` (TLS with the ingress in front of the hub), ``path`` of the upgrade request."""
-
-    secure: bool
-    path: str = WEBSOCKET_PATH
-
-    def url(self, host: str, port: int) -> str:
-        return f"{'wss' if self.secure else 'ws'}://{host_header(host, port, self.secure)}{self.path}"
-
-
-ServerAddress = tuple[tuple[str, int], WebSocketEndpoint | None]
-
-
-def server_address(text: str) -> ServerAddress:
-    """``HOST:PORT`` (the agent port: TLS over TCP) or ``wss://HOST[:PORT][/PATH]`` / ``ws://...``
-    (a WebSocket endpoint: an ingress in front of the proxy-server's WebSocket port)."""
-    if "://" not in text:
-        return parse_dialable_hostport(text), None
-    parts = urlsplit(text)
-    scheme = parts.scheme.lower()
-    if scheme not in ("ws", "wss"):
-        raise InvalidValue(
-            f"invalid server address {text!r}: {scheme}:// is not a transport; give HOST:PORT for the "
-            "agent port, or wss://HOST[:PORT][/PATH] for the WebSocket transport"
-        )
-    if parts.username is not None or parts.query or parts.fragment:
-        raise InvalidValue(
-            f"invalid server address {text!r}: a WebSocket URL takes no user info, query or fragment"
-        )
-    try:
-        port = parts.port or (443 if scheme == "wss" else 80)
-    except ValueError:
-        raise InvalidValue(f"invalid server address {text!r}: the port must be 1-65535") from None
-    if not parts.hostname:
-        raise InvalidValue(f"invalid server address {text!r}: no host")
-    path = parts.path if parts.path not in ("", "/") else WEBSOCKET_PATH
-    return (parts.hostname, port), WebSocketEndpoint(secure=scheme == "wss", path=path)
-
-
-def server_addresses(text: str) -> list[ServerAddress]:
-    """``HOST:PORT`` or a ``wss://`` URL, or several separated by commas: the proxy-server replicas."""
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    if not items:
-        raise InvalidValue(
-            f"invalid server address {text!r}: expected HOST:PORT[,HOST:PORT...] or wss://HOST[:PORT][/PATH]"
-        )
-    return [server_address(item) for item in items]
-
-
-def signer_url(text: str) -> str:
-    """``https://HOST:PORT`` (or ``HOST:PORT``) of the cert-signer."""
-    try:
-        SignerEndpoint.parse(text, Path("."))  # the form only; --ca is checked on its own
-    except ConfigError as exc:
-        raise InvalidValue(str(exc)) from None
-    return text.strip()
-
-
-def _default_agent_id() -> str:
-    host = socket.gethostname().split(".", 1)[0] or "agent"
-    try:
-        return agent_id(host)
-    except InvalidValue:
-        return "agent"
-
-
-# --- settings ---------------------------------------------------------------------------------------------
-
-# The tunnel's abuse limits. No reset budget by default: the only peer is the authenticated hub, which
-# carries every hub client's resets (each client connection has its own budget there); a budget here
-# would let one client's abuse take down the tunnel every client shares.
-# Stream windows start at 64 KiB and grow while the target keeps up: a target that stops reading pins
-# 64 KiB per stream, not the whole window (charged to --buffer-budget).
-TUNNEL = TunnelSettings(initial_stream_window=64 << 10, stall_timeout=60.0)
-
-
-@dataclass
-class AgentSettings:
-    server: tuple[str, int]  # the first (often the only) address of --server
-    cluster: str
-    ca: Path
-    cert: Path
-    key: Path
-    server_name: str = ""
-    agent_id: str = field(default_factory=_default_agent_id)
-    kube_apiserver: tuple[str, int] = ("kubernetes.default.svc", 443)
-    serviceaccounts: ServiceAccountSettings | None = None  # the control endpoint's (control.py)
-    dial_timeout: float = 10.0
-    allow: list[Rule] = field(default_factory=list)
-    deny: list[Rule] = field(default_factory=list)
-    default_deny: bool = True
-    admin_listen: tuple[str, int] = ("0.0.0.0", 8093)
-    connect_timeout: float = 10.0
-    backoff_initial: float = 0.5
-    backoff_max: float = 30.0
-    replica_search_backoff_max: float = 2.0
-    keepalive_interval: float = 10.0
-    keepalive_timeout: float = 20.0
-    drain_timeout: float = 30.0
-    log_level: str = "info"
-    log_format: str = "auto"
-    # cert-signer: bootstrap --cert/--key from a token, renew them, follow the trust bundle
-    signer: str | None = None
-    bootstrap_token: str | None = None
-    trust_refresh: float = 60.0
-    tunnel: TunnelSettings = TUNNEL  # HTTP/2 settings and abuse limits of the tunnel
-    buffer_budget: int = AgentConfig.buffer_budget  # every stream's window together (agent.Agent.buffers)
-    # forward proxy for the hub and the signer: flags or HTTPS_PROXY / NO_PROXY (ProxySettings)
-    proxy: ProxySettings = field(default_factory=ProxySettings)
-    proxy_ca_file: Path | None = None
-    # every address of --server: one (load-balanced: dialed until each replica is held) or one per
-    # replica; empty means [server]
-    servers: list[tuple[str, int]] = field(default_factory=list)
-    # the tunnel inside a WebSocket to each server address (--server wss://...), None: TLS over TCP
-    websocket: WebSocketEndpoint | None = None
-    websocket_ca_file: Path | None = None  # verifies a wss:// endpoint (else the system's trust store)
-
-    def __post_init__(self) -> None:
-        if not self.servers:
-            self.servers = [self.server]
-        if not self.server_name:
-            self.server_name = self.server[0]
-
-    @property
-    def server_list(self) -> str:
-        return ",".join(self.server_label(address) for address in self.servers)
-
-    def server_label(self, address: tuple[str, int]) -> str:
-        """``HOST:PORT``, or the WebSocket URL it is reached at."""
-        if self.websocket is not None:
-            return self.websocket.url(*address)
-        return format_authority(*address)
-
-    def policy(self) -> EgressPolicy:
-        return EgressPolicy.build(
-            self.allow, self.deny, default_deny=self.default_deny, kube_apiserver=self.kube_apiserver
-        )
-
-    def ssl_context(self) -> ssl.SSLContext:
-        return client_context(self.cert, self.key, self.ca, alpn=["h2"])
-
-    def reloading_context(self) -> ReloadingContext:
-        """The context for each dial, kept in step with the files (renewal, trust bundle changes)."""
-        return ReloadingContext.client(self.cert, self.key, self.ca, alpn=["h2"])
-
-    def cert_files(self) -> CertFiles:
-        return CertFiles(self.cert, self.key, self.ca)
-
-    def forward_proxy(self, host: str, port: int) -> tuple[ForwardProxy | None, Route]:
-        """The forward proxy to reach ``host:port`` through (None: dial it directly), and why."""
-        route = self.proxy.route(host, port)
-        if route.proxy is None:
-            return None, route
-        return ForwardProxy(route.proxy, self.proxy_ca_file, f"cluster-proxy-agent/{agent_version()}"), route
-
-    def signer_address(self) -> tuple[str, int]:
-        assert self.signer
-        endpoint = SignerEndpoint.parse(self.signer, self.ca)
-        return endpoint.host, endpoint.port
-
-    def signer_endpoint(self) -> SignerEndpoint:
-        assert self.signer
-        proxy, _route = self.forward_proxy(*self.signer_address())
-        return SignerEndpoint.parse(self.signer, self.ca, proxy=proxy)
-
-    def proxy_notes(self) -> list[str]:
-        """Proxy settings found and not used, for a warning at start."""
-        notes = list(self.proxy.notes)
-        routes = [self.proxy.route(*address) for address in self.servers]
-        if self.signer:
-            routes.append(self.proxy.route(*self.signer_address()))
-        if self.proxy_ca_file and not any(r.proxy and r.proxy.scheme == "https" for r in routes):
-            notes.append(f"--proxy-ca-file {self.proxy_ca_file} is not used: no https:// proxy applies")
-        return notes
-
-    def summary(self) -> dict[str, object]:
-        """The effective configuration for the startup log (paths only, never key material)."""
-        return {
-            "server": self.server_list,
-            "server_name": self.server_name,
-            "kube_apiserver": format_authority(*self.kube_apiserver),
-            "serviceaccount_namespace": self.serviceaccounts.namespace if self.serviceaccounts else None,
-            "ca": str(self.ca),
-            "cert": str(self.cert),
-            "key": str(self.key),
-            "dial_timeout": self.dial_timeout,
-            "egress": self.policy().describe(),
-            "default_deny": self.default_deny,
-            "admin_listen": format_authority(*self.admin_listen),
-            "connect_timeout": self.connect_timeout,
-            "backoff_initial": self.backoff_initial,
-            "backoff_max": self.backoff_max,
-            "replica_search_backoff_max": self.replica_search_backoff_max,
-            "keepalive_interval": self.keepalive_interval,
-            "keepalive_timeout": self.keepalive_timeout,
-            "drain_timeout": self.drain_timeout,
-            "signer": self.signer,
-            "trust_refresh": self.trust_refresh if self.signer else None,
-            "proxy_to_server": "; ".join(self.proxy.route(*address).why for address in self.servers),
-            "proxy_to_signer": self.proxy.route(*self.signer_address()).why if self.signer else None,
-            "proxy_ca_file": str(self.proxy_ca_file) if self.proxy_ca_file else None,
-            "transport": "websocket" if self.websocket is not None else "tls",
-            "websocket_ca_file": str(self.websocket_ca_file) if self.websocket_ca_file else None,
-            "version": agent_version(),
-        }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,8 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         "inside this cluster's network.",
     )
 
-    def flag(name: str, **kwargs: object) -> None:
-        add_flag(parser, name, env=ENV_PREFIX + name.lstrip("-").upper().replace("-", "_"), **kwargs)  # type: ignore[arg-type]
+    flag = flag_adder(parser, ENV_PREFIX)
 
     flag(
         "--server",
@@ -329,42 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag("--cluster", type=cluster_name, required=True, help="name of this managed cluster")
     flag("--agent-id", type=agent_id, help="id of this agent replica (default: the host name)")
-    flag("--ca", type=existing_file, required=True, metavar="FILE", help="CA bundle to verify the server")
-    flag(
-        "--cert",
-        type=Path,
-        required=True,
+    add_certificate_flags(
+        flag,
+        ca_help="CA bundle to verify the server",
+        cert_help="agent certificate (PEM); with --signer it is written (and renewed) there",
+        key_help="agent private key (PEM); with --signer, as --cert",
+        ca_type=existing_file,
         metavar="FILE",
-        help="agent certificate (PEM); with --signer it is written (and renewed) there",
     )
-    flag(
-        "--key",
-        type=Path,
-        required=True,
-        metavar="FILE",
-        help="agent private key (PEM); with --signer, as --cert",
-    )
-    flag(
-        "--signer",
-        type=signer_url,
-        metavar="URL",
-        help="cert-signer (https://HOST:PORT, verified with --ca): bootstrap --cert/--key with "
-        "--bootstrap-token when they hold no valid certificate, renew them at 80% of their lifetime "
-        "and follow the trust bundle, all without dropping the tunnel",
-    )
-    flag(
-        "--bootstrap-token",
-        metavar="TOKEN",
-        help="single-use token bound to this cluster (cluster-proxy certs token create --cluster NAME); "
+    add_signer_flags(
+        flag,
+        signer_help=SIGNER_HELP + "dropping the tunnel",
+        token_help="single-use token bound to this cluster (cluster-proxy certs token create --cluster NAME); "
         "only used when --cert/--key hold no valid certificate",
-    )
-    flag(
-        "--trust-refresh",
-        metavar="DURATION",
-        type=parse_duration,
-        default="1m",
-        help="with --signer: how often the trust bundle is fetched (a CA rotation is noticed within "
-        "it; while one is under way the signer asks for sooner refreshes); 0: never (no CA rotation)",
+        trust_refresh=True,
+        trust_refresh_metavar="DURATION",
     )
     flag(
         "--proxy-url",
@@ -583,7 +328,7 @@ def parse_settings(
         websocket_ca_file=args.websocket_ca_file,
         server_name=(args.server_name or "").strip(),
         cluster=args.cluster,
-        agent_id=args.agent_id or _default_agent_id(),
+        agent_id=args.agent_id or default_agent_id(),
         ca=args.ca,
         cert=args.cert,
         key=args.key,
@@ -636,194 +381,21 @@ def parse_settings(
     except ValueError as exc:
         parser.error(str(exc))
     settings.buffer_budget = args.buffer_budget
-    if args.signer:
-        settings.signer = args.signer
-        settings.bootstrap_token = (args.bootstrap_token or "").strip() or None
-        settings.trust_refresh = args.trust_refresh
-        if not math.isfinite(args.trust_refresh) or args.trust_refresh < 0:
-            parser.error(f"--trust-refresh {args.trust_refresh!r} must be finite and not negative")
+    signer = SignerSettings.from_args(args)
+    if signer is not None:
+        settings.signer, settings.bootstrap_token = signer.url, signer.bootstrap_token
+        settings.trust_refresh = signer.trust_refresh
         # The certificate may not exist yet (the first start bootstraps it); the CA bundle must: it is
         # how the signer is verified.
         return settings
-    if args.bootstrap_token:
-        parser.error("--bootstrap-token needs --signer")
+    check_without_signer(
+        parser.error, tokens=[("--bootstrap-token", args.bootstrap_token)], files=(), needs="--signer"
+    )
     try:
         settings.ssl_context()
     except ConfigError as exc:
         parser.error(f"--ca/--cert/--key: {exc}")
     return settings
-
-
-async def bootstrap(settings: AgentSettings) -> None:
-    """With a signer: trade the bootstrap token for a first certificate when the files hold no valid
-    one. A refused token (used, expired, for another cluster) is final: ConfigError with the signer's
-    reason. A signer that does not answer yet is retried (``bootstrap_with_retry``)."""
-    if not settings.signer:
-        return
-    await bootstrap_with_retry(
-        settings.signer_endpoint(),
-        settings.cert_files(),
-        settings.bootstrap_token,
-        lambda key: certclient.agent_csr(key, settings.cluster, settings.agent_id),
-        get_logger("clusterproxy_agent", cluster=settings.cluster, agent_id=settings.agent_id),
-    )
-
-
-# --- running ---------------------------------------------------------------------------------------------
-
-
-class Service:
-    """A running agent: tunnel, admin server; :meth:`shutdown` drains it."""
-
-    def __init__(self, settings: AgentSettings) -> None:
-        self.settings = settings
-        self.agent = Agent(
-            AgentConfig(
-                cluster=settings.cluster,
-                agent_id=settings.agent_id,
-                kube_apiserver=settings.kube_apiserver,
-                dial_timeout=settings.dial_timeout,
-                policy=settings.policy(),
-                buffer_budget=settings.buffer_budget,
-            ),
-            control=ControlEndpoint(settings.cluster, settings.kube_apiserver, settings.serviceaccounts),
-        )
-        self.tls = settings.reloading_context()
-        self.replicas = ReplicaSet(self.agent, [self._target(address) for address in settings.servers])
-        self.renewer: CertRenewer | None = None
-        if settings.signer:
-            self.renewer = CertRenewer(
-                settings.signer_endpoint(),
-                settings.cert_files(),
-                [self.tls],
-                RenewalPolicy(trust_refresh=settings.trust_refresh),
-            )
-            self.agent.metrics.watch_renewer(self.renewer)
-        self.log = self.agent.log
-        self.admin_address = ""
-        self.draining = False
-        self.stop_requested = trio.Event()
-
-    def _target(self, address: tuple[str, int]) -> tuple[TunnelOptions, Opener]:
-        """How to reach one --server address: its tunnel options and its TLS opener (through the
-        forward proxy that applies to it, if any; in a WebSocket with a wss:// --server)."""
-        settings = self.settings
-        proxy, _route = settings.forward_proxy(*address)
-        options = TunnelOptions(
-            server=address,
-            url=settings.websocket.url(*address) if settings.websocket is not None else None,
-            connect_timeout=settings.connect_timeout,
-            keepalive=(settings.keepalive_interval, settings.keepalive_timeout),
-            backoff_initial=settings.backoff_initial,
-            backoff_max=settings.backoff_max,
-            search_backoff_max=settings.replica_search_backoff_max,
-            settings=settings.tunnel,
-            proxy=str(proxy) if proxy is not None else None,
-        )
-        carrier = None
-        if settings.websocket is not None:
-            ca_file = settings.websocket_ca_file
-            outer = (lambda: web_client_context(ca_file)) if settings.websocket.secure else None
-            carrier = websocket_carrier(*address, settings.websocket.path, outer)
-        opener = tls_opener(
-            address,
-            self.tls,
-            settings.server_name,
-            dial=proxy.open if proxy else aimed_dial(self.agent),
-            carrier=carrier,
-        )
-        return options, opener
-
-    # admin routes
-    def healthz(self) -> Response:
-        return Response.text("ok")
-
-    def readyz(self) -> Response:
-        if self.draining:
-            return Response.text("not ready: shutting down", 503)
-        connected = self.agent.connected
-        if connected:
-            return Response.text(f"ok: {connected} tunnel(s) connected to {self.settings.server_list}")
-        last = self.agent.last_error or "still connecting"
-        return Response.text(f"not ready: no tunnel connected to {self.settings.server_list} ({last})", 503)
-
-    def metrics(self) -> Response:
-        return metrics_response(self.agent.metrics.registry)
-
-    def servers(self) -> Response:
-        return Response.json(self.agent.describe_servers())
-
-    async def run(self, *, task_status: trio.TaskStatus[Service] = trio.TASK_STATUS_IGNORED) -> None:
-        host, port = self.settings.admin_listen
-        try:
-            listeners = await trio.open_tcp_listeners(port, host=host or None)
-        except OSError as exc:
-            where = format_authority(*self.settings.admin_listen)
-            raise ConfigError(f"cannot listen on --admin-listen {where}: {exc.strerror or exc}") from None
-        sockname = listeners[0].socket.getsockname()
-        self.admin_address = format_authority(str(sockname[0]), int(sockname[1]))
-        async with trio.open_nursery() as nursery:
-            await nursery.start(
-                serve_admin,
-                listeners,
-                {
-                    "/healthz": self.healthz,
-                    "/readyz": self.readyz,
-                    "/metrics": self.metrics,
-                    "/api/v1/servers": self.servers,
-                },
-            )
-            if self.renewer is not None:
-                await nursery.start(self.renewer.run)
-            await nursery.start(self.replicas.run)
-            self.log.info("agent_started", admin_port=self.admin_address, server=self.settings.server_list)
-            task_status.started(self)
-            await self.stop_requested.wait()
-            await self.shutdown()
-            nursery.cancel_scope.cancel()
-
-    async def shutdown(self) -> None:
-        """Drain: no new streams, open ones get up to --drain-timeout, then every tunnel closes."""
-        self.draining = True
-        self.replicas.stop()
-        self.agent.drain()
-        open_streams = sum(m.open_streams for m in self.agent.tunnels)
-        self.log.info("draining", open_streams=open_streams, drain_timeout=self.settings.drain_timeout)
-        with trio.move_on_after(self.settings.drain_timeout) as scope:
-            await self.agent.wait_idle()
-        if scope.cancelled_caught:
-            left = sum(m.open_streams for m in self.agent.tunnels)
-            self.log.warning("drain_timeout", open_streams=left)
-        self.agent.close_all("agent shutting down")
-        with trio.move_on_after(5):
-            await self.replicas.stopped.wait()
-        self.log.info("agent_stopped")
-
-
-async def serve(
-    settings: AgentSettings, *, task_status: trio.TaskStatus[Service] = trio.TASK_STATUS_IGNORED
-) -> None:
-    """Run until SIGTERM/SIGINT, then drain (a second signal cuts the drain short)."""
-    await bootstrap(settings)
-    service = Service(settings)
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
-
-            async def watch_signals() -> None:
-                count = 0
-                async for signum in signals:
-                    count += 1
-                    name = signal.Signals(signum).name
-                    if count == 1:
-                        service.log.info("shutdown_requested", signal=name)
-                        service.stop_requested.set()
-                    else:
-                        service.log.warning("shutdown_forced", signal=name)
-                        service.agent.close_all("agent stopped")
-
-            nursery.start_soon(watch_signals)
-            await service.run(task_status=task_status)
-            nursery.cancel_scope.cancel()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -836,23 +408,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     log.info("agent_starting", **settings.summary())
     for note in settings.proxy_notes():
         log.warning("proxy_setting_unused", note=note)
-    try:
-        trio.run(serve, settings)
-    except KeyboardInterrupt:
-        pass
-    except Exception as exc:
-        leaves = _leaves(exc)
-        if not all(isinstance(e, OSError | ConfigError) for e in leaves):
-            raise
-        log.error("agent_failed", error="; ".join(str(e) for e in leaves))
-        sys.exit(1)
-    sys.exit(0)
-
-
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
-    return [exc]
+    sys.exit(run_service(serve, settings, on_failure=failure_in_log(log, "agent_failed")))
 
 
 if __name__ == "__main__":

@@ -6,33 +6,43 @@ import argparse
 import dataclasses
 import math
 import os
-import signal
 import sys
 from collections.abc import Sequence
-from pathlib import Path
+from typing import NoReturn
 
 import structlog
 import trio
 
 from clusterproxy_protocol import allocator, certclient, workarounds
 from clusterproxy_protocol.audit import add_audit_flag, worker_spec
-from clusterproxy_protocol.bootstrap import bootstrap_with_retry
-from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
+from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.config import (
     ConfigError,
     InvalidValue,
-    add_flag,
     existing_file,
+    flag_adder,
     format_size,
     parse_args_or_exit,
     parse_count,
     parse_duration,
+    parse_fraction,
     parse_hostport,
+    parse_non_negative_float,
     parse_positive_duration,
     parse_positive_int,
     parse_size,
 )
 from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
+from clusterproxy_protocol.service_runtime import (
+    SIGNER_HELP,
+    SignerSettings,
+    add_certificate_flags,
+    add_signer_flags,
+    check_without_signer,
+    failure_on_stderr,
+    run_service,
+    serve_until_signalled,
+)
 from clusterproxy_protocol.settings import TunnelSettings
 from clusterproxy_protocol.wire import CLUSTER_NAME
 from clusterproxy_server.app import ProxyServer, ServerConfig
@@ -50,6 +60,7 @@ from clusterproxy_server.workers import (
 )
 
 ENV = "CLUSTER_PROXY_SERVER_"
+PROG = "cluster-proxy-server"
 AGENT_ANSWER_TIMEOUT = 12.0  # the agents' default --dial-timeout (10 s) plus a margin
 # With replicas, a new one waits this long for agents before refusing (most find it within a few
 # seconds: docs/architecture.md, "High availability").
@@ -65,26 +76,6 @@ def _cluster_names(text: str) -> list[str]:
     return names
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise InvalidValue(f"invalid fraction {text!r}: expected a number in (0, 1], e.g. 0.5") from None
-    if not 0 < value <= 1:
-        raise InvalidValue(f"invalid fraction {text!r}: must be greater than 0 and at most 1")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise InvalidValue(f"invalid number {text!r}: expected a number >= 0, e.g. 500") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise InvalidValue(f"invalid number {text!r}: must be a finite number >= 0")
-    return value
-
-
 def _tls_host(text: str) -> str:
     host = text.strip().removeprefix("[").removesuffix("]")
     if not host or any(c.isspace() or c in "/@" for c in host):
@@ -92,24 +83,14 @@ def _tls_host(text: str) -> str:
     return host
 
 
-def _signer_url(text: str) -> str:
-    """``https://HOST:PORT`` (or ``HOST:PORT``) of the cert-signer."""
-    try:
-        SignerEndpoint.parse(text, Path("."))  # the form only; --ca is checked on its own
-    except ConfigError as exc:
-        raise InvalidValue(str(exc)) from None
-    return text.strip()
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="cluster-proxy-server",
+        prog=PROG,
         description="Hub side of cluster-proxy: agents dial in on the agent port; hub clients open "
         "CONNECT streams to targets inside managed clusters on the client port.",
     )
 
-    def flag(name: str, **kwargs: object) -> None:
-        add_flag(p, name, env=ENV + name[2:].upper().replace("-", "_"), **kwargs)  # type: ignore[arg-type]
+    flag = flag_adder(p, ENV)
 
     flag(
         "--agent-listen",
@@ -138,42 +119,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="plain HTTP: /healthz /readyz /metrics (no cluster or agent labels); mutual TLS with a hub "
         "client certificate on the same port: /api/v1/agents /api/v1/clusters /metrics (every label)",
     )
-    flag(
-        "--ca", type=existing_file, required=True, help="CA bundle trusted for agent and client certificates"
+    add_certificate_flags(
+        flag,
+        ca_help="CA bundle trusted for agent and client certificates",
+        cert_help="server certificate (PEM); with --signer it is written (and renewed) there",
+        key_help="server private key (PEM); with --signer, as --cert",
+        ca_type=existing_file,
     )
-    flag(
-        "--cert",
-        type=Path,
-        required=True,
-        help="server certificate (PEM); with --signer it is written (and renewed) there",
-    )
-    flag("--key", type=Path, required=True, help="server private key (PEM); with --signer, as --cert")
-    flag(
-        "--signer",
-        type=_signer_url,
-        metavar="URL",
-        help="cert-signer (https://HOST:PORT, verified with --ca): bootstrap --cert/--key with "
-        "--bootstrap-token when they hold no valid certificate, renew them at 80% of their lifetime "
-        "and follow the trust bundle, all without a restart",
-    )
-    flag(
-        "--bootstrap-token",
-        metavar="TOKEN",
-        help="single-use token for the first certificate (cluster-proxy certs token create --server "
+    add_signer_flags(
+        flag,
+        signer_help=SIGNER_HELP + "a restart",
+        token_help="single-use token for the first certificate (cluster-proxy certs token create --server "
         "proxy-server --host ...); only used when --cert/--key hold no valid certificate",
+        trust_refresh=True,
     )
     flag(
         "--tls-host",
         type=_tls_host,
         multiple=True,
         help="DNS name or IP address the server certificate is for (repeat); with --signer",
-    )
-    flag(
-        "--trust-refresh",
-        type=parse_duration,
-        default="1m",
-        help="with --signer: how often the trust bundle is fetched (a CA rotation is noticed within "
-        "it; while one is under way the signer asks for sooner refreshes); 0: never (no CA rotation)",
     )
     flag(
         "--client-policy",
@@ -264,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag(
         "--ejection-failure-rate",
-        type=_fraction,
+        type=parse_fraction,
         default="0.5",
         help="share of a tunnel's dials failed by its agent that ejects it (when also at least twice "
         "the share of the cluster's other tunnels)",
@@ -283,50 +247,27 @@ def build_parser() -> argparse.ArgumentParser:
         "waiting for an agent's answer; more get 429",
     )
     # Per client identity (quotas.py; docs/protocol.md, "Budgets per client"); 0 turns a bound off.
-    flag(
-        "--client-max-connections",
-        type=parse_count,
-        default=str(QuotaSettings.max_connections),
-        help="client connections one identity (certificate subject) may hold; more are refused with 429",
-    )
-    flag(
-        "--client-max-concurrent-streams",
-        type=parse_count,
-        default=str(QuotaSettings.max_streams),
-        help="streams one client identity may have open over all its connections; more get 429",
-    )
-    flag(
-        "--client-stream-rate",
-        type=_non_negative_float,
-        default=f"{QuotaSettings.stream_rate:g}",
-        help="new streams per second one client identity may open (a token bucket of "
-        "--client-stream-burst); more get 429",
-    )
-    flag(
-        "--client-stream-burst",
-        type=parse_count,
-        default=str(QuotaSettings.stream_burst),
-        help="new streams one client identity may open at once before --client-stream-rate applies",
-    )
-    flag(
-        "--client-buffer-budget",
-        type=parse_size,
-        default=format_size(QuotaSettings.buffer),
-        help="bytes of stream windows (data received and not read yet by the other end) the server "
-        "may hold for one client identity; its new streams get 429 beyond it",
-    )
-    flag(
-        "--connection-buffer-budget",
-        type=parse_size,
-        default=format_size(QuotaSettings.connection_buffer),
-        help="the same for one client connection",
-    )
-    flag(
-        "--buffer-budget",
-        type=parse_size,
-        default=format_size(QuotaSettings.process_buffer),
-        help="the same for all clients together; new streams get 503 beyond it",
-    )
+    # One row a bound: (flag, converter, default, help).
+    defaults = QuotaSettings  # its fields' defaults
+    for name, convert, default, text in (
+        ("--client-max-connections", parse_count, str(defaults.max_connections),
+         "client connections one identity (certificate subject) may hold; more are refused with 429"),
+        ("--client-max-concurrent-streams", parse_count, str(defaults.max_streams),
+         "streams one client identity may have open over all its connections; more get 429"),
+        ("--client-stream-rate", parse_non_negative_float, f"{defaults.stream_rate:g}",
+         "new streams per second one client identity may open (a token bucket of --client-stream-burst); "
+         "more get 429"),
+        ("--client-stream-burst", parse_count, str(defaults.stream_burst),
+         "new streams one client identity may open at once before --client-stream-rate applies"),
+        ("--client-buffer-budget", parse_size, format_size(defaults.buffer),
+         "bytes of stream windows (data received and not read yet by the other end) the server may hold "
+         "for one client identity; its new streams get 429 beyond it"),
+        ("--connection-buffer-budget", parse_size, format_size(defaults.connection_buffer),
+         "the same for one client connection"),
+        ("--buffer-budget", parse_size, format_size(defaults.process_buffer),
+         "the same for all clients together; new streams get 503 beyond it"),
+    ):  # fmt: skip
+        flag(name, type=convert, default=default, help=text)
     flag(
         "--handshake-timeout",
         type=parse_duration,
@@ -482,31 +423,26 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         keepalive_timeout=args.keepalive_timeout,
         drain_timeout=args.drain_timeout,
         shutdown_delay=args.shutdown_delay,
-        startup_grace=(
-            args.startup_grace
-            if args.startup_grace is not None
-            else (REPLICA_STARTUP_GRACE if args.server_count > 1 else 0.0)
-        ),
+        startup_grace=_startup_grace(args, args.server_count),
         tunnel=tunnel,
         client_tunnel=client_tunnel,
         audit_log=args.audit_log,
     )
     if args.server_id:
         config.server_id = args.server_id
-    if args.signer:
-        config.signer = args.signer
-        config.bootstrap_token = (args.bootstrap_token or "").strip() or None
+    signer = SignerSettings.from_args(args)
+    if signer is not None:
+        config.signer, config.bootstrap_token = signer.url, signer.bootstrap_token
         config.tls_hosts = tuple(dict.fromkeys(args.tls_host))
-        config.trust_refresh = args.trust_refresh
+        config.trust_refresh = signer.trust_refresh
     else:
-        for flag_name, value in (("--bootstrap-token", args.bootstrap_token), ("--tls-host", args.tls_host)):
-            if value:
-                raise ConfigError(f"{flag_name} needs --signer")
-        for flag_name, path in (("--cert", args.cert), ("--key", args.key)):
-            try:
-                existing_file(path)
-            except ConfigError as exc:
-                raise ConfigError(f"{flag_name}: {exc} (or use --signer to get one)") from None
+        check_without_signer(
+            _config_error,
+            tokens=[("--bootstrap-token", args.bootstrap_token), ("--tls-host", args.tls_host)],
+            files=[("--cert", args.cert), ("--key", args.key)],
+            needs="--signer",
+            missing="{flag}: {error} (or use --signer to get one)",
+        )
     if args.control_client:
         config.control_clients = tuple(name.strip() for name in args.control_client if name.strip())
     if args.client_policy is not None:
@@ -515,22 +451,31 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return config
 
 
+def _config_error(message: str) -> NoReturn:
+    raise ConfigError(message)
+
+
 async def bootstrap(config: ServerConfig) -> None:
     """With a signer: get a first certificate when the files hold no valid one (else nothing)."""
     if not config.signer:
         return
-    endpoint = SignerEndpoint.parse(config.signer, config.ca)
+    signer = SignerSettings(config.signer, config.bootstrap_token, config.trust_refresh)
     files = CertFiles(config.cert, config.key, config.ca)
-    if certclient.usable_credentials(files) is None and config.bootstrap_token and not config.tls_hosts:
+    if signer.needs_bootstrap(files) and not config.tls_hosts:
         raise ConfigError("bootstrapping a server certificate needs --tls-host (the names clients dial)")
     hosts = list(config.tls_hosts)
-    await bootstrap_with_retry(
-        endpoint,
+    await signer.bootstrap(
         files,
-        config.bootstrap_token,
         lambda key: certclient.server_csr(key, SERVER_CERT_NAME, hosts),
         get_logger("proxy-server", hosts=hosts),
     )
+
+
+def _startup_grace(args: argparse.Namespace, server_count: int) -> float:
+    """--startup-grace, else its default: agents need a while to find a new replica among several."""
+    if args.startup_grace is not None:
+        return float(args.startup_grace)
+    return REPLICA_STARTUP_GRACE if server_count > 1 else 0.0
 
 
 def worker_config(config: ServerConfig, args: argparse.Namespace, spec: WorkerSpec) -> ServerConfig:
@@ -543,11 +488,7 @@ def worker_config(config: ServerConfig, args: argparse.Namespace, spec: WorkerSp
         server_id=spec.server_id,
         server_count=spec.server_count,
         worker=(spec.index, spec.workers),
-        startup_grace=(
-            args.startup_grace
-            if args.startup_grace is not None
-            else (REPLICA_STARTUP_GRACE if spec.server_count > 1 else 0.0)
-        ),
+        startup_grace=_startup_grace(args, spec.server_count),
         signer=None,
         bootstrap_token=None,
     )
@@ -561,37 +502,22 @@ async def serve(config: ServerConfig, worker: WorkerSpec | None = None, follow_f
         await bootstrap(config)
     server = ProxyServer(config, worker)
     log = get_logger("proxy-server", server_id=config.server_id)
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.run)
-            nursery.start_soon(allocator.return_free_memory)  # RSS comes back after a burst (an attack)
-            stop = trio.Event()
-            if worker is not None:
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(allocator.return_free_memory)  # RSS comes back after a burst (an attack)
+        if worker is not None:
 
-                def parent_gone() -> None:
-                    log.error("parent_gone", error="the supervising process is gone: stopping now")
-                    server.cut_drain()
-                    stop.set()
+            def parent_gone() -> None:
+                log.error("parent_gone", error="the supervising process is gone: stopping now")
+                server.cut_drain()
+                stop.set()
 
-                nursery.start_soon(watch_parent, worker.parent_alive, parent_gone)
-                if follow_files:
-                    files = [config.cert, config.key, config.ca]
-                    nursery.start_soon(follow_cert_files, [server._agent_tls, server._client_tls], files)
-
-            async def watch_signals() -> None:
-                async for signum in signals:
-                    name = signal.Signals(signum).name
-                    if not stop.is_set():
-                        log.info("signal_received", signal=name)
-                        stop.set()
-                    else:
-                        log.warning("drain_cut_by_signal", signal=name)
-                        server.cut_drain()
-
-            nursery.start_soon(watch_signals)
-            await stop.wait()
-            await server.shutdown()
-            nursery.cancel_scope.cancel()
+            nursery.start_soon(watch_parent, worker.parent_alive, parent_gone)
+            if follow_files:
+                files = [config.cert, config.key, config.ca]
+                nursery.start_soon(follow_cert_files, [server._agent_tls, server._client_tls], files)
+        await serve_until_signalled(server.run, log, drain=server.shutdown, cut=server.cut_drain, stop=stop)
+        nursery.cancel_scope.cancel()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -603,51 +529,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         config = config_from_args(args)
     except ConfigError as exc:
-        parser.exit(2, f"cluster-proxy-server: error: {exc}\n")
+        parser.exit(2, f"{PROG}: error: {exc}\n")
     spec_text = os.environ.pop(WORKER_ENV, None)
     if spec_text:
         spec = WorkerSpec.from_json(spec_text)
         structlog.contextvars.bind_contextvars(worker=spec.index)
         config = worker_config(config, args, spec)
-        run_worker(parser, config, spec, follow_files=bool(args.signer))
-        return
+        failed = failure_on_stderr(PROG, what=f"worker {spec.index}")
+        sys.exit(run_service(serve, config, spec, bool(args.signer), on_failure=failed))
     workers = args.workers or default_workers()
     if workers > 1:
-        run_parent(parser, config, list(sys.argv[1:] if argv is None else argv), workers)
-        return
-    try:
-        trio.run(serve, config)
-    except* ConfigError as group:  # e.g. a refused bootstrap token, a bad certificate file
-        parser.exit(1, f"cluster-proxy-server: error: {group.exceptions[0]}\n")
-    except* OSError as group:  # e.g. a listen address already in use
-        parser.exit(1, f"cluster-proxy-server: error: {group.exceptions[0]}\n")
+        sys.exit(run_parent(config, list(sys.argv[1:] if argv is None else argv), workers))
+    sys.exit(run_service(serve, config, on_failure=failure_on_stderr(PROG)))
 
 
-def run_worker(
-    parser: argparse.ArgumentParser, config: ServerConfig, spec: WorkerSpec, follow_files: bool
-) -> None:
-    try:
-        trio.run(serve, config, spec, follow_files)
-    except* (ConfigError, OSError) as group:
-        parser.exit(1, f"cluster-proxy-server: error: worker {spec.index}: {group.exceptions[0]}\n")
-
-
-def run_parent(parser: argparse.ArgumentParser, config: ServerConfig, argv: list[str], workers: int) -> None:
+def run_parent(config: ServerConfig, argv: list[str], workers: int) -> int:
     """``--workers`` above 1: bootstrap the certificate once, then supervise the workers."""
     supervisor = Supervisor(config, argv, workers)
+    status = 0
 
-    async def supervise() -> int:
+    async def supervise() -> None:
+        nonlocal status
         await bootstrap(config)
-        return await supervisor.run()
+        status = await supervisor.run()
 
-    try:
-        status = trio.run(supervise)
-    except* ConfigError as group:
-        parser.exit(1, f"cluster-proxy-server: error: {group.exceptions[0]}\n")
-    except* OSError as group:  # e.g. a listen address already in use
-        parser.exit(1, f"cluster-proxy-server: error: {group.exceptions[0]}\n")
-    if status:
-        parser.exit(status, f"cluster-proxy-server: error: {supervisor.failure}\n")
+    failed = run_service(supervise, on_failure=failure_on_stderr(PROG))
+    if failed or not status:
+        return failed
+    print(f"{PROG}: error: {supervisor.failure}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":  # how the parent starts a worker: python -m clusterproxy_server.main
