@@ -3,7 +3,7 @@
 Three kinds of key, each reconciled from scratch every time (no memory of events):
 
 ``hub``
-    The ManagedProxyConfiguration -> the hub objects (render.hub_objects) in its namespace, the CA
+    The ManagedProxyConfiguration -> the hub objects (render_hub.hub_objects) in its namespace, the CA
     and the proxy-servers' bootstrap token, the hub clients' bootstrap Secrets (``--hub-client``),
     and the MPC's status conditions.
 ``cma``
@@ -33,7 +33,7 @@ from typing import Any
 from clusterproxy_certsigner.models import IssuedRecord
 from clusterproxy_protocol.logs import get_logger
 
-from . import render
+from . import render, render_agent, render_hub, render_registration, render_serviceaccounts
 from .availability import AdminTarget, Availability, ClusterAvailability
 from .compare import contains
 from .conditions import Condition, merge_conditions, same_conditions
@@ -327,7 +327,9 @@ class Controller:
         if self.mpcs.get(name) is not None:
             return False
         try:
-            created = self.kube.create(MANAGED_PROXY_CONFIGURATION, render.default_configuration(name))
+            created = self.kube.create(
+                MANAGED_PROXY_CONFIGURATION, render_registration.default_configuration(name)
+            )
         except Conflict:
             self.log.info("default_configuration_exists", name=name, reason="created by another writer")
             return False
@@ -491,7 +493,7 @@ class Controller:
         return True
 
     def reconcile_cma(self) -> None:
-        desired = render.cluster_management_addon(self.options.mpc_name)
+        desired = render_registration.cluster_management_addon(self.options.mpc_name)
         current = self._fresh(self.cmas, CLUSTER_MANAGEMENT_ADDON, render.ADDON_NAME)
         if current is not None and contains(current, desired):
             return
@@ -598,8 +600,8 @@ class Controller:
         if token.minted:
             self.metrics.tokens_minted.labels("proxy-server").inc()
             self.log.info("token_minted", group="proxy-server", reason=token.reason)
-        objects = render.hub_objects(
-            render.HubInputs(
+        objects = render_hub.hub_objects(
+            render_hub.HubInputs(
                 cfg=cfg,
                 endpoints=ready_endpoints,
                 ca_bundle_pem=bundle,
@@ -710,7 +712,7 @@ class Controller:
             self.log.info(
                 "token_minted", group=hub_client.group, secret=f"{namespace}/{name}", reason=token.reason
             )
-        desired = render.hub_client_secret(cfg, hub_client, ca_bundle_pem=bundle, token=token.token)
+        desired = render_hub.hub_client_secret(cfg, hub_client, ca_bundle_pem=bundle, token=token.token)
         if current is None or not contains(current, desired):
             written = self.kube.apply(SECRET, desired)
             self._remember(SECRET, written)
@@ -863,8 +865,8 @@ class Controller:
         if token.minted:
             self.metrics.tokens_minted.labels("agent").inc()
             self.log.info("token_minted", group=f"cluster {name}", reason=token.reason)
-        desired = render.agent_manifest_work(
-            render.AgentInputs(
+        desired = render_agent.agent_manifest_work(
+            render_agent.AgentInputs(
                 cfg=cfg,
                 cluster=name,
                 namespace=agent_ns,
@@ -899,7 +901,7 @@ class Controller:
                 if self.kube.get_or_none(MANAGED_SERVICE_ACCOUNT, name, cluster) is None:
                     self.kube.create(
                         MANAGED_SERVICE_ACCOUNT,
-                        render.gateway_managed_serviceaccount(cluster, addon_uid, name),
+                        render_serviceaccounts.gateway_managed_serviceaccount(cluster, addon_uid, name),
                     )
                     self.log.info("gateway_serviceaccount_created", cluster=cluster, name=name)
             except KubeError as exc:
