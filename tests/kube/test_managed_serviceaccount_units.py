@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import trio
 
-from clusterproxy_addon_manager import render
+from clusterproxy_addon_manager import render, render_agent, render_serviceaccounts
 from clusterproxy_addon_manager.config import Endpoints, ProxySettings, parse_mpc
 from clusterproxy_agent.control import ControlEndpoint, is_control_target
 from clusterproxy_gateway.serviceaccounts import parse_go_duration, renewal_due
@@ -112,7 +112,7 @@ def test_the_agent_refuses_a_control_stream_the_proxy_server_did_not_mark() -> N
 
 
 def test_the_agent_gets_exactly_its_serviceaccount_rights_in_one_namespace() -> None:
-    namespace, role, binding = render.serviceaccount_manifests("agents")
+    namespace, role, binding = render_serviceaccounts.serviceaccount_manifests("agents")
     assert namespace["metadata"]["name"] == render.SERVICEACCOUNT_NAMESPACE
     assert role["kind"] == "Role" and role["metadata"]["namespace"] == render.SERVICEACCOUNT_NAMESPACE
     assert role["rules"] == [
@@ -128,7 +128,7 @@ def test_the_agent_gets_exactly_its_serviceaccount_rights_in_one_namespace() -> 
 
 
 def test_the_gateways_own_msa_is_owned_by_the_addon() -> None:
-    msa = render.gateway_managed_serviceaccount("c1", "uid-1")
+    msa = render_serviceaccounts.gateway_managed_serviceaccount("c1", "uid-1")
     assert msa["apiVersion"] == "authentication.open-cluster-management.io/v1beta1"
     assert (msa["metadata"]["name"], msa["metadata"]["namespace"]) == ("cluster-gateway", "c1")
     assert msa["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
@@ -147,7 +147,7 @@ def test_the_serviceaccount_namespace_outlives_the_addons_work() -> None:
         },
         default_namespace="ns",
     )
-    inputs = render.AgentInputs(
+    inputs = render_agent.AgentInputs(
         cfg=cfg,
         cluster="c1",
         namespace="agents",
@@ -157,7 +157,7 @@ def test_the_serviceaccount_namespace_outlives_the_addons_work() -> None:
         proxy=ProxySettings(),
         addon_uid="a",
     )
-    option = render.agent_manifest_work(inputs)["spec"]["deleteOption"]
+    option = render_agent.agent_manifest_work(inputs)["spec"]["deleteOption"]
     assert option == {
         "propagationPolicy": "SelectivelyOrphan",
         "selectivelyOrphans": {
@@ -172,7 +172,7 @@ def test_the_service_proxy_gets_reviews_and_impersonation_only() -> None:
     """The service proxy's ServiceAccount (the gateway's HTTPS endpoint, docs/cluster-gateway.md): create
     TokenReviews and SubjectAccessReviews, impersonate users, groups and ServiceAccounts; no read, no
     write, no uids or userextras. It rides in the agent's ManifestWork, beside the agent's own rights."""
-    role, binding = render.service_proxy_rbac()
+    role, binding = render_serviceaccounts.service_proxy_rbac()
     assert role["kind"] == "ClusterRole" and role["metadata"]["name"] == render.SERVICE_PROXY_ROLE
     assert role["rules"] == [
         {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
@@ -187,6 +187,8 @@ def test_the_service_proxy_gets_reviews_and_impersonation_only() -> None:
             "namespace": render.SERVICEACCOUNT_NAMESPACE,
         }
     ]
-    msa = render.gateway_managed_serviceaccount("c1", "uid-1", render.SERVICE_PROXY_SERVICEACCOUNT)
+    msa = render_serviceaccounts.gateway_managed_serviceaccount(
+        "c1", "uid-1", render.SERVICE_PROXY_SERVICEACCOUNT
+    )
     assert (msa["metadata"]["name"], msa["metadata"]["namespace"]) == ("cluster-proxy-service-proxy", "c1")
     assert render.GATEWAY_SERVICEACCOUNTS == ("cluster-gateway", "cluster-proxy-service-proxy")

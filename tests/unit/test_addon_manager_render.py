@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from clusterproxy_addon_manager import render
+from clusterproxy_addon_manager import render, render_agent, render_hub, render_registration
 from clusterproxy_addon_manager.config import Endpoints, ProxySettings, parse_mpc
 from clusterproxy_agent.main import parse_settings as parse_agent
 from clusterproxy_certsigner.main import build_parser as signer_parser
@@ -54,8 +54,8 @@ def hub(
         mpc(**(spec if spec is not None else HOSTNAME_SPEC)),
         default_namespace="open-cluster-management-addon",
     )
-    return render.hub_objects(
-        render.HubInputs(
+    return render_hub.hub_objects(
+        render_hub.HubInputs(
             cfg=cfg,
             endpoints=endpoints,
             ca_bundle_pem=ca_pem,
@@ -76,8 +76,8 @@ def work(
         mpc(**(spec if spec is not None else HOSTNAME_SPEC)),
         default_namespace="open-cluster-management-addon",
     )
-    return render.agent_manifest_work(
-        render.AgentInputs(
+    return render_agent.agent_manifest_work(
+        render_agent.AgentInputs(
             cfg=cfg,
             cluster="cluster1",
             namespace=namespace,
@@ -411,8 +411,8 @@ def test_agent_namespace_is_the_one_given(ca_pem: str) -> None:
 
 def test_ipv6_entrypoint_is_bracketed(ca_pem: str, tmp_path: Path) -> None:
     cfg = parse_mpc(mpc(**HOSTNAME_SPEC), default_namespace="ns")
-    mw = render.agent_manifest_work(
-        render.AgentInputs(
+    mw = render_agent.agent_manifest_work(
+        render_agent.AgentInputs(
             cfg=cfg,
             cluster="cluster1",
             namespace="agents",
@@ -433,7 +433,7 @@ def test_ipv6_entrypoint_is_bracketed(ca_pem: str, tmp_path: Path) -> None:
 
 
 def test_cluster_management_addon_points_at_the_mpc() -> None:
-    cma = render.cluster_management_addon("cluster-proxy")
+    cma = render_registration.cluster_management_addon("cluster-proxy")
     assert cma["metadata"]["name"] == "cluster-proxy"
     assert cma["spec"]["addOnConfiguration"] == {
         "crdName": "managedproxyconfigurations.proxy.open-cluster-management.io",

@@ -518,7 +518,8 @@ def test_a_managed_overlay_of_your_own_replaces_settings_and_credentials(tmp_pat
 def test_the_hub_overlay_writes_nothing_the_addon_manager_writes() -> None:
     """The manager server-side applies its hub objects and the ClusterManagementAddOn with force: an
     object in the overlay too would flip between the two writers on every apply."""
-    from clusterproxy_addon_manager import render as manager_render
+    from clusterproxy_addon_manager import render_hub as manager_render_hub
+    from clusterproxy_addon_manager import render_registration as manager_render_registration
     from clusterproxy_addon_manager.config import parse_mpc
     from clusterproxy_addon_manager.main import parse_settings as manager_settings
 
@@ -532,8 +533,8 @@ def test_the_hub_overlay_writes_nothing_the_addon_manager_writes() -> None:
     mpc = only(configuration, "ManagedProxyConfiguration")
     assert mpc["metadata"]["name"] == settings.mpc_name
     cfg = parse_mpc(mpc, default_namespace=settings.namespace)
-    theirs = manager_render.hub_objects(
-        manager_render.HubInputs(
+    theirs = manager_render_hub.hub_objects(
+        manager_render_hub.HubInputs(
             cfg=cfg,
             endpoints=None,
             ca_bundle_pem="",
@@ -542,7 +543,7 @@ def test_the_hub_overlay_writes_nothing_the_addon_manager_writes() -> None:
             signer_image=settings.cert_signer_image,
         )
     )
-    theirs.append(manager_render.cluster_management_addon(settings.mpc_name))
+    theirs.append(manager_render_registration.cluster_management_addon(settings.mpc_name))
     assert {key_of(o) for o in theirs}.isdisjoint({key_of(o) for o in objects})
     for obj in objects:  # nor a Secret of the cert-signer's store, which the manager's signer writes
         assert not (
@@ -555,6 +556,7 @@ def test_the_manager_can_take_over_an_agent_installed_by_hand() -> None:
     ManifestWork: enabling the addon for a cluster installed by hand updates the agent in place (a
     Deployment's selector cannot change)."""
     from clusterproxy_addon_manager import render as manager_render
+    from clusterproxy_addon_manager import render_agent as manager_render_agent
 
     objects = render(KUSTOMIZE / "overlays" / "managed")
     ours = only(objects, "Deployment")
@@ -564,7 +566,7 @@ def test_the_manager_can_take_over_an_agent_installed_by_hand() -> None:
     assert ours["spec"]["template"]["spec"]["serviceAccountName"] == manager_render.AGENT_SERVICE_ACCOUNT
     # and its NetworkPolicy: the same object, so the ManifestWork's replaces it in place
     policy = only(objects, "NetworkPolicy")
-    theirs = manager_render.agent_network_policy(NAMESPACE)
+    theirs = manager_render_agent.agent_network_policy(NAMESPACE)
     assert key_of(policy) == key_of(theirs)
     assert policy["spec"] == theirs["spec"]
 

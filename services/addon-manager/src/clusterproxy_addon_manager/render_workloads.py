@@ -1,0 +1,166 @@
+"""What every workload the manager renders shares, hub and managed cluster alike: Deployments,
+Services, NetworkPolicies, the restricted pod and container security, placement, the bootstrap token
+in the environment and the credentials volume. Pure, no I/O.
+
+Parties that get certificates from the signer write them (and later renewals, and the trust bundle)
+into a writable ``emptyDir``; an init container seeds it with the CA bundle from the Secret, since
+the programs need a CA bundle to verify the signer before their first certificate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .render import BOOTSTRAP_DIR, CA_KEY, CREDENTIALS_DIR, TOKEN_KEY, labels, pod_selector
+
+__all__ = [
+    "IN_CLUSTER",
+    "Sources",
+    "credential_volumes",
+    "deployment",
+    "network_policy",
+    "placement",
+    "pod_security",
+    "restricted_container",
+    "seed_ca_container",
+    "service",
+    "token_env",
+]
+
+
+def restricted_container() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": 65532,
+        "runAsGroup": 65532,
+        "fsGroup": 65532,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def seed_ca_container(image: str) -> dict[str, Any]:
+    """Copies the CA bundle into the writable credentials volume on a pod's first start only: after a
+    CA rotation the program's own copy is newer than the Secret's."""
+    return {
+        "name": "seed-ca-bundle",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": [
+            "/bin/sh",
+            "-c",
+            f"test -s {CREDENTIALS_DIR}/{CA_KEY} || cp {BOOTSTRAP_DIR}/{CA_KEY} {CREDENTIALS_DIR}/{CA_KEY}",
+        ],
+        "securityContext": restricted_container(),
+        "volumeMounts": [
+            {"name": "bootstrap", "mountPath": BOOTSTRAP_DIR, "readOnly": True},
+            {"name": "credentials", "mountPath": CREDENTIALS_DIR},
+        ],
+    }
+
+
+def token_env(env_name: str, secret: str) -> dict[str, Any]:
+    # The environment twin of --bootstrap-token, read from the Secret when the container starts: a
+    # token the manager re-minted reaches the next start, and it stays off the command line.
+    return {"name": env_name, "valueFrom": {"secretKeyRef": {"name": secret, "key": TOKEN_KEY}}}
+
+
+def credential_volumes(secret: str) -> list[dict[str, Any]]:
+    return [
+        {"name": "bootstrap", "secret": {"secretName": secret, "defaultMode": 0o440}},
+        # Certificate, key and CA bundle the program keeps current; memory-backed: a private key.
+        {"name": "credentials", "emptyDir": {"medium": "Memory"}},
+    ]
+
+
+def placement(node_selector: Sequence[tuple[str, str]], tolerations: Sequence[Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = {}
+    if node_selector:
+        spec["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        spec["tolerations"] = [dict(t) for t in tolerations]
+    return spec
+
+
+def deployment(
+    metadata: dict[str, Any],
+    component: str,
+    replicas: int,
+    pod_spec: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata,
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": pod_selector(component)},
+            "template": {
+                "metadata": {"labels": {**pod_selector(component), **labels(component)}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def service(
+    metadata: dict[str, Any],
+    service_type: str,
+    component: str,
+    ports: Sequence[tuple[str, int, str]],
+    *,
+    headless: bool = False,
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "type": service_type,
+        "selector": pod_selector(component),
+        "ports": [
+            {"name": name, "port": port, "targetPort": target, "protocol": "TCP"}
+            for name, port, target in ports
+        ],
+    }
+    if headless:
+        spec["clusterIP"] = "None"
+        spec["publishNotReadyAddresses"] = True  # a server not ready yet still answers who is connected
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata, "spec": spec}
+
+
+# --- NetworkPolicies --------------------------------------------------------------------------------------
+
+#: Who may open a connection to a port, as a NetworkPolicy rule's ``from``: None is anyone (no ``from``:
+#: other clusters, the internet, nodes); IN_CLUSTER every pod of every namespace. Whatever a policy
+#: says, a node reaches its own pods (the kubelet's probes pass).
+Sources = Sequence[Mapping[str, Any]] | None
+IN_CLUSTER: Sources = ({"namespaceSelector": {}},)
+
+
+def network_policy(
+    metadata: dict[str, Any], component: str, ports: Sequence[tuple[str, Sources]]
+) -> dict[str, Any]:
+    """``component``'s pods accept connections on the named container ``ports`` only, each from its
+    sources, and nothing else; egress is left alone (docs/kubernetes.md, "Network policies"). Named
+    ports follow the Deployment's declarations, so a port number changed there needs nothing here."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata,
+        "spec": {
+            "podSelector": {"matchLabels": pod_selector(component)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    **({"from": [dict(s) for s in sources]} if sources is not None else {}),
+                    "ports": [{"protocol": "TCP", "port": port}],
+                }
+                for port, sources in ports
+            ],
+        },
+    }
