@@ -25,6 +25,7 @@ import pytest
 import trio
 
 from clusterproxy_cli import _http
+from clusterproxy_cli.haproxy import parse_stats_csv
 from clusterproxy_cli.local_down import local_down
 from clusterproxy_cli.local_pki import issue_certificates
 from clusterproxy_cli.local_plan import (
@@ -40,7 +41,6 @@ from clusterproxy_cli.local_proxies import (
     down_replicas,
     find_program,
     haproxy_config,
-    parse_stats_csv,
     tinyproxy_config,
 )
 from clusterproxy_cli.local_supervise import Child, RestartPolicy
