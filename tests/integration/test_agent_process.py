@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from clusterproxy_protocol.pki import DevCA, PemPair
-from tests.integration.test_agent_tunnel import Hub, admin_get, echo_once
+from tests.support.agent_hub import Hub, admin_get, echo_once
 from tests.support.targets import serve_echo
 
 AGENT = Path(sys.executable).parent / "cluster-proxy-agent"
