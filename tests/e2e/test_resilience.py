@@ -17,6 +17,7 @@ from tests.support.hostile_connections import attack as hostile_connection
 from tests.support.pki import PkiFiles
 from tests.support.procs import Hub, http_get
 from tests.support.targets import Blackhole, pattern_digest, serve_digest, serve_source
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 MiB = 1 << 20
@@ -73,9 +74,9 @@ async def test_sigkill_of_agent_fails_its_streams_fast_and_it_comes_back(
                 await trio.sleep(0.02)
             killed_at = trio.current_time()
             agent.kill(signal.SIGKILL)
-            with trio.fail_after(5):  # "within a few seconds, never hang"
-                while len(outcomes) < 2:
-                    await trio.sleep(0.02)
+            await wait_until(  # "within a few seconds, never hang"
+                lambda: len(outcomes) >= 2, timeout=5, what="both streams to fail", interval=0.02
+            )
             elapsed = trio.current_time() - killed_at
     hole.close()
     assert outcomes["stream"].startswith("broken"), outcomes

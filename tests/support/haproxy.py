@@ -46,6 +46,7 @@ from tests.support.pki import PkiFiles, make_pki
 from tests.support.procs import AGENT_FLAGS, ANY_PORT, POLL, Process, client_tls, http_get
 from tests.support.proxies import accepts, binary
 from tests.support.traffic import BYE
+from tests.support.waiting import wait_until
 
 HAPROXY_MISSING = "haproxy (Debian package haproxy; scripts/bootstrap.sh installs it)"
 STARTUP_TIMEOUT = 20.0
@@ -92,13 +93,16 @@ class Haproxy:
 
     async def wait_state(self, place: str, status: str, timeout: float = 10.0) -> None:
         """Until haproxy reports ``place`` with ``status`` in both backends."""
-        with trio.move_on_after(timeout):
-            while True:
-                states = await trio.to_thread.run_sync(self.states)
-                if haproxy.in_state(states, place, status):
-                    return
-                await trio.sleep(POLL)
-        raise AssertionError(f"haproxy: {place} not {status} after {timeout}s: {self.states()}")
+
+        async def reported() -> bool:
+            return haproxy.in_state(await trio.to_thread.run_sync(self.states), place, status)
+
+        await wait_until(
+            reported,
+            timeout=timeout,
+            interval=POLL,
+            message=lambda: f"haproxy: {place} not {status} after {timeout}s: {self.states()}",
+        )
 
     def log_lines(self) -> list[str]:
         return self.process.log_path.read_text(errors="replace").splitlines()
@@ -140,15 +144,21 @@ async def start_haproxy(
     process = Process(name, haproxy.argv(program, config), log_dir)
     proxy = Haproxy(process, agent_port, client_port, private / "stats.sock", private)
     try:
-        with trio.fail_after(STARTUP_TIMEOUT):
-            while not (
+
+        async def listening() -> bool:
+            if (
                 await trio.to_thread.run_sync(accepts, client_port)
                 and proxy.stats_socket.exists()
                 and await trio.to_thread.run_sync(accepts, agent_port)
             ):
-                if process.popen.poll() is not None:
-                    raise AssertionError(f"haproxy exited ({process.popen.returncode}):\n{process.tail()}")
-                await trio.sleep(POLL)
+                return True
+            if process.popen.poll() is not None:
+                raise AssertionError(f"haproxy exited ({process.popen.returncode}):\n{process.tail()}")
+            return False
+
+        await wait_until(
+            listening, timeout=STARTUP_TIMEOUT, what="haproxy's frontends and stats socket", interval=POLL
+        )
     except BaseException:
         proxy.stop()
         raise
@@ -296,16 +306,22 @@ class Fleet:
         """Seconds until :meth:`converged`; AssertionError with every view after ``timeout``."""
         started = trio.current_time()
         mesh: dict[str, Any] = {}
-        with trio.move_on_after(timeout):
-            while True:
-                mesh = await self.mesh()
-                if self.converged(mesh):
-                    return trio.current_time() - started
-                await trio.sleep(POLL)
-        raise AssertionError(
-            f"agents not converged on {sorted(self.replicas)} after {timeout}s:\n"
-            + json.dumps(mesh, indent=1)[:6000]
+
+        async def converged() -> bool:
+            nonlocal mesh
+            mesh = await self.mesh()
+            return self.converged(mesh)
+
+        await wait_until(
+            converged,
+            timeout=timeout,
+            interval=POLL,
+            message=lambda: (
+                f"agents not converged on {sorted(self.replicas)} after {timeout}s:\n"
+                + json.dumps(mesh, indent=1)[:6000]
+            ),
         )
+        return trio.current_time() - started
 
     def stop(self) -> None:
         for process in self.agents.values():
