@@ -6,7 +6,8 @@
   caller looks at itself (the RSS coming back, the last log lines written).
 
 The failure names ``what`` was waited for; ``message`` (a string, or a function called at the timeout so
-that it can say what was seen last) replaces the whole text. A condition may raise to fail at once (a
+that it can say what was seen last) replaces the whole text; ``error`` is its type (a harness that
+reports a process that never came up raises RuntimeError, not a test's AssertionError). A condition may raise to fail at once (a
 process that exited will never log the line waited for).
 """
 
@@ -24,10 +25,10 @@ POLL = 0.01
 Message = str | Callable[[], str] | None
 
 
-def _failure(timeout: float, what: str, message: Message) -> AssertionError:
+def _failure(timeout: float, what: str, message: Message, error: type[Exception]) -> Exception:
     if message is None:
-        return AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-    return AssertionError(message() if callable(message) else message)
+        return error(f"timed out after {timeout:g}s waiting for {what}")
+    return error(message() if callable(message) else message)
 
 
 async def _poll(condition: Callable[[], object | Awaitable[object]], timeout: float, interval: float) -> Any:
@@ -50,12 +51,14 @@ async def wait_until(
     what: str = "the condition",
     interval: float = POLL,
     message: Message = None,
+    error: type[Exception] = AssertionError,
 ) -> Any:
     """Poll ``condition`` (a function, or an async function) until it is truthy, and return that
-    result; AssertionError naming ``what`` (or saying ``message``) after ``timeout`` seconds."""
+    result; ``error`` (AssertionError) naming ``what`` (or saying ``message``) after ``timeout``
+    seconds."""
     result = await _poll(condition, timeout, interval)
     if not result:
-        raise _failure(timeout, what, message)
+        raise _failure(timeout, what, message, error)
     return result
 
 
@@ -73,14 +76,15 @@ def poll_until(
     what: str = "the condition",
     interval: float = POLL,
     message: Message = None,
+    error: type[Exception] = AssertionError,
 ) -> Any:
     """:func:`wait_until` for blocking code: call ``condition`` until it returns something truthy
-    (returned), sleeping ``interval`` between calls; AssertionError after ``timeout`` seconds."""
+    (returned), sleeping ``interval`` between calls; ``error`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         result = condition()
         if result:
             return result
         if time.monotonic() >= deadline:
-            raise _failure(timeout, what, message)
+            raise _failure(timeout, what, message, error)
         time.sleep(interval)
