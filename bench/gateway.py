@@ -3,7 +3,7 @@ cluster-gateway (seed 004's ``kubectl get --raw .../clustergateways/cluster1/pro
 same request straight to cluster1's API server.
 
 Real API servers (etcd, hub, cluster1; tests.support.kubeapi, built into the tool cache on first use),
-the addon's stack and the gateway behind the hub's aggregator (tests/kube/gateway_rig.py, what the kube
+the addon's stack and the gateway behind the hub's aggregator (tests/support/gateway_rig.py, what the kube
 tests run). Two systems of the report: ``direct`` is straight to cluster1's kube-apiserver, ``ours`` is
 hub kube-apiserver -> aggregator -> gateway -> proxy-server -> tunnel -> agent -> cluster1. Both as the
 clusters' admin (a client certificate), so that both servers authorize the same way. Variants:
@@ -105,7 +105,7 @@ def run_gateway_workload(
 ) -> dict[str, list[str]]:
     """Start the clusters and the gateway under ``directory``, measure, stop everything; ``record(variant,
     system, rep, metrics)`` per measurement. Returns the gateway's command line for the report."""
-    from tests.kube.gateway_rig import running_gateway
+    from tests.support.gateway_rig import running_gateway
     from tests.support.kubeapi import KubeClusters, binaries
 
     started = time.monotonic()
@@ -118,7 +118,7 @@ def run_gateway_workload(
             f"gateway: API servers ready after {time.monotonic() - started:.0f} s; the addon's stack and the gateway"
         )
         with running_gateway(clusters, directory / "gateway", ("cluster1",), log_level="info") as gw:
-            from tests.kube.gateway_rig import _set_reader
+            from tests.support.gateway_rig import _set_reader
 
             _set_reader(gw.clusters["cluster1"].api, True)
             hub, cluster1 = gw.hub, gw.clusters["cluster1"].api

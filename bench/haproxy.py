@@ -1,5 +1,6 @@
 """A real haproxy (Debian's package) in TCP mode in front of proxy-server replicas, for the failover
-workload. Written for bench/ on its own (the benchmarks do not import the tests).
+workload: its configuration and statistics are ``clusterproxy_cli.haproxy``'s, the HA tests' and
+``local up``'s too.
 
 The configuration is the one docs/architecture.md "High availability" describes and the HA tests run:
 one frontend for the agents' port (``leastconn``: an agent looking for a missing replica reaches the
@@ -10,16 +11,14 @@ replica (``retries 3``, ``option redispatch 1``).
 
 from __future__ import annotations
 
-import csv
-import io
 import shutil
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.procs import Proc, free_port, wait_port
+from clusterproxy_cli import haproxy
 
 HAPROXY_MISSING = "haproxy is not installed (Debian package haproxy; scripts/bootstrap.sh installs it)"
 
@@ -49,41 +48,16 @@ def haproxy_config(
     agent_check: str = "/readyz",
 ) -> str:
     """``agent_check``: the path checked for the agents' backend (the clients' is always /readyz)."""
-    lines = [
-        "global",
-        "    log stdout format raw local0 info",
-        f"    stats socket {stats_socket} mode 600 level admin",
-        "    maxconn 8000",
-        "defaults",
-        "    mode tcp",
-        "    log global",
-        "    option tcplog",
-        "    timeout connect 2s",
-        "    timeout client 10m",
-        "    timeout server 10m",
-        "    timeout check 1s",
-        "    retries 3",
-        "    option redispatch 1",
-        f"    default-server inter {check_interval} fastinter {check_interval} downinter {check_interval}"
-        " fall 1 rise 1",
-    ]
-    for role, port, balance, check in (
-        ("agents", agent_port, "leastconn", agent_check),
-        ("clients", client_port, "roundrobin", "/readyz"),
-    ):
-        lines += [
-            f"frontend {role}",
-            f"    bind 127.0.0.1:{port}",
-            f"    default_backend {role}",
-            f"backend {role}",
-            f"    balance {balance}",
-            f"    option httpchk GET {check}",
-            "    http-check expect status 200",
-        ]
-        for place in places:
-            target = place.agent if role == "agents" else place.client
-            lines.append(f"    server {place.name} 127.0.0.1:{target} check port {place.health}")
-    return "\n".join(lines) + "\n"
+    return haproxy.config(
+        [haproxy.Server(p.name, p.agent, p.client, p.health) for p in places],
+        agent_port,
+        client_port,
+        health_check=haproxy.checks_every(check_interval),
+        stream_timeout="10m",
+        maxconn=8000,
+        agent_check=agent_check,
+        stats_socket=stats_socket,
+    )
 
 
 class Haproxy:
@@ -107,8 +81,7 @@ class Haproxy:
                 places, self.agent_port, self.client_port, self.stats_socket, check_interval, agent_check
             )
         )
-        # -db: foreground, tcplog lines and server state changes to stdout (the log file)
-        self.proc = Proc("haproxy", [binary, "-db", "-f", str(self.config)], log_dir / f"haproxy-{tag}.log")
+        self.proc = Proc("haproxy", haproxy.argv(binary, self.config), log_dir / f"haproxy-{tag}.log")
         try:
             wait_port("127.0.0.1", self.client_port, 20, self.proc)
             wait_port("127.0.0.1", self.agent_port, 20, self.proc)
@@ -123,18 +96,7 @@ class Haproxy:
 
     def states(self) -> dict[tuple[str, str], str]:
         """(backend, place) -> haproxy's status of that place ("UP", "DOWN", ...), from ``show stat``."""
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.settimeout(5)
-            sock.connect(str(self.stats_socket))
-            sock.sendall(b"show stat\n")
-            data = b""
-            while chunk := sock.recv(65536):
-                data += chunk
-        states = {}
-        for row in csv.DictReader(io.StringIO(data.decode().lstrip("# "))):
-            if row["svname"] not in ("FRONTEND", "BACKEND"):
-                states[(row["pxname"], row["svname"])] = row["status"].split()[0]
-        return states
+        return haproxy.socket_states(self.stats_socket)
 
     def wait_state(self, place: str, status: str, timeout: float) -> float:
         """Seconds until haproxy reports ``place`` with ``status`` in both backends."""
@@ -142,7 +104,7 @@ class Haproxy:
         states: dict[tuple[str, str], str] = {}
         while time.monotonic() - began < timeout:
             states = self.states()
-            if all(states.get((backend, place)) == status for backend in ("agents", "clients")):
+            if haproxy.in_state(states, place, status):
                 return time.monotonic() - began
             time.sleep(0.05)
         raise RuntimeError(f"haproxy: {place} not {status} after {timeout}s: {states}")

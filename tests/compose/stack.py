@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 import httpx
 from testcontainers.compose import DockerCompose
 
+from tests.support.waiting import poll_until
+
 ROOT = Path(__file__).resolve().parents[2]
 TAG = os.environ.get("CLUSTER_PROXY_TAG", "dev")
 BASE_IMAGE = os.environ.get("PYTHON_BASE", "cluster-proxy/python-base:bookworm")
@@ -58,13 +60,13 @@ def wait_for(what: str, check: Callable[[], T | None], timeout: float) -> tuple[
     """Poll ``check`` until it returns something other than None; that value and the seconds it took.
     AssertionError naming ``what`` (and the last value seen) after ``timeout`` seconds."""
     started = time.monotonic()
-    while True:
-        value = check()
-        if value is not None:
-            return value, time.monotonic() - started
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"not within {timeout:g}s: {what}")
-        time.sleep(POLL)
+    (value,) = poll_until(  # in a tuple: a falsy value other than None counts
+        lambda: None if (seen := check()) is None else (seen,),
+        timeout=timeout,
+        interval=POLL,
+        message=f"not within {timeout:g}s: {what}",
+    )
+    return value, time.monotonic() - started
 
 
 @dataclass

@@ -29,7 +29,6 @@ from hyperframe.frame import DataFrame, Frame, GoAwayFrame, PingFrame, RstStream
 
 from clusterproxy_protocol.core import CANCEL, ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR, REFUSED_STREAM
 from clusterproxy_protocol.pki import PemPair
-from tests.e2e.test_resilience import _attack as resilience_attack
 from tests.support.battery import CLUSTER, Attack, AttackContext, BadInput, run_case
 from tests.support.clients import client_context
 from tests.support.h2_attacker import Attacker
@@ -43,6 +42,7 @@ from tests.support.h2_attacks import (
     send_half_frame,
     stall_streams,
 )
+from tests.support.hostile_connections import attack as hostile_connection
 from tests.support.pki import PkiFiles
 from tests.support.procs import Hub
 from tests.support.waiting import wait_until
@@ -75,12 +75,12 @@ AGENT_OPTIONS = ("--allow", "127.0.0.0/8", "--dial-timeout", "2s")
 
 
 def refused_before_any_answer(kind: str) -> Attack:
-    """The hostile connections of tests/e2e/test_resilience.py: 64 KiB of random bytes, an HTTP/1.1
+    """The hostile connections of tests/support/hostile_connections.py: 64 KiB of random bytes, an HTTP/1.1
     CONNECT without TLS, TLS without a client certificate, a client certificate from another CA. The
-    server must refuse or close, never answer with data (``_attack`` asserts that)."""
+    server must refuse or close, never answer with data (``hostile_connections.attack`` asserts that)."""
 
     async def attack(context: AttackContext) -> str:
-        outcome = await resilience_attack(context.port, kind, context.pki)
+        outcome = await hostile_connection(context.port, kind, context.pki)
         assert outcome == "closed" or outcome.startswith("refused"), outcome
         return outcome
 

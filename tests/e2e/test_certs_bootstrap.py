@@ -25,6 +25,7 @@ from clusterproxy_sdk import Forbidden
 from tests.support.certs import ClientParty, SignedHub, SignerProcess, count_events
 from tests.support.procs import BIN
 from tests.support.traffic import Traffic, serve_bye_echo, serve_sized
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -123,9 +124,12 @@ async def test_reused_expired_and_foreign_tokens_are_refused_with_a_clear_error(
     expired = signer.agent_token("cluster1", ttl=dt.timedelta(seconds=1))
     record = signer.store.get_token(expired.split(".", 1)[0])
     assert record is not None
-    with trio.fail_after(10):
-        while dt.datetime.now(dt.UTC) <= record.expires_at:
-            await trio.sleep(0.1)
+    await wait_until(
+        lambda: dt.datetime.now(dt.UTC) > record.expires_at,
+        timeout=10,
+        what="the token to expire",
+        interval=0.1,
+    )
     error = await _refused(hub, "agent-expired", "cluster1", expired)
     print(f"expired token:   {error}")
     assert "expired" in error and "token_expired" in error and "HTTP 410" in error
@@ -145,9 +149,12 @@ async def test_an_agent_certificate_for_cluster1_cannot_register_as_cluster2(hub
     files = hub.files["agent-cluster1-agent-a"]  # a valid certificate for cluster1/agent-a
     before = count_events(hub.server, "agent_refused")
     impostor = hub.start_agent("cluster2", "agent-a", token=None, files=files, name="agent-impostor")
-    with trio.fail_after(20):
-        while count_events(hub.server, "agent_refused") == before:
-            await trio.sleep(0.05)
+    await wait_until(
+        lambda: count_events(hub.server, "agent_refused") != before,
+        timeout=20,
+        what="the impostor to be refused",
+        interval=0.05,
+    )
     refused = [e for e in hub.server.events() if e.get("event") == "agent_refused"][before]
     print(f"agent refused:   {refused['error']}")
     assert "claims cluster 'cluster2'" in refused["error"]

@@ -169,9 +169,7 @@ async def test_ca_rotation_under_traffic_drops_nothing(tmp_path: Path, nursery: 
                 return True
             return False
 
-        with trio.fail_after(20):
-            while not await straggler_refused():
-                await trio.sleep(0.2)
+        await wait_until(straggler_refused, timeout=20, what="the straggler to be refused", interval=0.2)
         assert count_events(run.server, "tls_handshake_failed", port="client") > refused_before
 
         # renewal still works with the new CA alone: every party renews once more

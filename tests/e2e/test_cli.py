@@ -19,20 +19,24 @@ from tests.support.localup import LocalUp
 from tests.support.pki import PkiFiles
 from tests.support.procs import BIN, Hub, Process, alive
 from tests.support.targets import serve_http
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
 
 async def wait_for_line(process: Process, pattern: str, timeout: float = 20.0) -> re.Match[str]:
-    with trio.move_on_after(timeout):
-        while True:
-            found = re.search(pattern, process.log_path.read_text(errors="replace"))
-            if found:
-                return found
-            if process.popen.poll() is not None:
-                raise AssertionError(f"{process.name} exited ({process.popen.returncode}):\n{process.tail()}")
-            await trio.sleep(0.02)
-    raise AssertionError(f"{process.name}: no line matching {pattern!r} in {timeout}s:\n{process.tail()}")
+    def logged() -> re.Match[str] | None:
+        found = re.search(pattern, process.log_path.read_text(errors="replace"))
+        if not found and process.popen.poll() is not None:
+            raise AssertionError(f"{process.name} exited ({process.popen.returncode}):\n{process.tail()}")
+        return found
+
+    return await wait_until(
+        logged,
+        timeout=timeout,
+        interval=0.02,
+        message=lambda: f"{process.name}: no line matching {pattern!r} in {timeout}s:\n{process.tail()}",
+    )
 
 
 async def test_port_forward_reaches_target_and_keeps_half_close(

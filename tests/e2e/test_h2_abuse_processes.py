@@ -24,6 +24,7 @@ from tests.support.h2_attacks import (
 from tests.support.pki import PkiFiles
 from tests.support.procs import Hub
 from tests.support.targets import serve_echo
+from tests.support.waiting import wait_at_most
 
 pytestmark = pytest.mark.slow
 MiB = 1 << 20
@@ -58,10 +59,9 @@ def metric(hub: Hub, name: str, **labels: str) -> float:
 async def rss_come_back(hub: Hub, baseline: int) -> int:
     """The server's RSS once within the margin of ``baseline``, or whatever it is after RSS_SETTLE."""
     assert hub.server is not None
-    with trio.move_on_after(RSS_SETTLE):
-        while hub.server.rss_kib() - baseline >= RSS_MARGIN_KIB:
-            await trio.sleep(0.1)
-    return hub.server.rss_kib()
+    server = hub.server
+    await wait_at_most(lambda: server.rss_kib() - baseline < RSS_MARGIN_KIB, timeout=RSS_SETTLE, interval=0.1)
+    return server.rss_kib()
 
 
 async def test_attacks_are_cut_off_and_the_server_rss_comes_back(

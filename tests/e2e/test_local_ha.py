@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import trio
 
+from clusterproxy_cli.haproxy import parse_stats_csv
 from clusterproxy_cli.local_down import local_down
 from clusterproxy_cli.local_pki import issue_certificates
 from clusterproxy_cli.local_plan import (
@@ -39,7 +40,6 @@ from clusterproxy_cli.local_proxies import (
     down_replicas,
     find_program,
     haproxy_config,
-    parse_stats_csv,
     tinyproxy_config,
 )
 from clusterproxy_cli.local_supervise import Child

@@ -34,6 +34,7 @@ from clusterproxy_protocol import http1client
 from tests.support.localup import LocalUp
 from tests.support.procs import BIN, json_records
 from tests.support.soak import print_report
+from tests.support.waiting import wait_at_most
 
 SOAK_SECONDS = float(os.environ.get("CLUSTER_PROXY_PF_SOAK_SECONDS", "300"))
 CERT_TTL_SECONDS = 60
@@ -237,9 +238,9 @@ async def test_port_forward_keeps_forwarding_past_its_certificates_lifetime(
         duration = time.monotonic() - started
         # The port-forward logs a connection once both directions ended, which can be just after the
         # client read its answer.
-        with trio.move_on_after(10):
-            while len(json_records(pf_log, "connection_closed")) < made:
-                await trio.sleep(0.05)
+        await wait_at_most(
+            lambda: len(json_records(pf_log, "connection_closed")) >= made, timeout=10, interval=0.05
+        )
 
         tunnels = json_records(pf_log, "tunnel_connected")
         presented = [t["client_cert_serial"] for t in tunnels]

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import trio
 
-from clusterproxy_protocol import tls
 from clusterproxy_protocol.errors import ConnectRefused
 from clusterproxy_sdk import TLSFiles, open_tunnel
+from tests.support.hostile_connections import attack as hostile_connection
 from tests.support.pki import PkiFiles
 from tests.support.procs import Hub, http_get
 from tests.support.targets import Blackhole, pattern_digest, serve_digest, serve_source
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 MiB = 1 << 20
@@ -73,9 +74,9 @@ async def test_sigkill_of_agent_fails_its_streams_fast_and_it_comes_back(
                 await trio.sleep(0.02)
             killed_at = trio.current_time()
             agent.kill(signal.SIGKILL)
-            with trio.fail_after(5):  # "within a few seconds, never hang"
-                while len(outcomes) < 2:
-                    await trio.sleep(0.02)
+            await wait_until(  # "within a few seconds, never hang"
+                lambda: len(outcomes) >= 2, timeout=5, what="both streams to fail", interval=0.02
+            )
             elapsed = trio.current_time() - killed_at
     hole.close()
     assert outcomes["stream"].startswith("broken"), outcomes
@@ -116,43 +117,6 @@ def _agent_is_dialing(agent, port: int) -> bool:
     return False
 
 
-async def _attack(port: int, kind: str, pki: PkiFiles) -> str:
-    """One hostile connection; returns how the server ended it."""
-    tcp = await trio.open_tcp_stream("127.0.0.1", port)
-    if kind == "garbage":
-        await tcp.send_all(os.urandom(64 << 10))
-        return await _outcome(tcp)
-    if kind == "plain-http":
-        await tcp.send_all(b"CONNECT 127.0.0.1:80 HTTP/1.1\r\nhost: x\r\n\r\n")
-        return await _outcome(tcp)
-    if kind == "tls-no-cert":
-        context = tls.client_context(None, None, pki.ca, alpn=["h2", "http/1.1"])
-    else:
-        context = tls.client_context(pki.foreign_client.cert, pki.foreign_client.key, pki.ca, alpn=["h2"])
-    stream = trio.SSLStream(tcp, context, server_hostname="localhost")
-    try:
-        await stream.do_handshake()
-        await stream.send_all(b"CONNECT 127.0.0.1:80 HTTP/1.1\r\n\r\n")
-        return await _outcome(stream)
-    except trio.BrokenResourceError as exc:
-        return f"refused: {exc.__cause__!r}"
-
-
-async def _outcome(stream: trio.abc.Stream) -> str:
-    """What the server does: it must close the connection, never answer with data or hang."""
-    data = b""
-    try:
-        with trio.fail_after(15):
-            while chunk := await stream.receive_some(65536):
-                data += chunk
-    except trio.BrokenResourceError as exc:
-        return f"refused: {exc.__cause__!r}"
-    finally:
-        await trio.aclose_forcefully(stream)
-    assert not data, f"the server answered a hostile client with {data[:100]!r}"
-    return "closed"
-
-
 async def test_hostile_connections_are_refused_and_live_streams_go_on(
     own_hub: Hub, pki: PkiFiles, nursery: trio.Nursery
 ) -> None:
@@ -171,7 +135,7 @@ async def test_hostile_connections_are_refused_and_live_streams_go_on(
         got += await live.receive_some(65536)  # the live stream is flowing before the attacks
 
         async def attack(port_name: str, port: int, kind: str) -> None:
-            results[(port_name, kind)] = await _attack(port, kind, pki)
+            results[(port_name, kind)] = await hostile_connection(port, kind, pki)
 
         async with trio.open_nursery() as attacks:
             for port_name, port in (("agent", hub.agent_port), ("client", hub.client_port)):

@@ -23,6 +23,7 @@ from tests.support.pki import PkiFiles
 from tests.support.procs import Hub, alive, http_get
 from tests.support.targets import Target, serve_digest
 from tests.support.targets import digest_transfer as transfer
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -53,16 +54,24 @@ def worker_ids(hub: Hub) -> list[str]:
 async def every_agent_on_every_worker(hub: Hub, agents: int, timeout: float = 20.0) -> float:
     """Seconds until each of ``agents`` agents holds a tunnel to each running worker (by their ids)."""
     started = time.monotonic()
-    with trio.move_on_after(timeout):
-        while True:
-            ids = set(await trio.to_thread.run_sync(worker_ids, hub))
-            held: dict[tuple[str, str], set[str]] = {}
-            for entry in await trio.to_thread.run_sync(admin_json, hub, "/api/v1/agents"):
-                held.setdefault((entry["cluster"], entry["agent_id"]), set()).add(entry["server_id"])
-            if len(held) == agents and all(servers >= ids for servers in held.values()):
-                return time.monotonic() - started
-            await trio.sleep(0.02)
-    raise AssertionError(f"agents not on every worker after {timeout}s: {held} (workers {ids})")
+    ids: set[str] = set()
+    held: dict[tuple[str, str], set[str]] = {}
+
+    async def everywhere() -> bool:
+        nonlocal ids, held
+        ids = set(await trio.to_thread.run_sync(worker_ids, hub))
+        held = {}
+        for entry in await trio.to_thread.run_sync(admin_json, hub, "/api/v1/agents"):
+            held.setdefault((entry["cluster"], entry["agent_id"]), set()).add(entry["server_id"])
+        return len(held) == agents and all(servers >= ids for servers in held.values())
+
+    await wait_until(
+        everywhere,
+        timeout=timeout,
+        interval=0.02,
+        message=lambda: f"agents not on every worker after {timeout}s: {held} (workers {ids})",
+    )
+    return time.monotonic() - started
 
 
 def search_times(hub: Hub) -> str:

@@ -21,11 +21,10 @@ from clusterproxy_agent.app import Service
 from clusterproxy_protocol.pki import PemPair
 from clusterproxy_protocol.tls import client_context
 from clusterproxy_protocol.wire import ALPN_HTTP1
-from tests.support.inprocess import start_server
+from tests.support.inprocess import agent_settings, start_server
 from tests.support.pki import PkiFiles
 from tests.support.procs import client_tls, http_get
 from tests.support.waiting import wait_until
-from tests.unit.test_replica_set_server import agent_settings
 
 INVENTORY = ("/api/v1/agents", "/api/v1/clusters")
 

@@ -35,6 +35,7 @@ from clusterproxy_protocol.errors import (
 )
 from clusterproxy_protocol.wire import REASON_HEADER
 from tests.support.targets import Blackhole, closed_port, serve_echo
+from tests.support.waiting import wait_until
 
 
 def dials(agent: Agent, result: str) -> float | None:
@@ -304,9 +305,9 @@ async def test_drain_lets_open_streams_finish(nursery: trio.Nursery) -> None:
     async with hub_side(agent) as hub:
         stream = await hub.open_connect(f"127.0.0.1:{port}")
         agent.drain()
-        with trio.fail_after(5):
-            while not hub.peer_draining:
-                await trio.sleep(0.005)
+        await wait_until(
+            lambda: hub.peer_draining, timeout=5, what="the hub to see the drain", interval=0.005
+        )
         assert not hub.accepts_streams
         await round_trip(stream, 200_000)  # the open stream still works
         with trio.fail_after(5):
@@ -341,10 +342,13 @@ async def test_hub_giving_up_during_the_dial_cancels_the_dial(nursery: trio.Nurs
                 await dialling.wait()
                 inner.cancel_scope.cancel()  # the hub client gave up on the pending CONNECT
         assert not scope.cancelled_caught
-        with trio.fail_after(5):
+        with trio.fail_after(5):  # both waits together, as before
             await agent.wait_idle()
-            while agent.metrics.registry.get_sample_value("cluster_proxy_agent_open_streams"):
-                await trio.sleep(0.01)
+            await wait_until(
+                lambda: not agent.metrics.registry.get_sample_value("cluster_proxy_agent_open_streams"),
+                timeout=5,
+                what="no open stream",
+            )
         release.set()
         assert cancelled == [True]
         assert connected == []

@@ -14,8 +14,9 @@ import pytest
 import trio
 
 from clusterproxy_protocol.pki import DevCA, PemPair
-from tests.integration.test_agent_tunnel import Hub, admin_get, echo_once
+from tests.support.agent_hub import Hub, admin_get, echo_once
 from tests.support.targets import serve_echo
+from tests.support.waiting import wait_until
 
 AGENT = Path(sys.executable).parent / "cluster-proxy-agent"
 
@@ -71,14 +72,16 @@ def events(log: Path) -> list[dict[str, Any]]:
 
 
 async def wait_event(log: Path, process: trio.Process, name: str, timeout: float = 15) -> dict[str, Any]:
-    with trio.fail_after(timeout):
-        while True:
-            for record in events(log):
-                if record.get("event") == name:
-                    return record
-            if process.returncode is not None:
-                raise AssertionError(f"agent exited {process.returncode} before {name}:\n{log.read_text()}")
-            await trio.sleep(0.02)
+
+    def logged() -> dict[str, Any] | None:
+        for record in events(log):
+            if record.get("event") == name:
+                return record
+        if process.returncode is not None:
+            raise AssertionError(f"agent exited {process.returncode} before {name}:\n{log.read_text()}")
+        return None
+
+    return await wait_until(logged, timeout=timeout, what=f"the agent to log {name}", interval=0.02)
 
 
 def test_bad_flag_exits_2_naming_the_value(tunnel_pki) -> None:
@@ -129,9 +132,7 @@ async def test_process_serves_the_tunnel_and_drains_on_sigterm(
 
         stream = await mux.open_connect(f"127.0.0.1:{echo_port}")
         process.send_signal(signal.SIGTERM)
-        with trio.fail_after(10):
-            while not mux.peer_draining:
-                await trio.sleep(0.01)
+        await wait_until(lambda: mux.peer_draining, timeout=10, what="the hub to see the drain")
         assert process.returncode is None  # still serving the open stream
         await stream.send_all(b"still here")
         await stream.send_eof()

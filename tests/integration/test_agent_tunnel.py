@@ -1,14 +1,14 @@
 """The agent service dialling a TLS hub in the same process: connect, identify, relay, reconnect, drain.
 
-The hub is a minimal stand-in for the proxy-server's agent port: mTLS with ALPN h2, then an
-``open_mux(..., Role.OPENER)`` on the accepted connection, handed to the test through a channel.
+The hub (:mod:`tests.support.agent_hub`) is a minimal stand-in for the proxy-server's agent port: mTLS
+with ALPN h2, then an ``open_mux(..., Role.OPENER)`` on the accepted connection, handed to the test
+through a channel.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-from functools import partial
 
 import pytest
 import trio
@@ -20,10 +20,9 @@ from clusterproxy_agent.config import AgentSettings
 from clusterproxy_agent.egress import EgressPolicy, parse_rule
 from clusterproxy_agent.tunnel import TunnelOptions, TunnelRunner
 from clusterproxy_protocol.core import Role
-from clusterproxy_protocol.driver import Mux, open_mux
-from clusterproxy_protocol.errors import describe_exception
+from clusterproxy_protocol.driver import open_mux
 from clusterproxy_protocol.pki import DevCA, PemPair
-from clusterproxy_protocol.tls import server_context
+from tests.support.agent_hub import Hub, admin_get, echo_once
 from tests.support.targets import serve_echo
 from tests.support.waiting import wait_until
 
@@ -39,38 +38,6 @@ def tunnel_pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "server": ca.issue_server("hub", ["localhost", "127.0.0.1"], directory),
         "agent": ca.issue_agent("cluster1", "agent-a", directory),
     }
-
-
-class Hub:
-    """Accepts agent tunnels over mTLS; each live tunnel's Mux arrives on ``tunnels``."""
-
-    def __init__(self, pki: dict[str, object], *, alpn: list[str] | None = None) -> None:
-        server: PemPair = pki["server"]  # type: ignore[assignment]
-        self.ctx = server_context(server.cert, server.key, pki["ca"], alpn=alpn or ["h2"])  # type: ignore[arg-type]
-        self._send, self.tunnels = trio.open_memory_channel[Mux](10)
-        self.handshake_errors: list[str] = []
-        self.port = 0
-
-    async def start(self, nursery: trio.Nursery) -> Hub:
-        listeners = await nursery.start(
-            partial(trio.serve_ssl_over_tcp, self._handle, 0, self.ctx, host="127.0.0.1")
-        )
-        self.port = listeners[0].transport_listener.socket.getsockname()[1]
-        return self
-
-    async def _handle(self, stream: trio.SSLStream) -> None:
-        try:
-            await stream.do_handshake()
-        except trio.BrokenResourceError as exc:
-            self.handshake_errors.append(describe_exception(exc))
-            return
-        async with open_mux(stream, Role.OPENER) as mux:
-            await self._send.send(mux)
-            await mux.closed.wait()
-
-    async def next_tunnel(self, timeout: float = 10) -> Mux:
-        with trio.fail_after(timeout):
-            return await self.tunnels.receive()
 
 
 def agent_settings(pki: dict[str, object], port: int, **overrides: object) -> AgentSettings:
@@ -91,29 +58,6 @@ def agent_settings(pki: dict[str, object], port: int, **overrides: object) -> Ag
     }
     options.update(overrides)
     return AgentSettings(**options)  # type: ignore[arg-type]
-
-
-async def admin_get(address: str, path: str) -> tuple[int, str]:
-    host, port = address.rsplit(":", 1)
-    stream = await trio.open_tcp_stream(host, int(port))
-    async with stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nhost: agent\r\nconnection: close\r\n\r\n".encode())
-        data = b""
-        while chunk := await stream.receive_some():
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body.decode()
-
-
-async def echo_once(mux: Mux, port: int, payload: bytes) -> bytes:
-    stream = await mux.open_connect(f"127.0.0.1:{port}")
-    async with stream:
-        await stream.send_all(payload)
-        await stream.send_eof()
-        data = b""
-        while chunk := await stream.receive_some():
-            data += chunk
-    return data
 
 
 def metric(service: Service, name: str, **labels: str) -> float | None:

@@ -159,9 +159,7 @@ async def test_policy_file_change_applies_without_restart(
         except Forbidden:
             return False
 
-    with trio.fail_after(10):
-        while not await bob_allowed():
-            await trio.sleep(0.1)
+    await wait_until(bob_allowed, timeout=10, what="bob to be allowed into cluster2", interval=0.1)
     assert server.policy is not None and server.policy.reloads == 1
 
 

@@ -113,11 +113,7 @@ async def test_renewer_renews_at_80_percent_and_hot_reloads(nursery: trio.Nurser
 
 async def _until(predicate, what: str, timeout: float = 20.0) -> None:
     """Wait for ``predicate()`` (polling the store's view, with a deadline)."""
-    with trio.move_on_after(timeout):
-        while not predicate():
-            await trio.sleep(0.05)
-        return
-    raise AssertionError(f"timed out waiting for {what}")
+    await wait_until(predicate, timeout=timeout, what=what, interval=0.05)
 
 
 async def test_full_ca_rotation_without_dropping_a_tunnel(nursery: trio.Nursery, tmp_path: Path) -> None:

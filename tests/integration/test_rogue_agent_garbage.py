@@ -8,10 +8,9 @@ import pytest
 import trio
 
 from clusterproxy_sdk import open_tunnel
-from tests.integration.test_rogue_agents import assert_echo, client_files, rogue_then_healthy
 from tests.support.inprocess import start_server
 from tests.support.pki import PkiFiles
-from tests.support.rogue_agent import Behaviour
+from tests.support.rogue_agent import Behaviour, assert_echo, client_files, rogue_then_healthy
 from tests.support.targets import serve_echo
 
 

@@ -39,13 +39,17 @@ from clusterproxy_server.relaying import agent_fault
 from tests.support.clients import client_context, h1_connect
 from tests.support.inprocess import start_server
 from tests.support.pki import PkiFiles
-from tests.support.rogue_agent import Behaviour, RogueAgent, start_real_agent
+from tests.support.rogue_agent import (
+    Behaviour,
+    RogueAgent,
+    assert_echo,
+    client_files,
+    echo_through,
+    rogue_then_healthy,
+    start_real_agent,
+)
 from tests.support.targets import Blackhole, closed_port, serve_echo
 from tests.support.waiting import wait_until
-
-
-def client_files(pki: PkiFiles) -> TLSFiles:
-    return TLSFiles(pki.ca, pki.client.cert, pki.client.key)
 
 
 def sample(server: ProxyServer, name: str, **labels: str) -> float:
@@ -55,23 +59,6 @@ def sample(server: ProxyServer, name: str, **labels: str) -> float:
 def dials(agent: Agent, result: str) -> float:
     value = agent.metrics.registry.get_sample_value("cluster_proxy_agent_dials_total", {"result": result})
     return value or 0.0
-
-
-async def echo_through(tunnel, cluster: str, port: int, payload: bytes) -> str:  # type: ignore[no-untyped-def]
-    """One stream: send ``payload``, half-close, read the echo; its sha256."""
-    stream = await tunnel.connect(cluster, "127.0.0.1", port)
-    async with stream:
-        await stream.send_all(payload)
-        await stream.send_eof()
-        echoed = bytearray()
-        while data := await stream.receive_some():
-            echoed += data
-    return hashlib.sha256(echoed).hexdigest()
-
-
-async def assert_echo(tunnel, port: int) -> None:  # type: ignore[no-untyped-def]
-    payload = os.urandom(4096)
-    assert await echo_through(tunnel, "cluster1", port, payload) == hashlib.sha256(payload).hexdigest()
 
 
 async def concurrent_echoes(server_port: int, pki: PkiFiles, port: int, count: int) -> tuple[int, list[str]]:
@@ -99,17 +86,6 @@ async def concurrent_echoes(server_port: int, pki: PkiFiles, port: int, count: i
             for _ in range(count):
                 requests.start_soon(one)
     return intact, errors
-
-
-async def rogue_then_healthy(
-    nursery: trio.Nursery, server: ProxyServer, agent_port: int, pki: PkiFiles, behaviour: Behaviour
-) -> tuple[RogueAgent, Agent]:
-    """The rogue registers first (ties in load go to it), then a real agent of the same cluster."""
-    rogue = await nursery.start(RogueAgent(pki, "cluster1", "agent-a", behaviour).run, agent_port)
-    await wait_until(lambda: server.registry.find("cluster1", "agent-a"), what="the rogue registered")
-    healthy = await start_real_agent(nursery, agent_port, pki, "cluster1", "agent-b")
-    await wait_until(lambda: server.registry.find("cluster1", "agent-b"), what="the real agent registered")
-    return rogue, healthy
 
 
 async def test_agent_answering_502_is_retried_on_another_tunnel_and_ejected(

@@ -33,6 +33,7 @@ from clusterproxy_sdk import (
     open_tunnel,
 )
 from clusterproxy_sdk.testing import echo_handler, open_fake_proxy, refuse_handler
+from tests.support.waiting import wait_until
 
 
 async def _roundtrip(stream: trio.abc.HalfCloseableStream, payload: bytes) -> bytes:
@@ -217,9 +218,11 @@ async def test_shared_tunnel_redials_after_the_connection_dies(tmp_path: Path) -
         second = await shared.connect("cluster1", "svc", 81)
         assert len(fake.connections) == 1
         fake.drop_connections()
-        with trio.fail_after(5):
-            while shared.current is not None and shared.current.is_alive:
-                await trio.sleep(0.01)
+        await wait_until(
+            lambda: shared.current is None or not shared.current.is_alive,
+            timeout=5,
+            what="the shared connection to die",
+        )
         with pytest.raises(trio.BrokenResourceError):
             await first.receive_some()
         third = await shared.connect("cluster1", "svc", 82)
@@ -275,9 +278,7 @@ async def test_shared_tunnel_moves_off_a_draining_connection(tmp_path: Path) -> 
         old = shared.current
         assert old is not None
         fake.drain_connections()
-        with trio.fail_after(5):
-            while old.accepts_streams:
-                await trio.sleep(0.01)
+        await wait_until(lambda: not old.accepts_streams, timeout=5, what="the old connection to drain")
         new_stream = await shared.connect("cluster1", "svc", 81)
         assert shared.current is not old
         assert len(fake.connections) == 2

@@ -24,6 +24,7 @@ from clusterproxy_cli.state import ProxySettings, build_local_json, write_local_
 from clusterproxy_protocol.logs import configure_logging
 from clusterproxy_sdk import ProxyConnectionError
 from clusterproxy_sdk.testing import FakeProxy, echo_handler, open_fake_proxy, refuse_handler
+from tests.support.waiting import wait_until
 
 BIN = Path(sys.executable).parent
 
@@ -122,9 +123,8 @@ async def test_tunnel_is_redialed_after_it_died(tmp_path: Path, nursery: trio.Nu
     with trio.fail_after(10):
         assert await _exchange(port, b"one") == b"one"
     fake.drop_connections()
-    with trio.fail_after(10):
-        while fake.live_connections:
-            await trio.sleep(0.01)
+    with trio.fail_after(10):  # both steps together, as before
+        await wait_until(lambda: not fake.live_connections, timeout=10, what="the dropped connection to go")
         assert await _exchange(port, b"two") == b"two"
     assert len(fake.connections) == 2
 

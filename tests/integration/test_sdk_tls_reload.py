@@ -29,6 +29,7 @@ from clusterproxy_sdk import (
     open_tunnel,
 )
 from clusterproxy_sdk.testing import FakeProxy, open_fake_proxy
+from tests.support.waiting import wait_until
 
 DEADLINE = 10.0
 
@@ -80,9 +81,11 @@ async def run_fake(directory: Path, *, task_status: trio.TaskStatus[FakeProxy]) 
 
 
 async def until_dead(shared: SharedTunnel) -> None:
-    with trio.fail_after(DEADLINE):
-        while shared.current is not None and shared.current.is_alive:
-            await trio.sleep(0.01)
+    await wait_until(
+        lambda: shared.current is None or not shared.current.is_alive,
+        timeout=DEADLINE,
+        what="the shared connection to die",
+    )
 
 
 async def test_shared_tunnel_redials_with_the_replaced_certificate(
@@ -224,9 +227,10 @@ async def test_port_forward_redials_with_the_renewed_certificate(
         assert await through_port_forward(b"before") == b"before"
     renewed = renew(fake, files, tmp_path / "staging")
     fake.drop_connections()
-    with trio.fail_after(DEADLINE):
-        while fake.live_connections:
-            await trio.sleep(0.01)
+    with trio.fail_after(DEADLINE):  # both steps together, as before
+        await wait_until(
+            lambda: not fake.live_connections, timeout=DEADLINE, what="the dropped connection to go"
+        )
         assert await through_port_forward(b"after") == b"after"
     assert len(fake.client_certificates) == 2
     assert fake.client_certificates[0].serial_number != renewed

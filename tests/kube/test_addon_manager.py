@@ -36,6 +36,7 @@ from clusterproxy_protocol.pki import DevCA
 from tests.support.certs import KubeSigner, SignedHub
 from tests.support.kubeapi import KubeCluster, KubeClusters, free_port
 from tests.support.procs import Process
+from tests.support.waiting import poll_until
 
 pytestmark = pytest.mark.slow
 
@@ -67,14 +68,8 @@ def wait_for(
 ) -> tuple[T, float]:
     """Poll ``probe`` until it returns something truthy; (that value, seconds it took)."""
     started = time.monotonic()
-    deadline = started + timeout
-    while True:
-        value = probe()
-        if value:
-            return value, time.monotonic() - started
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
+    value = poll_until(probe, timeout=timeout, what=what, interval=interval)
+    return value, time.monotonic() - started
 
 
 def record(what: str, seconds: float) -> None:

@@ -1,5 +1,5 @@
 """Issue 15, point 5: the Cluster Inventory API. A gateway as tests/kube/test_gateway.py runs it
-(tests/kube/gateway_rig.py: cluster1's and cluster2's API servers joined as ``cluster1-<tag>`` and
+(tests/support/gateway_rig.py: cluster1's and cluster2's API servers joined as ``cluster1-<tag>`` and
 ``cluster2-<tag>``) publishes a ClusterProfile (``multicluster.x-k8s.io/v1alpha1``) per cluster in the
 hub namespace ``open-cluster-management``; its access provider ``cluster-proxy`` is all a consumer
 needs besides its own hub credentials.
@@ -20,8 +20,15 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tests.kube import test_gateway as base
-from tests.kube.gateway_rig import Gateway, running_gateway
+from tests.support.gateway_rig import (
+    Gateway,
+    _delete_managed_cluster,
+    _kubectl,
+    _managed_cluster,
+    _names,
+    _set_reader,
+    running_gateway,
+)
 from tests.support.kubeapi import KubeClusters, install_crds
 from tests.support.workagent import poll_until
 
@@ -97,13 +104,13 @@ def test_cluster1s_profile_reaches_cluster1_from_a_plain_kubeconfig(inventory: G
             }
         )
     )
-    base._set_reader(gw.clusters["cluster1"].api, True)
+    _set_reader(gw.clusters["cluster1"].api, True)
     listed = poll_until(
-        lambda: (done := base._kubectl(config, "get", "ns", "-o", "name")).returncode == 0 and done,
+        lambda: (done := _kubectl(config, "get", "ns", "-o", "name")).returncode == 0 and done,
         timeout=15,
         what="kubectl get ns with the profile's kubeconfig",
     )
-    names = base._names(listed.stdout)
+    names = _names(listed.stdout)
     assert gw.clusters["cluster1"].only_here in names  # cluster1 answered
     assert gw.clusters["cluster2"].only_here not in names
 
@@ -111,7 +118,7 @@ def test_cluster1s_profile_reaches_cluster1_from_a_plain_kubeconfig(inventory: G
 def test_a_profile_comes_and_goes_with_its_cluster(inventory: Gateway) -> None:
     gw = inventory
     name = f"profiled-{gw.stack.tag}"
-    base._managed_cluster(gw, name)
+    _managed_cluster(gw, name)
     try:
         created = poll_until(
             lambda: _provider(p := _profile(gw, name)) and p, timeout=30, what=f"the profile of {name}"
@@ -120,7 +127,7 @@ def test_a_profile_comes_and_goes_with_its_cluster(inventory: Gateway) -> None:
             created["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "cluster-proxy-cluster-gateway"
         )
     finally:
-        base._delete_managed_cluster(gw, name)
+        _delete_managed_cluster(gw, name)
     poll_until(lambda: _profile(gw, name) is None, timeout=30, what=f"the profile of {name} deleted")
 
 
@@ -148,7 +155,7 @@ def test_someone_elses_profile_gets_and_loses_only_our_entry(inventory: Gateway)
         made = custom.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
         made["status"] = {"accessProviders": [theirs]}
         custom.replace_namespaced_custom_object_status(GROUP, VERSION, NAMESPACE, PLURAL, name, made)
-    base._managed_cluster(gw, name)
+    _managed_cluster(gw, name)
     try:
         both = poll_until(
             lambda: _provider(p := _profile(gw, name)) and p,
@@ -157,7 +164,7 @@ def test_someone_elses_profile_gets_and_loses_only_our_entry(inventory: Gateway)
         )
         assert theirs in both["status"]["accessProviders"]
     finally:
-        base._delete_managed_cluster(gw, name)
+        _delete_managed_cluster(gw, name)
     try:
         left = poll_until(
             lambda: (p := _profile(gw, name)) and _provider(p) is None and p,

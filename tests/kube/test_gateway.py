@@ -19,7 +19,6 @@ Every answer is checked for where it came from: a namespace that exists only in 
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import secrets
 import shutil
@@ -35,39 +34,28 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tests.kube.gateway_rig import (
+from tests.support import require
+from tests.support.gateway_rig import (
     APISERVICE,
     GROUP_PATH,
     SA_USER,
     TOKEN_SECRET,
     Gateway,
+    _cluster_kubeconfig,
+    _delete_managed_cluster,
+    _hub_user,
+    _kubectl,
+    _managed_cluster,
+    _names,
     _set_reader,
     running_gateway,
 )
-from tests.support import require
 from tests.support.kubeapi import KubeClusters
-from tests.support.procs import BIN
 from tests.support.workagent import (
-    MANIFEST_WORK,
-    WORK_GROUP,
-    WORK_PLURAL,
-    WORK_VERSION,
     poll_until,
 )
 
 pytestmark = pytest.mark.slow
-
-
-def _kubectl(kubeconfig: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    kubectl = shutil.which("kubectl")
-    require(kubectl is not None, "kubectl (apt-get install kubernetes-client)")
-    assert kubectl is not None
-    return subprocess.run(
-        [kubectl, f"--kubeconfig={kubeconfig}", f"--cache-dir={kubeconfig.parent / 'kubectl-cache'}", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -84,60 +72,6 @@ def gateway(kube_clusters: KubeClusters, tmp_path_factory: pytest.TempPathFactor
 
 def _raw(gateway: Gateway, path: str, kubeconfig: Path | None = None) -> subprocess.CompletedProcess[str]:
     return _kubectl(kubeconfig or gateway.hub.kubeconfig, "get", "--raw", path)
-
-
-def _hub_user(gateway: Gateway, name: str) -> Path:
-    """A hub kubeconfig of user ``name`` (a client certificate of the hub's CA, no groups)."""
-    pair = gateway.kube_clusters.ca.issue(f"hub-user-{name}", name)
-    path = gateway.directory / f"hub-{name}.kubeconfig"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [
-                    {
-                        "name": "hub",
-                        "cluster": {
-                            "server": gateway.hub.url,
-                            "certificate-authority": str(gateway.hub.ca_path),
-                        },
-                    }
-                ],
-                "users": [
-                    {
-                        "name": name,
-                        "user": {"client-certificate": str(pair.cert), "client-key": str(pair.key)},
-                    }
-                ],
-                "contexts": [{"name": "hub", "context": {"cluster": "hub", "user": name}}],
-                "current-context": "hub",
-            }
-        )
-    )
-    return path
-
-
-def _cluster_kubeconfig(gateway: Gateway, cluster: str, hub_kubeconfig: Path | None = None) -> Path:
-    out = gateway.directory / f"{cluster}-{secrets.token_hex(2)}.kubeconfig"
-    done = subprocess.run(
-        [
-            str(BIN / "cluster-proxy"),
-            "kubeconfig",
-            cluster,
-            f"--kubeconfig={hub_kubeconfig or gateway.hub.kubeconfig}",
-            f"--output={out}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert done.returncode == 0, done.stderr
-    return out
-
-
-def _names(output: str) -> set[str]:
-    return {line.split("/", 1)[-1] for line in output.split()}
 
 
 # --- the objects ------------------------------------------------------------------------------------------
@@ -378,55 +312,6 @@ def test_kubectl_through_the_gateway_gets_creates_applies_deletes_and_watches(ga
 
 
 # --- errors in words ---------------------------------------------------------------------------------------
-
-
-def _managed_cluster(gateway: Gateway, name: str) -> None:
-    """A ManagedCluster with the addon and no agent anywhere."""
-    with gateway.hub.api_client() as admin:
-        client.CoreV1Api(admin).create_namespace({"metadata": {"name": name}})
-        custom = client.CustomObjectsApi(admin)
-        custom.create_cluster_custom_object(
-            "cluster.open-cluster-management.io",
-            "v1",
-            "managedclusters",
-            {
-                "apiVersion": "cluster.open-cluster-management.io/v1",
-                "kind": "ManagedCluster",
-                "metadata": {"name": name},
-                "spec": {"hubAcceptsClient": True},
-            },
-        )
-        custom.create_namespaced_custom_object(
-            "addon.open-cluster-management.io",
-            "v1alpha1",
-            name,
-            "managedclusteraddons",
-            {
-                "apiVersion": "addon.open-cluster-management.io/v1alpha1",
-                "kind": "ManagedClusterAddOn",
-                "metadata": {"name": "cluster-proxy", "namespace": name},
-                "spec": {"installNamespace": f"cp-agent-{gateway.stack.tag}"},
-            },
-        )
-
-
-def _delete_managed_cluster(gateway: Gateway, name: str) -> None:
-    with gateway.hub.api_client() as admin:
-        custom = client.CustomObjectsApi(admin)
-        for delete in (
-            lambda: custom.delete_namespaced_custom_object(
-                WORK_GROUP, WORK_VERSION, name, WORK_PLURAL, MANIFEST_WORK
-            ),
-            lambda: custom.delete_namespaced_custom_object(
-                "addon.open-cluster-management.io", "v1alpha1", name, "managedclusteraddons", "cluster-proxy"
-            ),
-            lambda: custom.delete_cluster_custom_object(
-                "cluster.open-cluster-management.io", "v1", "managedclusters", name
-            ),
-            lambda: client.CoreV1Api(admin).delete_namespace(name),
-        ):
-            with contextlib.suppress(client.exceptions.ApiException):
-                delete()
 
 
 def test_errors_say_what_is_wrong(gateway: Gateway) -> None:

@@ -28,9 +28,9 @@ import yaml
 from kubernetes import client
 
 from tests.support.kubeapi import KubeClusters, free_port
+from tests.support.kustomize import KUSTOMIZE, own_overlay, render
 from tests.support.procs import BIN
 from tests.support.workagent import AddonStack, Pod, poll_until
-from tests.unit.test_kustomize_render import KUSTOMIZE, own_overlay, render
 
 pytestmark = pytest.mark.slow
 

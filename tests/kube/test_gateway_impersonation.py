@@ -1,6 +1,6 @@
 """Issue 15, point 4: the hub user's identity carried into the managed cluster (caller mode).
 
-A gateway as tests/kube/test_gateway.py runs it (tests/kube/gateway_rig.py: the addon's stack, cluster1's
+A gateway as tests/kube/test_gateway.py runs it (tests/support/gateway_rig.py: the addon's stack, cluster1's
 API server joined as the ManagedCluster ``cluster1-<tag>``, the gateway behind the hub's aggregator).
 Here:
 
@@ -31,8 +31,16 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tests.kube import test_gateway as base
-from tests.kube.gateway_rig import SA_NAME, SA_NAMESPACE, SA_USER, Gateway, running_gateway
+from tests.support.gateway_rig import (
+    SA_NAME,
+    SA_NAMESPACE,
+    SA_USER,
+    Gateway,
+    _cluster_kubeconfig,
+    _hub_user,
+    _kubectl,
+    running_gateway,
+)
 from tests.support.kubeapi import KubeClusters
 from tests.support.workagent import poll_until
 
@@ -45,7 +53,7 @@ RBAC = "rbac.authorization.k8s.io"
 
 @pytest.fixture(scope="module")
 def gateway(kube_clusters: KubeClusters, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    """cluster1's API server joined as ManagedCluster ``cluster1-<tag>`` (tests/kube/gateway_rig.py)."""
+    """cluster1's API server joined as ManagedCluster ``cluster1-<tag>`` (tests/support/gateway_rig.py)."""
     with running_gateway(kube_clusters, tmp_path_factory.mktemp("impersonation"), ("cluster1",)) as gw:
         yield gw
 
@@ -96,7 +104,7 @@ def _annotate(gateway: Gateway, cluster: str, value: str | None) -> None:
 def users(gateway: Gateway) -> Iterator[Users]:
     tag = gateway.stack.tag
     names = {who: f"{who}-{tag}" for who in ("alice", "bob", "carol", "dan", "mallory")}
-    hub_configs = {who: base._hub_user(gateway, names[who]) for who in ("alice", "bob", "carol", "dan")}
+    hub_configs = {who: _hub_user(gateway, names[who]) for who in ("alice", "bob", "carol", "dan")}
     proxy_role = f"gw-proxy-{tag}"
     hub_impersonator = f"gw-hub-impersonator-{tag}"
     reader = f"gw-secret-reader-{tag}"
@@ -179,7 +187,7 @@ def users(gateway: Gateway) -> Iterator[Users]:
             gateway,
             names,
             hub_configs,
-            {who: base._cluster_kubeconfig(gateway, managed, path) for who, path in hub_configs.items()},
+            {who: _cluster_kubeconfig(gateway, managed, path) for who, path in hub_configs.items()},
             secret,
         )
     finally:
@@ -205,9 +213,7 @@ def users(gateway: Gateway) -> Iterator[Users]:
 
 
 def _secrets(users: Users, who: str, *extra: str) -> tuple[int, str, str]:
-    done = base._kubectl(
-        users.cluster1_configs[who], "get", "secrets", "-n", "kube-system", "-o", "name", *extra
-    )
+    done = _kubectl(users.cluster1_configs[who], "get", "secrets", "-n", "kube-system", "-o", "name", *extra)
     return done.returncode, done.stdout, done.stderr
 
 

@@ -37,34 +37,28 @@ import pytest
 import trio
 import trio.testing
 from kubernetes import client, config
-from kubernetes.stream import stream
 
 from clusterproxy_gateway.http import HTTPConnection
 from clusterproxy_gateway.inventory import ClusterToken
 from clusterproxy_gateway.proxy import ClusterProxy
 from clusterproxy_gateway.server import GatewayServer
 from clusterproxy_protocol.relay import relay
-from tests.kube import test_gateway as base
-from tests.kube.gateway_rig import SA_NAME, SA_NAMESPACE, Gateway, ignore_conflict, running_gateway
-from tests.support.fake_kubelet import FakeKubelet, running_fake_kubelet, serving_context
+from tests.support.fake_kubelet import running_fake_kubelet, serving_context
+from tests.support.gateway_rig import (
+    CHUNK,
+    SA_NAME,
+    SA_NAMESPACE,
+    ExecRig,
+    _cluster_kubeconfig,
+    _exec,
+    _hub_user,
+    ignore_conflict,
+    running_gateway,
+)
 from tests.support.kubeapi import KubeClusters
 from tests.support.workagent import poll_until
 
-V4 = "v4.channel.k8s.io"
 STDIN_BYTES = 1 << 20
-CHUNK = 64 << 10
-EXEC_TIMEOUT = 60
-
-
-@dataclass
-class ExecRig:
-    gateway: Gateway
-    kubelet: FakeKubelet
-    cluster: str  # the ManagedCluster of cluster1
-    namespace: str  # in cluster1: the pod and the gateway's exec grant
-    pod: str
-    container: str
-    directory: Path
 
 
 @pytest.fixture(scope="module")
@@ -147,36 +141,6 @@ def _core(kubeconfig: Path) -> client.CoreV1Api:
     return client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig)))
 
 
-def _exec(
-    core: client.CoreV1Api, rig: ExecRig, command: list[str], stdin: bytes, pod: str | None = None
-) -> Any:
-    """An exec with ``stdin`` (then the fake kubelet's end-of-stdin: an empty stdin message); the
-    client once the exec is over, with its stdout and returncode."""
-    session = stream(
-        core.connect_get_namespaced_pod_exec,
-        pod or rig.pod,
-        rig.namespace,
-        command=command,
-        container=rig.container,
-        stdin=True,
-        stdout=True,
-        stderr=True,
-        tty=False,
-        binary=True,
-        _preload_content=False,
-        _headers={"sec-websocket-protocol": V4},
-    )
-    try:
-        for start in range(0, len(stdin), CHUNK):
-            session.write_stdin(stdin[start : start + CHUNK])
-        session.write_channel(0, b"")
-        session.run_forever(timeout=EXEC_TIMEOUT)
-        assert not session.is_open(), f"the exec did not end within {EXEC_TIMEOUT}s"
-        return session
-    finally:
-        session.close()
-
-
 def _refused(call: Any) -> tuple[int, str, dict[str, Any]]:
     """The status, Content-Type and JSON body of a WebSocket handshake answered without 101 (the client
     raises ApiException(status=0) carrying websocket-client's 'Handshake status N REASON -+-+- HEADERS
@@ -219,7 +183,7 @@ def test_exec_through_the_hub_carries_a_mebibyte_of_stdin_and_the_answer(rig: Ex
     stdin = os.urandom(STDIN_BYTES)
     # the route to the fake kubelet itself, straight to cluster1 as its admin
     straight = _digest_exec(_core(gateway.clusters["cluster1"].api.kubeconfig), rig, stdin)
-    through = _digest_exec(_core(base._cluster_kubeconfig(gateway, rig.cluster)), rig, stdin)
+    through = _digest_exec(_core(_cluster_kubeconfig(gateway, rig.cluster)), rig, stdin)
     print(
         f"\nexec with 1 MiB of stdin: {through:.2f}s through the hub and the gateway, {straight:.2f}s straight"
     )
@@ -243,7 +207,7 @@ def test_exec_of_a_missing_pod_is_cluster1s_404_unchanged(rig: ExecRig) -> None:
     gateway = rig.gateway
     missing = f"missing-{secrets.token_hex(3)}"
     through = _refused(
-        lambda: _exec(_core(base._cluster_kubeconfig(gateway, rig.cluster)), rig, ["x"], b"", pod=missing)
+        lambda: _exec(_core(_cluster_kubeconfig(gateway, rig.cluster)), rig, ["x"], b"", pod=missing)
     )
     straight = _refused(
         lambda: _exec(_core(gateway.clusters["cluster1"].api.kubeconfig), rig, ["x"], b"", pod=missing)
@@ -257,7 +221,7 @@ def test_exec_of_a_missing_pod_is_cluster1s_404_unchanged(rig: ExecRig) -> None:
 def test_exec_by_a_hub_user_without_rbac_on_the_proxy_is_the_hubs_403(rig: ExecRig) -> None:
     gateway = rig.gateway
     user = f"no-proxy-{gateway.stack.tag}"
-    kubeconfig = base._cluster_kubeconfig(gateway, rig.cluster, base._hub_user(gateway, user))
+    kubeconfig = _cluster_kubeconfig(gateway, rig.cluster, _hub_user(gateway, user))
     before = len(rig.kubelet.execs)
     status, _, body = _refused(lambda: _exec(_core(kubeconfig), rig, ["x"], b"never"))
     assert status == 403, body

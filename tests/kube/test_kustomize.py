@@ -58,10 +58,7 @@ from clusterproxy_cli.commands import SIGNER, executable
 from tests.support import kubeapi, require
 from tests.support.certs import KubeSigner, SignedHub
 from tests.support.kubeapi import KubeCluster, KubeClusters, free_port, install_crds
-from tests.support.procs import json_records
-from tests.support.waiting import wait_until
-from tests.support.workagent import Container, Kubelet, Pod, WorkAgent, poll_until
-from tests.unit.test_kustomize_render import (
+from tests.support.kustomize import (
     KUSTOMIZE,
     MY_CLUSTER_KUSTOMIZATION,
     MY_HUB_KUSTOMIZATION,
@@ -70,6 +67,9 @@ from tests.unit.test_kustomize_render import (
     own_overlay,
     render,
 )
+from tests.support.procs import json_records
+from tests.support.waiting import wait_until
+from tests.support.workagent import Container, Kubelet, Pod, WorkAgent, poll_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -46,8 +46,8 @@ from kubernetes import client
 from clusterproxy_protocol.agent_control import CONTROL_HOST, CONTROL_PORT
 from clusterproxy_protocol.errors import ConnectRefused
 from clusterproxy_sdk import TLSFiles, open_shared_tunnel
-from tests.kube.gateway_rig import GROUP_PATH, SA_NAMESPACE, running_gateway
 from tests.support import require
+from tests.support.gateway_rig import GROUP_PATH, SA_NAMESPACE, running_gateway
 from tests.support.kubeapi import KubeCluster, KubeClusters, install_crds
 from tests.support.procs import BIN, Process
 from tests.support.workagent import AddonStack, poll_until

@@ -1,7 +1,7 @@
 """Issue 35, point 1: the hub's HTTPS endpoint per cluster, ``https://HUB/<cluster>/<path>`` (the
 cluster-gateway's ``--service-proxy-listen``; docs/cluster-gateway.md, "The HTTPS endpoint").
 
-A gateway of tests/kube/gateway_rig.py with its service proxy: cluster1's API server joined as
+A gateway of tests/support/gateway_rig.py with its service proxy: cluster1's API server joined as
 ``cluster1-<tag>`` through the addon's ManifestWork (which brings the service proxy's ClusterRole into
 cluster1), the service proxy's credential projected as the ManagedServiceAccount controller would, its
 serving certificate from the cert-signer (a server token). Here:
@@ -34,16 +34,20 @@ import pytest
 import yaml
 from kubernetes import client, config
 
-from tests.kube import test_gateway as base
-from tests.kube import test_gateway_upgrade as upgrade
-from tests.kube.gateway_rig import Gateway, ignore_conflict, running_gateway
 from tests.support.fake_kubelet import running_fake_kubelet
+from tests.support.gateway_rig import (
+    ExecRig,
+    Gateway,
+    _bind,
+    _exec,
+    _kubectl,
+    _user,
+    running_gateway,
+)
 from tests.support.kubeapi import KubeClusters
 from tests.support.workagent import poll_until
 
 pytestmark = pytest.mark.slow
-
-RBAC = "rbac.authorization.k8s.io"
 
 
 class _Echo(http.server.BaseHTTPRequestHandler):
@@ -73,7 +77,7 @@ class Rig:
     robot_token: str  # the hub's ServiceAccount "robot"
     robot_user: str  # its name in cluster1
     echo_port: int
-    exec_rig: upgrade.ExecRig
+    exec_rig: ExecRig
 
     @property
     def url(self) -> str:
@@ -121,27 +125,6 @@ class Rig:
             )
         )
         return path
-
-
-def _bind(api: Any, namespace: str, name: str, rules: list[dict[str, Any]], subject: dict[str, str]) -> None:
-    """A Role and its RoleBinding in ``namespace`` (a ClusterRole and binding when it is "")."""
-    rbac = client.RbacAuthorizationV1Api(api)
-    kind = "Role" if namespace else "ClusterRole"
-    binding = {
-        "metadata": {"name": name},
-        "roleRef": {"apiGroup": RBAC, "kind": kind, "name": name},
-        "subjects": [subject],
-    }
-    if namespace:
-        rbac.create_namespaced_role(namespace, {"metadata": {"name": name}, "rules": rules})
-        rbac.create_namespaced_role_binding(namespace, binding)
-    else:
-        ignore_conflict(lambda: rbac.create_cluster_role({"metadata": {"name": name}, "rules": rules}))
-        ignore_conflict(lambda: rbac.create_cluster_role_binding(binding))
-
-
-def _user(name: str) -> dict[str, str]:
-    return {"kind": "User", "name": name, "apiGroup": RBAC}
 
 
 @contextlib.contextmanager
@@ -227,7 +210,7 @@ def rig(kube_clusters: KubeClusters, tmp_path_factory: pytest.TempPathFactory) -
             robot_token = core.create_namespaced_service_account_token(
                 "robot", hub_namespace, {"spec": {"expirationSeconds": 3600}}
             ).status.token
-        exec_rig = upgrade.ExecRig(gateway, kubelet, managed, namespace, pod, container, directory)
+        exec_rig = ExecRig(gateway, kubelet, managed, namespace, pod, container, directory)
         try:
             yield Rig(
                 gateway,
@@ -264,10 +247,10 @@ def test_a_managed_clusters_token_passes_unchanged_and_its_rbac_decides(rig: Rig
     """kubectl with ``server: https://HUB/<cluster>`` and cluster1's own token: cluster1's namespaces
     (one that exists only there), and cluster1's 403 naming that ServiceAccount for what it may not do."""
     kubeconfig = rig.kubeconfig(rig.reader_token)
-    done = base._kubectl(kubeconfig, "get", "ns", "-o", "name")
+    done = _kubectl(kubeconfig, "get", "ns", "-o", "name")
     assert done.returncode == 0, f"{done.stderr}\n{rig.gateway.process.tail()}"
     assert f"namespace/{rig.gateway.clusters['cluster1'].only_here}" in done.stdout.split()
-    done = base._kubectl(kubeconfig, "get", "secrets", "-n", "kube-system")
+    done = _kubectl(kubeconfig, "get", "secrets", "-n", "kube-system")
     assert done.returncode != 0
     assert (
         f'User "system:serviceaccount:{rig.namespace}:reader" cannot list resource "secrets"' in done.stderr
@@ -305,9 +288,9 @@ def test_a_hub_serviceaccount_is_impersonated_with_upstreams_name(rig: Rig) -> N
     )
     assert body["kind"] == "ConfigMapList"
     kubeconfig = rig.kubeconfig(rig.robot_token)
-    done = base._kubectl(kubeconfig, "get", "configmaps", "-n", rig.namespace, "-o", "name")
+    done = _kubectl(kubeconfig, "get", "configmaps", "-n", rig.namespace, "-o", "name")
     assert done.returncode == 0, done.stderr
-    done = base._kubectl(kubeconfig, "get", "secrets", "-n", rig.namespace)
+    done = _kubectl(kubeconfig, "get", "secrets", "-n", rig.namespace)
     assert done.returncode != 0 and f'User "{rig.robot_user}" cannot list resource "secrets"' in done.stderr
     record = [r for r in _events(rig, "service_proxy_request") if r.get("path") == path][-1]
     assert (record["source"], record["user"]) == ("hub", rig.robot_user)
@@ -420,7 +403,7 @@ def test_exec_with_a_hub_token_is_upgraded_and_carried(rig: Rig) -> None:
     core = client.CoreV1Api(config.new_client_from_config(config_file=str(rig.kubeconfig(rig.robot_token))))
     stdin = os.urandom(1 << 20)
     command = ["digest", f"--marker={secrets.token_hex(4)}"]
-    session = upgrade._exec(core, rig.exec_rig, command, stdin)
+    session = _exec(core, rig.exec_rig, command, stdin)
     answer = json.loads(session.read_stdout())
     assert answer["sha256"] == hashlib.sha256(stdin).hexdigest() and answer["bytes"] == len(stdin)
     assert session.returncode == 0

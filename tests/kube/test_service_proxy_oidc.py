@@ -5,7 +5,7 @@ discovery document and ``/openid/v1/jwks`` served by it, readable anonymously on
 ``system:service-account-issuer-discovery`` is bound to ``system:unauthenticated``, as a cluster that
 publishes its issuer does).
 
-The gateway of tests/kube/gateway_rig.py runs with ``--no-service-proxy-hub-tokens``: the hub's
+The gateway of tests/support/gateway_rig.py runs with ``--no-service-proxy-hub-tokens``: the hub's
 TokenReview is out of the way, so a token that gets in was verified by the endpoint itself (and its
 request log says ``source: oidc``); a hub token of the default audience, which the hub's TokenReview
 would take, is 401 here.
@@ -30,8 +30,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from kubernetes import client
 
-from tests.kube.gateway_rig import Gateway, running_gateway
-from tests.kube.test_service_proxy import _bind, _user
+from tests.support.gateway_rig import Gateway, _bind, _user, running_gateway
 from tests.support.kubeapi import KubeCluster, KubeClusters
 from tests.support.workagent import poll_until
 

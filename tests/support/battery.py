@@ -11,7 +11,8 @@ proxy-server while normal traffic goes on beside it, with the three checks every
    and no agent tunnel is lost or replaced.
 
 A case is data: a name, the port it hits and an async function that performs the attack (raw frames:
-:class:`tests.support.h2_attacker.Attacker`; bytes and handshakes: see tests/e2e/test_resilience.py).
+:class:`tests.support.h2_attacker.Attacker`; bytes and handshakes:
+:mod:`tests.support.hostile_connections`).
 """
 
 from __future__ import annotations

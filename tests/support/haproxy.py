@@ -8,7 +8,8 @@ dialing it: the test harness of the HA tests (``tests/e2e/test_replicas.py``,
   new one) at its first dial (``roundrobin`` shows the agents cope with a balancer that ignores that).
   Each place is health-checked on its replica's ``/readyz``, so a draining replica leaves rotation as
   it would behind a Kubernetes Service, and a refused connect is retried on another place (``retries
-  3``, ``option redispatch 1``). Its log (``option tcplog``) is in the test's log folder;
+  3``, ``option redispatch 1``): ``clusterproxy_cli.haproxy``'s configuration, as ``local up`` and the
+  failover benchmark run it. Its log (``option tcplog``) is in the test's log folder;
   :meth:`Haproxy.states` reads what it thinks of each place from its stats socket.
 - :class:`Fleet`: a pool of places, each a fixed triple of loopback ports (agent, client, admin) in
   haproxy's configuration. A replica runs in a place; its successor takes a free place, as a new pod
@@ -20,13 +21,10 @@ dialing it: the test harness of the HA tests (``tests/e2e/test_replicas.py``,
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import random
 import shutil
 import signal
-import socket
 import ssl
 import tempfile
 from collections.abc import AsyncIterator, Iterable
@@ -37,6 +35,7 @@ from typing import Any
 
 import trio
 
+from clusterproxy_cli import haproxy
 from clusterproxy_cli.commands import agent_argv, server_argv
 from clusterproxy_cli.local_plan import free_ports
 from clusterproxy_protocol import tls
@@ -47,6 +46,7 @@ from tests.support.pki import PkiFiles, make_pki
 from tests.support.procs import AGENT_FLAGS, ANY_PORT, POLL, Process, client_tls, http_get
 from tests.support.proxies import accepts, binary
 from tests.support.traffic import BYE
+from tests.support.waiting import wait_until
 
 HAPROXY_MISSING = "haproxy (Debian package haproxy; scripts/bootstrap.sh installs it)"
 STARTUP_TIMEOUT = 20.0
@@ -89,29 +89,20 @@ class Haproxy:
 
     def states(self) -> dict[tuple[str, str], str]:
         """(backend, place) -> haproxy's status of that place ("UP", "DOWN", ...), from ``show stat``."""
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.settimeout(5)
-            sock.connect(str(self.stats_socket))
-            sock.sendall(b"show stat\n")
-            data = b""
-            while chunk := sock.recv(65536):
-                data += chunk
-        text = data.decode().lstrip("# ")
-        states = {}
-        for row in csv.DictReader(io.StringIO(text)):
-            if row["svname"] not in ("FRONTEND", "BACKEND"):
-                states[(row["pxname"], row["svname"])] = row["status"].split()[0]
-        return states
+        return haproxy.socket_states(self.stats_socket)
 
     async def wait_state(self, place: str, status: str, timeout: float = 10.0) -> None:
         """Until haproxy reports ``place`` with ``status`` in both backends."""
-        with trio.move_on_after(timeout):
-            while True:
-                states = await trio.to_thread.run_sync(self.states)
-                if all(states.get((backend, place)) == status for backend in ("agents", "clients")):
-                    return
-                await trio.sleep(POLL)
-        raise AssertionError(f"haproxy: {place} not {status} after {timeout}s: {self.states()}")
+
+        async def reported() -> bool:
+            return haproxy.in_state(await trio.to_thread.run_sync(self.states), place, status)
+
+        await wait_until(
+            reported,
+            timeout=timeout,
+            interval=POLL,
+            message=lambda: f"haproxy: {place} not {status} after {timeout}s: {self.states()}",
+        )
 
     def log_lines(self) -> list[str]:
         return self.process.log_path.read_text(errors="replace").splitlines()
@@ -129,66 +120,45 @@ def haproxy_config(
     agent_balance: str = "leastconn",
 ) -> str:
     """TCP mode; each place health-checked with ``GET /readyz`` on its admin port."""
-    lines = [
-        "global",
-        "    log stdout format raw local0 info",
-        f"    stats socket {stats_socket} mode 600 level admin",
-        "    maxconn 4000",
-        "defaults",
-        "    mode tcp",
-        "    log global",
-        "    option tcplog",
-        "    timeout connect 2s",
-        "    timeout client 10m",
-        "    timeout server 10m",
-        "    timeout check 1s",
-        "    retries 3",
-        "    option redispatch 1",
-        f"    default-server inter {CHECK_INTERVAL} fastinter {CHECK_INTERVAL} downinter {CHECK_INTERVAL}"
-        " fall 1 rise 1",
-    ]
-    places = list(places)
-    for role, port, balance in (
-        ("agents", agent_port, agent_balance),
-        ("clients", client_port, "roundrobin"),
-    ):
-        lines += [
-            f"frontend {role}",
-            f"    bind 127.0.0.1:{port}",
-            f"    default_backend {role}",
-            f"backend {role}",
-            f"    balance {balance}",
-            "    option httpchk GET /readyz",
-            "    http-check expect status 200",
-        ]
-        for place in places:
-            target = place.agent if role == "agents" else place.client
-            lines.append(f"    server {place.name} 127.0.0.1:{target} check port {place.admin}")
-    return "\n".join(lines) + "\n"
+    return haproxy.config(
+        [haproxy.Server(p.name, p.agent, p.client, p.admin) for p in places],
+        agent_port,
+        client_port,
+        health_check=haproxy.checks_every(CHECK_INTERVAL),
+        stream_timeout="10m",
+        maxconn=4000,
+        agent_balance=agent_balance,
+        stats_socket=stats_socket,
+    )
 
 
 async def start_haproxy(
     log_dir: Path, places: list[Place], name: str = "haproxy", *, agent_balance: str = "leastconn"
 ) -> Haproxy:
-    haproxy = binary("haproxy")
-    assert haproxy, HAPROXY_MISSING
+    program = binary("haproxy")
+    assert program, HAPROXY_MISSING
     private = Path(tempfile.mkdtemp(prefix="cpx-haproxy-"))  # a short path for the UNIX socket
     agent_port, client_port = free_ports(2)
     config = log_dir / f"{name}.cfg"
     config.write_text(haproxy_config(places, agent_port, client_port, private / "stats.sock", agent_balance))
-    # -db: stay in the foreground, logs (tcplog lines, server state changes) to stdout
-    process = Process(name, [haproxy, "-db", "-f", str(config)], log_dir)
+    process = Process(name, haproxy.argv(program, config), log_dir)
     proxy = Haproxy(process, agent_port, client_port, private / "stats.sock", private)
     try:
-        with trio.fail_after(STARTUP_TIMEOUT):
-            while not (
+
+        async def listening() -> bool:
+            if (
                 await trio.to_thread.run_sync(accepts, client_port)
                 and proxy.stats_socket.exists()
                 and await trio.to_thread.run_sync(accepts, agent_port)
             ):
-                if process.popen.poll() is not None:
-                    raise AssertionError(f"haproxy exited ({process.popen.returncode}):\n{process.tail()}")
-                await trio.sleep(POLL)
+                return True
+            if process.popen.poll() is not None:
+                raise AssertionError(f"haproxy exited ({process.popen.returncode}):\n{process.tail()}")
+            return False
+
+        await wait_until(
+            listening, timeout=STARTUP_TIMEOUT, what="haproxy's frontends and stats socket", interval=POLL
+        )
     except BaseException:
         proxy.stop()
         raise
@@ -336,16 +306,22 @@ class Fleet:
         """Seconds until :meth:`converged`; AssertionError with every view after ``timeout``."""
         started = trio.current_time()
         mesh: dict[str, Any] = {}
-        with trio.move_on_after(timeout):
-            while True:
-                mesh = await self.mesh()
-                if self.converged(mesh):
-                    return trio.current_time() - started
-                await trio.sleep(POLL)
-        raise AssertionError(
-            f"agents not converged on {sorted(self.replicas)} after {timeout}s:\n"
-            + json.dumps(mesh, indent=1)[:6000]
+
+        async def converged() -> bool:
+            nonlocal mesh
+            mesh = await self.mesh()
+            return self.converged(mesh)
+
+        await wait_until(
+            converged,
+            timeout=timeout,
+            interval=POLL,
+            message=lambda: (
+                f"agents not converged on {sorted(self.replicas)} after {timeout}s:\n"
+                + json.dumps(mesh, indent=1)[:6000]
+            ),
         )
+        return trio.current_time() - started
 
     def stop(self) -> None:
         for process in self.agents.values():

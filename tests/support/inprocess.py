@@ -1,5 +1,6 @@
-"""A proxy-server running in the test's own trio nursery, on loopback ports chosen by the OS, and a
-minimal agent written against the wire protocol only."""
+"""A proxy-server running in the test's own trio nursery, on loopback ports chosen by the OS, a
+minimal agent written against the wire protocol only, and the settings of a real agent
+(``clusterproxy_agent``'s ``Service``) dialing such servers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 
 import trio
 
+from clusterproxy_agent.egress import parse_rule
+from clusterproxy_agent.config import AgentSettings
 from clusterproxy_protocol import tls
 from clusterproxy_protocol.core import Role
 from clusterproxy_protocol.driver import IncomingRequest, open_mux
@@ -61,3 +64,21 @@ async def run_wire_agent(
     async with open_mux(stream, Role.ACCEPTOR, handler=handle) as mux:
         task_status.started(mux)
         await mux.closed.wait()
+
+
+def agent_settings(pki: PkiFiles, servers: list[tuple[str, int]], cluster: str = "cluster1") -> AgentSettings:
+    pair = pki.agent(cluster, "agent-a")
+    return AgentSettings(
+        server=servers[0],
+        servers=servers,
+        server_name="localhost",
+        cluster=cluster,
+        agent_id="agent-a",
+        ca=pki.ca,
+        cert=pair.cert,
+        key=pair.key,
+        admin_listen=("127.0.0.1", 0),
+        allow=[parse_rule("127.0.0.0/8")],
+        backoff_initial=0.05,
+        backoff_max=0.2,
+    )

@@ -46,6 +46,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from clusterproxy_cli.local_plan import free_ports
 from tests.support.gopeers import _build, _go, tool_cache
+from tests.support.waiting import poll_until
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
@@ -381,18 +382,24 @@ class ServerProcess:
     def wait_ready(self, probe: _Probe, what: str, timeout: float = START_TIMEOUT) -> None:
         """Poll ``probe`` until it answers True; fail with the log tail if the process exits first or
         the deadline passes."""
-        deadline = time.monotonic() + timeout
         last = "no answer yet"
-        while time.monotonic() < deadline:
+
+        def ready() -> bool:
+            nonlocal last
             if not self.running:
                 code = self.popen.returncode if self.popen else None
                 failure = PortTaken if "address already in use" in self._last_run() else RuntimeError
                 raise failure(f"{self.name} exited ({code}) before {what}:\n{self.tail()}")
-            ready, last = probe()
-            if ready:
-                return
-            time.sleep(POLL)
-        raise RuntimeError(f"{self.name}: not {what} within {timeout:g}s (last: {last}):\n{self.tail()}")
+            answered, last = probe()
+            return answered
+
+        poll_until(
+            ready,
+            timeout=timeout,
+            interval=POLL,
+            message=lambda: f"{self.name}: not {what} within {timeout:g}s (last: {last}):\n{self.tail()}",
+            error=RuntimeError,
+        )
 
 
 def _http_probe(url: str, context: ssl.SSLContext | None = None) -> tuple[bool, str]:

@@ -29,6 +29,7 @@ from clusterproxy_protocol.pki import PemPair
 from clusterproxy_protocol.tls import client_context
 from clusterproxy_protocol.wire import ALPN_HTTP1
 from tests.support.pki import PkiFiles
+from tests.support.waiting import wait_until
 
 BIN = Path(sys.executable).parent
 POLL = 0.02
@@ -108,28 +109,41 @@ class Process:
     async def wait_count(self, event: str, count: int, timeout: float = 30.0) -> list[dict[str, Any]]:
         """At least ``count`` records of ``event`` (AssertionError with the log tail after ``timeout``,
         or at once when the process exited)."""
-        with trio.move_on_after(timeout):
-            while len(found := self.named(event)) < count:
-                assert self.popen.poll() is None, f"{self.name} exited:\n{self.tail()}"
-                await trio.sleep(POLL)
-            return found
-        raise AssertionError(f"{self.name}: fewer than {count} {event!r} after {timeout}s:\n{self.tail()}")
+
+        def enough() -> list[dict[str, Any]] | None:
+            if len(found := self.named(event)) >= count:
+                return found
+            assert self.popen.poll() is None, f"{self.name} exited:\n{self.tail()}"
+            return None
+
+        return await wait_until(
+            enough,
+            timeout=timeout,
+            interval=POLL,
+            message=lambda: f"{self.name}: fewer than {count} {event!r} after {timeout}s:\n{self.tail()}",
+        )
 
     def tail(self, lines: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     async def wait_event(self, event: str, timeout: float = 20.0, **match: Any) -> dict[str, Any]:
-        with trio.move_on_after(timeout):
-            while True:
-                for record in self.events():
-                    if record.get("event") == event and all(record.get(k) == v for k, v in match.items()):
-                        return record
-                if self.popen.poll() is not None:
-                    raise AssertionError(
-                        f"{self.name} exited ({self.popen.returncode}) before {event}:\n{self.tail()}"
-                    )
-                await trio.sleep(POLL)
-        raise AssertionError(f"{self.name}: no {event!r} {match} within {timeout}s:\n{self.tail()}")
+
+        def logged() -> dict[str, Any] | None:
+            for record in self.events():
+                if record.get("event") == event and all(record.get(k) == v for k, v in match.items()):
+                    return record
+            if self.popen.poll() is not None:
+                raise AssertionError(
+                    f"{self.name} exited ({self.popen.returncode}) before {event}:\n{self.tail()}"
+                )
+            return None
+
+        return await wait_until(
+            logged,
+            timeout=timeout,
+            interval=POLL,
+            message=lambda: f"{self.name}: no {event!r} {match} within {timeout}s:\n{self.tail()}",
+        )
 
     def rss_kib(self) -> int:
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
@@ -142,10 +156,10 @@ class Process:
             self.popen.send_signal(sig)
 
     async def wait_exit(self, timeout: float = 15.0) -> int:
-        with trio.fail_after(timeout):
-            while (code := self.popen.poll()) is None:
-                await trio.sleep(POLL)
-        return code
+        await wait_until(
+            lambda: self.popen.poll() is not None, timeout=timeout, what=f"{self.name} to exit", interval=POLL
+        )
+        return self.popen.returncode
 
     def stop(self) -> None:
         if self.popen.poll() is None:
@@ -244,20 +258,22 @@ class Hub:
     async def wait_agent(
         self, cluster: str, agent_id: str, timeout: float = 20.0, *, present: bool = True
     ) -> None:
-        with trio.move_on_after(timeout):
-            while True:
-                found = any(
-                    a["cluster"] == cluster and a["agent_id"] == agent_id
-                    for a in await trio.to_thread.run_sync(self.agents_connected)
-                )
-                if found == present:
-                    return
-                await trio.sleep(POLL)
-        logs = "\n".join(f"--- {n}\n{p.tail()}" for n, p in self.agents.items())
-        raise AssertionError(
-            f"agent {cluster}/{agent_id} {'not connected' if present else 'still connected'} "
-            f"after {timeout}s\n{logs}\n--- server\n{self.server.tail() if self.server else ''}"
-        )
+
+        async def as_wanted() -> bool:
+            found = any(
+                a["cluster"] == cluster and a["agent_id"] == agent_id
+                for a in await trio.to_thread.run_sync(self.agents_connected)
+            )
+            return found == present
+
+        def failure() -> str:
+            logs = "\n".join(f"--- {n}\n{p.tail()}" for n, p in self.agents.items())
+            return (
+                f"agent {cluster}/{agent_id} {'not connected' if present else 'still connected'} "
+                f"after {timeout}s\n{logs}\n--- server\n{self.server.tail() if self.server else ''}"
+            )
+
+        await wait_until(as_wanted, timeout=timeout, interval=POLL, message=failure)
 
     def stop(self) -> None:
         for process in self.agents.values():

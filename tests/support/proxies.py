@@ -31,6 +31,7 @@ import trio
 
 from clusterproxy_cli.local_plan import free_ports
 from tests.support.procs import POLL, Process
+from tests.support.waiting import wait_until
 
 EXTRA_PATH = ("/usr/sbin", "/sbin", "/usr/bin")
 DEBIAN_PACKAGE = {"tinyproxy": "tinyproxy", "squid": "squid"}
@@ -127,12 +128,13 @@ class ForwardProxyProcess:
 
     async def wait_requests(self, count: int, timeout: float = 20.0) -> list[Request]:
         """At least ``count`` logged requests; AssertionError with the log after ``timeout``."""
-        with trio.move_on_after(timeout):
-            while len(found := self.requests()) < count:
-                await trio.sleep(POLL)
-            return found
-        raise AssertionError(
-            f"{self.kind}: fewer than {count} requests logged after {timeout}s:\n{self.tail()}"
+        return await wait_until(
+            lambda: found if len(found := self.requests()) >= count else None,
+            timeout=timeout,
+            interval=POLL,
+            message=lambda: (
+                f"{self.kind}: fewer than {count} requests logged after {timeout}s:\n{self.tail()}"
+            ),
         )
 
     def tail(self, lines: int = 30) -> str:
@@ -142,16 +144,23 @@ class ForwardProxyProcess:
         return text
 
     async def wait_ready(self, timeout: float = STARTUP_TIMEOUT) -> None:
-        with trio.move_on_after(timeout):
-            while not await trio.to_thread.run_sync(accepts, self.port):
-                if self.process.popen.poll() is not None:
-                    raise AssertionError(
-                        f"{self.kind} exited ({self.process.popen.returncode}) before listening on "
-                        f"{self.address}:\n{self.tail()}"
-                    )
-                await trio.sleep(POLL)
-            return
-        raise AssertionError(f"{self.kind} not listening on {self.address} after {timeout}s:\n{self.tail()}")
+
+        async def listening() -> bool:
+            if await trio.to_thread.run_sync(accepts, self.port):
+                return True
+            if self.process.popen.poll() is not None:
+                raise AssertionError(
+                    f"{self.kind} exited ({self.process.popen.returncode}) before listening on "
+                    f"{self.address}:\n{self.tail()}"
+                )
+            return False
+
+        await wait_until(
+            listening,
+            timeout=timeout,
+            interval=POLL,
+            message=lambda: f"{self.kind} not listening on {self.address} after {timeout}s:\n{self.tail()}",
+        )
 
     def stop(self) -> None:
         """SIGTERM, wait (SIGKILL after 10 s), keep the logs."""
@@ -201,9 +210,12 @@ async def start_tinyproxy(
         await proxy.wait_ready()
         # the readiness probe is logged as a connection without a request: wait for that line, so that
         # connections() counts exactly one probe from here on
-        with trio.fail_after(STARTUP_TIMEOUT):
-            while TINYPROXY_PROBE_LINE not in proxy.log_text():
-                await trio.sleep(POLL)
+        await wait_until(
+            lambda: TINYPROXY_PROBE_LINE in proxy.log_text(),
+            timeout=STARTUP_TIMEOUT,
+            what="tinyproxy to log its readiness probe",
+            interval=POLL,
+        )
     except BaseException:
         proxy.stop()
         raise

@@ -4,13 +4,16 @@
 agent certificate, the protocol library's Mux as the HTTP/2 acceptor, ``GET /v1/info`` answered with
 its identity), then misbehaves on ``CONNECT`` as told; it can also write raw bytes into its TLS stream
 between the Mux's own writes (garbage) and stop reading (a dead peer whose socket stays open).
-:func:`start_real_agent` runs the real agent (``clusterproxy_agent``) in-process beside it.
+:func:`start_real_agent` runs the real agent (``clusterproxy_agent``) in-process beside it, and
+:func:`rogue_then_healthy` both, the rogue first; :func:`assert_echo` checks a stream through them.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
+import os
 
 import trio
 
@@ -22,7 +25,10 @@ from clusterproxy_protocol.core import Role
 from clusterproxy_protocol.driver import IncomingRequest, Mux, open_mux
 from clusterproxy_protocol.relay import relay
 from clusterproxy_protocol.wire import INFO_PATH
+from clusterproxy_sdk import TLSFiles
+from clusterproxy_server.app import ProxyServer
 from tests.support.pki import PkiFiles
+from tests.support.waiting import wait_until
 
 
 class Behaviour(enum.Enum):
@@ -126,3 +132,35 @@ async def start_real_agent(
     runner = TunnelRunner(agent, options, tls_opener(options.server, context, "localhost"))
     await nursery.start(runner.run)
     return agent
+
+
+def client_files(pki: PkiFiles) -> TLSFiles:
+    return TLSFiles(pki.ca, pki.client.cert, pki.client.key)
+
+
+async def echo_through(tunnel, cluster: str, port: int, payload: bytes) -> str:  # type: ignore[no-untyped-def]
+    """One stream: send ``payload``, half-close, read the echo; its sha256."""
+    stream = await tunnel.connect(cluster, "127.0.0.1", port)
+    async with stream:
+        await stream.send_all(payload)
+        await stream.send_eof()
+        echoed = bytearray()
+        while data := await stream.receive_some():
+            echoed += data
+    return hashlib.sha256(echoed).hexdigest()
+
+
+async def assert_echo(tunnel, port: int) -> None:  # type: ignore[no-untyped-def]
+    payload = os.urandom(4096)
+    assert await echo_through(tunnel, "cluster1", port, payload) == hashlib.sha256(payload).hexdigest()
+
+
+async def rogue_then_healthy(
+    nursery: trio.Nursery, server: ProxyServer, agent_port: int, pki: PkiFiles, behaviour: Behaviour
+) -> tuple[RogueAgent, Agent]:
+    """The rogue registers first (ties in load go to it), then a real agent of the same cluster."""
+    rogue = await nursery.start(RogueAgent(pki, "cluster1", "agent-a", behaviour).run, agent_port)
+    await wait_until(lambda: server.registry.find("cluster1", "agent-a"), what="the rogue registered")
+    healthy = await start_real_agent(nursery, agent_port, pki, "cluster1", "agent-b")
+    await wait_until(lambda: server.registry.find("cluster1", "agent-b"), what="the real agent registered")
+    return rogue, healthy

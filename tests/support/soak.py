@@ -25,6 +25,7 @@ import trio
 from tests.support.certs import HUB_CLIENT, ClientParty, SignedHub, SignerProcess, count_events
 from tests.support.procs import Process, http_get
 from tests.support.traffic import SerialWatch, Traffic, serve_bye_echo, serve_sized
+from tests.support.waiting import wait_at_most
 
 CLUSTER, AGENT_ID = "cluster1", "agent-a"
 
@@ -200,9 +201,9 @@ async def traffic_run(
         run.issued_before_last_probe = run.serials_issued_to_server()
         await watch.probe_once()
         streams = sum(traffic.ok.values()) + traffic.long_streams_closed_cleanly
-        with trio.move_on_after(10):
-            while count_events(run.server, "stream_closed") < streams:
-                await trio.sleep(0.1)
+        await wait_at_most(
+            lambda: count_events(run.server, "stream_closed") >= streams, timeout=10, interval=0.1
+        )
         run.final = run.report()
     finally:
         hub.stop()

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import random
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
+
+from tests.support.waiting import poll_until
 
 CHUNK = 256 << 10
 
@@ -186,10 +187,12 @@ class Blackhole:
             filler.setblocking(False)
             filler.connect_ex(("127.0.0.1", self.port))
             self._fillers.append(filler)
-        deadline = time.monotonic() + 5.0
-        while self.queued() < 1:  # the fillers' handshakes complete asynchronously
-            assert time.monotonic() < deadline, "the blackhole's accept queue did not fill"
-            time.sleep(0.005)
+        poll_until(  # the fillers' handshakes complete asynchronously
+            lambda: self.queued() >= 1,
+            timeout=5.0,
+            interval=0.005,
+            message="the blackhole's accept queue did not fill",
+        )
 
     def queued(self) -> int:
         """Connections in the accept queue (``tcpi_unacked`` of a listener's ``TCP_INFO``: after 8

@@ -17,7 +17,6 @@ import importlib
 import importlib.metadata
 import os
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,11 +27,18 @@ import pytest
 import yaml
 
 from clusterproxy_protocol.config import parse_args_or_exit
-from tests.support import require
+from tests.support.kustomize import (
+    KUSTOMIZE,
+    MY_CLUSTER_KUSTOMIZATION,
+    MY_HUB_KUSTOMIZATION,
+    NAMESPACE,
+    deployments,
+    key_of,
+    own_overlay,
+    render,
+)
 from tests.support.netpol import ANYWHERE, IN_CLUSTER, IN_NAMESPACE, ingress_by_pod
 
-REPO = Path(__file__).resolve().parents[2]
-KUSTOMIZE = REPO / "deploy" / "kustomize"
 #: the overlays that run something (a Deployment each)
 OVERLAYS = ("hub", "managed")
 #: every overlay shipped: the hub's declared configuration (no Deployment) too
@@ -47,34 +53,6 @@ PROJECT_IMAGES = {
     "cluster-proxy/health-collector": "cluster-proxy-health-collector",
 }
 IMAGE_TAG = "dev"
-
-
-# --- rendering ------------------------------------------------------------------------------------------
-
-
-def kubectl_path() -> str:
-    found = shutil.which("kubectl")
-    require(found is not None, "kubectl (Debian: apt-get install kubectl; it renders kustomize overlays)")
-    assert found is not None
-    return found
-
-
-def render(directory: Path) -> list[dict[str, Any]]:
-    """The objects ``kubectl apply -k DIRECTORY`` would send, as ``kubectl kustomize`` renders them."""
-    done = subprocess.run(
-        [kubectl_path(), "kustomize", str(directory)], capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, f"kubectl kustomize {directory} failed:\n{done.stderr}"
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
-
-
-def key_of(obj: Mapping[str, Any]) -> tuple[str, str, str]:
-    meta = obj["metadata"]
-    return obj["kind"], meta.get("namespace", ""), meta["name"]
-
-
-def deployments(objects: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    return [o for o in objects if o["kind"] == "Deployment"]
 
 
 # --- playing the kubelet -----------------------------------------------------------------------------
@@ -433,18 +411,6 @@ def test_the_configuration_names_only_project_images(
 # --- overlays of your own (docs/kubernetes.md) ----------------------------------------------------------
 
 
-def own_overlay(
-    directory: Path, base: str, kustomization: Mapping[str, Any], files: Mapping[str, str]
-) -> Path:
-    """An overlay of one's own in ``directory`` that points at ``overlays/<base>`` of this repository."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        (directory / name).write_text(text)
-    body = {"resources": [os.path.relpath(KUSTOMIZE / "overlays" / base, directory)], **kustomization}
-    (directory / "kustomization.yaml").write_text(yaml.safe_dump(body, sort_keys=False))
-    return directory
-
-
 MANAGER = "cluster-proxy-addon-manager"  # the hub overlay also holds the health-collector's objects
 
 
@@ -483,21 +449,6 @@ MY_CLUSTER = {
     "hub-signer-url=https://signer.hub.corp.example:8443\n",
     "ca.crt": (KUSTOMIZE / "overlays" / "managed" / "example" / "ca.crt").read_text(),
     "bootstrap-token": "0123456789ab.abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQ\n",
-}
-NAMESPACE = "open-cluster-management-cluster-proxy"
-# What docs/kubernetes.md tells an admin to write for a managed cluster.
-MY_CLUSTER_KUSTOMIZATION = {
-    "configMapGenerator": [
-        {"name": "cluster-proxy-agent", "namespace": NAMESPACE, "behavior": "replace", "envs": ["agent.env"]}
-    ],
-    "secretGenerator": [
-        {
-            "name": "cluster-proxy-agent-bootstrap",
-            "namespace": NAMESPACE,
-            "behavior": "replace",
-            "files": ["ca.crt", "bootstrap-token"],
-        }
-    ],
 }
 
 
@@ -569,32 +520,6 @@ def test_the_manager_can_take_over_an_agent_installed_by_hand() -> None:
     theirs = manager_render_agent.agent_network_policy(NAMESPACE)
     assert key_of(policy) == key_of(theirs)
     assert policy["spec"] == theirs["spec"]
-
-
-# What docs/kubernetes.md shows for a hub of one's own: the entrypoint, the replicas, a registry.
-MY_HUB_KUSTOMIZATION = {
-    "patches": [
-        {
-            "target": {"kind": "ManagedProxyConfiguration", "name": "cluster-proxy"},
-            "patch": yaml.safe_dump(
-                {
-                    "apiVersion": "proxy.open-cluster-management.io/v1alpha1",
-                    "kind": "ManagedProxyConfiguration",
-                    "metadata": {"name": "cluster-proxy"},
-                    "spec": {
-                        "proxyServer": {
-                            "replicas": 2,
-                            "entrypoint": {
-                                "type": "Hostname",
-                                "hostname": {"value": "proxy.hub.example.com"},
-                            },
-                        }
-                    },
-                }
-            ),
-        }
-    ],
-}
 
 
 def test_a_hub_overlay_of_your_own_sets_the_entrypoint(tmp_path: Path) -> None:

@@ -11,36 +11,16 @@ import pytest
 import trio
 
 from clusterproxy_agent.app import Service
-from clusterproxy_agent.config import AgentSettings
-from clusterproxy_agent.egress import parse_rule
 from clusterproxy_protocol.config import parse_args_or_exit
 from clusterproxy_protocol.errors import ConnectRefused
 from clusterproxy_sdk import TLSFiles, open_tunnel
 from clusterproxy_server.app import ProxyServer
 from clusterproxy_server.main import build_parser, config_from_args
-from tests.support.inprocess import start_server
+from tests.support.inprocess import agent_settings, start_server
 from tests.support.pki import PkiFiles
 from tests.support.procs import client_tls, http_get
 from tests.support.targets import serve_echo
 from tests.support.waiting import wait_until
-
-
-def agent_settings(pki: PkiFiles, servers: list[tuple[str, int]], cluster: str = "cluster1") -> AgentSettings:
-    pair = pki.agent(cluster, "agent-a")
-    return AgentSettings(
-        server=servers[0],
-        servers=servers,
-        server_name="localhost",
-        cluster=cluster,
-        agent_id="agent-a",
-        ca=pki.ca,
-        cert=pair.cert,
-        key=pair.key,
-        admin_listen=("127.0.0.1", 0),
-        allow=[parse_rule("127.0.0.0/8")],
-        backoff_initial=0.05,
-        backoff_max=0.2,
-    )
 
 
 def client_files(pki: PkiFiles) -> TLSFiles:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from clusterproxy_server.config import ServerConfig
 from clusterproxy_server.worker_metrics import MergedMetrics
 from clusterproxy_server.worker_sockets import WorkerSpec, reuseport_sockets
 from clusterproxy_server.workers import default_workers, worker_server_id
+from tests.support.waiting import poll_until
 
 
 def worker_metrics(streams: int, tunnels: int, dial: float) -> str:
@@ -67,19 +67,20 @@ def test_reuseport_sockets_share_one_port_picked_by_the_first_bind() -> None:
         assert len(ports) == 1 and next(iter(ports))[1] != 0
         # each is a listening socket of its own: a connection lands in exactly one queue
         with socket.create_connection(next(iter(ports)), timeout=5):
-            accepted = 0
-            for _ in range(200):  # the handshake completes in the kernel, at once on loopback
+
+            def accepted() -> int:
+                count = 0
                 for group in groups:
                     group[0].setblocking(False)
                     try:
                         group[0].accept()[0].close()
-                        accepted += 1
+                        count += 1
                     except BlockingIOError:
                         pass
-                if accepted:
-                    break
-                time.sleep(0.01)
-            assert accepted == 1
+                return count
+
+            # the handshake completes in the kernel, at once on loopback
+            assert poll_until(accepted, timeout=2, what="the connection accepted") == 1
     finally:
         for group in groups:
             for sock in group:

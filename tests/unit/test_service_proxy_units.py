@@ -147,7 +147,7 @@ def test_the_hub_overlays_render_the_endpoint_its_port_and_its_certificates_name
     """The gateway's second port and Service port; the names of its serving certificate are exactly the
     ones the addon-manager's server token binds (a mismatch: the signer refuses the CSR); the gateway may
     read its credential Secrets, the allow-list and ask the hub's TokenReview."""
-    from tests.unit.test_kustomize_render import KUSTOMIZE, deployments, render
+    from tests.support.kustomize import KUSTOMIZE, deployments, render
 
     gateway_objects = render(KUSTOMIZE / "overlays" / "hub-gateway")
     (gateway,) = deployments(gateway_objects)

@@ -11,6 +11,7 @@ from clusterproxy_protocol.core import Role
 from clusterproxy_protocol.driver import IncomingRequest, Mux, open_mux
 from clusterproxy_protocol.settings import TunnelSettings
 from clusterproxy_protocol.tunnel_stream import TunnelStream
+from tests.support.waiting import wait_until
 
 SMALL = TunnelSettings(stream_window=65535, connection_window=1 << 20, max_frame_size=16384)
 
@@ -102,9 +103,7 @@ async def test_accepting_a_stream_the_peer_already_reset_is_a_broken_stream(nurs
 
     nursery.start_soon(connect_then_give_up)
     request = await requests[1].receive()
-    with trio.fail_after(5):
-        while request.stream.answerable:
-            await trio.sleep(0.01)
+    await wait_until(lambda: not request.stream.answerable, timeout=5, what="the reset to arrive")
     try:
         await request.accept()
     except trio.BrokenResourceError as exc:

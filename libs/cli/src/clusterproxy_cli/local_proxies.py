@@ -5,13 +5,11 @@ proxy that one cluster's agent reaches the hub through (``--proxied-cluster``).
 Each gets a configuration file written here into the state folder and runs in the foreground as a
 child of ``local up`` (its log in ``STATE/logs/``):
 
-- haproxy in TCP mode (the TLS stays end to end between the parties): one frontend for the agents'
-  port, balanced by least connections (an agent looking for a replica it lacks lands on the one with
-  the fewest agent tunnels), one for the clients' port, round robin. Every replica is health-checked
-  with ``GET /readyz`` on its admin port, so a draining or dead replica leaves rotation; a refused
-  connect is retried on another replica (``retries`` with ``option redispatch``), so a replica killed
-  a moment ago costs a new client nothing. A statistics page (HTML, and CSV at ``/;csv``) shows what
-  haproxy thinks of each replica; ``local up`` reads it to know when every replica is in rotation.
+- haproxy as :mod:`.haproxy` writes it (TCP mode, the agents' frontend by least connections, the
+  clients' round robin, every replica health-checked with ``GET /readyz`` on its admin port), with
+  local up's choices: checks every 500 ms (out after two failures), streams idle up to an hour, and a
+  statistics page (HTML, and CSV at ``/;csv``) that shows what haproxy thinks of each replica; ``local
+  up`` reads it to know when every replica is in rotation.
 - tinyproxy as a plain HTTP forward proxy on loopback that lets ``CONNECT`` reach only the hub's agent
   port and the cert-signer's port, and logs every request (``Request (file descriptor N): CONNECT
   HOST:PORT HTTP/1.1``).
@@ -19,21 +17,18 @@ child of ``local up`` (its log in ``STATE/logs/``):
 
 from __future__ import annotations
 
-import csv
-import io
 import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from clusterproxy_protocol import http1client
 from clusterproxy_protocol.config import ConfigError
 
+from . import haproxy
 from .local_plan import LOOPBACK, ServerPorts, loopback
 
 SBIN_FOLDERS = ("/usr/sbin", "/sbin")  # Debian installs haproxy there, often not on a user's PATH
 HEALTH_CHECK = "inter 500ms fastinter 250ms downinter 500ms fall 2 rise 1"
-STATS_PATH = "/"
 
 
 def find_program(program: str, package: str, needed_for: str, flag: str) -> str:
@@ -57,100 +52,43 @@ def find_program(program: str, package: str, needed_for: str, flag: str) -> str:
 
 # --- haproxy -----------------------------------------------------------------------------------------
 
-AGENTS_BACKEND = "agents"
-CLIENTS_BACKEND = "clients"
+
+def _servers(servers: Sequence[ServerPorts]) -> list[haproxy.Server]:
+    return [haproxy.Server(s.name, s.agent, s.client, s.admin) for s in servers]  # checked on the admin port
 
 
 def haproxy_config(servers: Sequence[ServerPorts], client_port: int, agent_port: int, stats_port: int) -> str:
     """TCP mode in front of ``servers``: the agents' and the clients' frontends, each replica checked on
     its admin port's ``/readyz``, and the statistics page."""
-    lines = [
-        "# written by cluster-proxy local up; rewritten at every start",
-        "global",
-        "    log stdout format raw local0 info",
-        "    maxconn 4000",
-        "defaults",
-        "    mode tcp",
-        "    log global",
-        "    option tcplog",
-        "    timeout connect 2s",
+    return haproxy.config(
+        _servers(servers),
+        agent_port,
+        client_port,
+        health_check=HEALTH_CHECK,
         # agent tunnels and client streams live long; the agents' PINGs keep theirs busy anyway
-        "    timeout client 1h",
-        "    timeout server 1h",
-        "    timeout check 1s",
-        "    retries 3",
-        "    option redispatch 1",
-        f"    default-server {HEALTH_CHECK}",
-    ]
-    for backend, port, balance in (
-        (AGENTS_BACKEND, agent_port, "leastconn"),
-        (CLIENTS_BACKEND, client_port, "roundrobin"),
-    ):
-        lines += [
-            f"frontend {backend}",
-            f"    bind {loopback(port)}",
-            f"    default_backend {backend}",
-            f"backend {backend}",
-            f"    balance {balance}",
-            "    option httpchk GET /readyz",
-            "    http-check expect status 200",
-        ]
-        for server in servers:
-            target = server.agent if backend == AGENTS_BACKEND else server.client
-            lines.append(f"    server {server.name} {loopback(target)} check port {server.admin}")
-    lines += [
-        "defaults",  # a second section for what follows: the page is HTTP, and not logged
-        "    mode http",
-        "    timeout connect 2s",
-        "    timeout client 30s",
-        "    timeout server 30s",
-        "frontend stats",
-        f"    bind {loopback(stats_port)}",
-        "    stats enable",
-        f"    stats uri {STATS_PATH}",
-        "    stats refresh 2s",
-    ]
-    return "\n".join(lines) + "\n"
+        stream_timeout="1h",
+        maxconn=4000,
+        stats_port=stats_port,
+        header="written by cluster-proxy local up; rewritten at every start",
+    )
 
 
 def haproxy_argv(program: str, config: Path) -> list[str]:
-    # -db: in the foreground, logging to stdout (the child's log file)
-    return [program, "-db", "-f", str(config)]
+    return haproxy.argv(program, config)
 
 
 def stats_url(stats_port: int) -> str:
-    return f"http://{loopback(stats_port)}{STATS_PATH}"
+    return f"http://{loopback(stats_port)}{haproxy.STATS_PATH}"
 
 
-def parse_stats_csv(text: str) -> dict[tuple[str, str], str]:
-    """(backend, server) -> haproxy's status of that server ("UP", "DOWN", "MAINT", ...)."""
-    states = {}
-    for row in csv.DictReader(io.StringIO(text.lstrip("# "))):
-        if row.get("svname") not in (None, "FRONTEND", "BACKEND"):
-            states[(row["pxname"], row["svname"])] = (row.get("status") or "").split(" ")[0]
-    return states
-
-
-async def backend_states(stats_port: int) -> dict[tuple[str, str], str] | None:
+async def backend_states(stats_port: int) -> haproxy.States | None:
     """What haproxy's statistics page says of each replica, or None if it does not answer."""
-    try:
-        response = await http1client.get(LOOPBACK, stats_port, f"{STATS_PATH};csv", timeout=2)
-    except Exception:  # not up yet: refused, reset, timeout
-        return None
-    if response.status != 200:
-        return None
-    return parse_stats_csv(response.body.decode(errors="replace"))
+    return await haproxy.page_states(stats_port)
 
 
-def down_replicas(states: dict[tuple[str, str], str] | None, servers: Sequence[ServerPorts]) -> list[str]:
+def down_replicas(states: haproxy.States | None, servers: Sequence[ServerPorts]) -> list[str]:
     """The replicas not UP in both of haproxy's backends (all of them when haproxy does not answer)."""
-    if states is None:
-        return [server.name for server in servers]
-    return [
-        server.name
-        for server in servers
-        if any(states.get((backend, server.name)) != "UP" for backend in (AGENTS_BACKEND, CLIENTS_BACKEND))
-    ]
+    return [server.name for server in servers if not haproxy.in_state(states, server.name, "UP")]
 
 
 # --- tinyproxy ---------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""A cluster-gateway behind the hub's aggregator, for the gateway's test modules and the bench:
-:func:`running_gateway`, and what they share (the APIService, the token Secret a test projects, the
-reader role of the gateway's ServiceAccount).
+"""A cluster-gateway behind the hub's aggregator, for the gateway's test modules (tests/kube) and the
+bench: :func:`running_gateway`, and what they share (the APIService, the token Secret a test projects,
+the reader role of the gateway's ServiceAccount, kubectl with a hub user's or a cluster's kubeconfig,
+ManagedClusters made and deleted, an exec through the gateway to the fake kubelet, Roles bound).
 
 The ManagedClusters are named ``<api server>-<stack tag>`` (``cluster1-3f2a1c``) unless ``tagged`` is
 False: a cluster's namespace on the hub stays Terminating once deleted (no controller-manager runs), so
@@ -13,17 +14,30 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
+import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes import client
+from kubernetes.stream import stream
 
+from tests.support import require
+from tests.support.fake_kubelet import FakeKubelet
 from tests.support.kubeapi import KubeCluster, KubeClusters, free_port
 from tests.support.procs import BIN, Process
-from tests.support.workagent import AddonStack, poll_until
+from tests.support.workagent import (
+    MANIFEST_WORK,
+    WORK_GROUP,
+    WORK_PLURAL,
+    WORK_VERSION,
+    AddonStack,
+    poll_until,
+)
 
 __all__ = [
     "APISERVICE",
@@ -44,6 +58,10 @@ SA_USER = f"system:serviceaccount:{SA_NAMESPACE}:{SA_NAME}"
 TOKEN_SECRET = "cluster-gateway"
 SERVICE_PROXY_SA = "cluster-proxy-service-proxy"  # its credential Secret on the hub has this name too
 READER = "cluster-gateway-test-reader"
+RBAC = "rbac.authorization.k8s.io"
+V4 = "v4.channel.k8s.io"  # the exec subprotocol the fake kubelet speaks
+CHUNK = 64 << 10
+EXEC_TIMEOUT = 60
 
 
 @dataclass
@@ -313,3 +331,189 @@ def running_gateway(
 
 def _exited(process: Process) -> bool:
     raise AssertionError(f"the gateway exited:\n{process.tail()}")
+
+
+# --- talking to the hub and the clusters through the gateway --------------------------------------------
+
+
+def _kubectl(kubeconfig: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    kubectl = shutil.which("kubectl")
+    require(kubectl is not None, "kubectl (apt-get install kubernetes-client)")
+    assert kubectl is not None
+    return subprocess.run(
+        [kubectl, f"--kubeconfig={kubeconfig}", f"--cache-dir={kubeconfig.parent / 'kubectl-cache'}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _hub_user(gateway: Gateway, name: str) -> Path:
+    """A hub kubeconfig of user ``name`` (a client certificate of the hub's CA, no groups)."""
+    pair = gateway.kube_clusters.ca.issue(f"hub-user-{name}", name)
+    path = gateway.directory / f"hub-{name}.kubeconfig"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": "hub",
+                        "cluster": {
+                            "server": gateway.hub.url,
+                            "certificate-authority": str(gateway.hub.ca_path),
+                        },
+                    }
+                ],
+                "users": [
+                    {
+                        "name": name,
+                        "user": {"client-certificate": str(pair.cert), "client-key": str(pair.key)},
+                    }
+                ],
+                "contexts": [{"name": "hub", "context": {"cluster": "hub", "user": name}}],
+                "current-context": "hub",
+            }
+        )
+    )
+    return path
+
+
+def _cluster_kubeconfig(gateway: Gateway, cluster: str, hub_kubeconfig: Path | None = None) -> Path:
+    out = gateway.directory / f"{cluster}-{secrets.token_hex(2)}.kubeconfig"
+    done = subprocess.run(
+        [
+            str(BIN / "cluster-proxy"),
+            "kubeconfig",
+            cluster,
+            f"--kubeconfig={hub_kubeconfig or gateway.hub.kubeconfig}",
+            f"--output={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def _names(output: str) -> set[str]:
+    return {line.split("/", 1)[-1] for line in output.split()}
+
+
+def _managed_cluster(gateway: Gateway, name: str) -> None:
+    """A ManagedCluster with the addon and no agent anywhere."""
+    with gateway.hub.api_client() as admin:
+        client.CoreV1Api(admin).create_namespace({"metadata": {"name": name}})
+        custom = client.CustomObjectsApi(admin)
+        custom.create_cluster_custom_object(
+            "cluster.open-cluster-management.io",
+            "v1",
+            "managedclusters",
+            {
+                "apiVersion": "cluster.open-cluster-management.io/v1",
+                "kind": "ManagedCluster",
+                "metadata": {"name": name},
+                "spec": {"hubAcceptsClient": True},
+            },
+        )
+        custom.create_namespaced_custom_object(
+            "addon.open-cluster-management.io",
+            "v1alpha1",
+            name,
+            "managedclusteraddons",
+            {
+                "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+                "kind": "ManagedClusterAddOn",
+                "metadata": {"name": "cluster-proxy", "namespace": name},
+                "spec": {"installNamespace": f"cp-agent-{gateway.stack.tag}"},
+            },
+        )
+
+
+def _delete_managed_cluster(gateway: Gateway, name: str) -> None:
+    with gateway.hub.api_client() as admin:
+        custom = client.CustomObjectsApi(admin)
+        for delete in (
+            lambda: custom.delete_namespaced_custom_object(
+                WORK_GROUP, WORK_VERSION, name, WORK_PLURAL, MANIFEST_WORK
+            ),
+            lambda: custom.delete_namespaced_custom_object(
+                "addon.open-cluster-management.io", "v1alpha1", name, "managedclusteraddons", "cluster-proxy"
+            ),
+            lambda: custom.delete_cluster_custom_object(
+                "cluster.open-cluster-management.io", "v1", "managedclusters", name
+            ),
+            lambda: client.CoreV1Api(admin).delete_namespace(name),
+        ):
+            with contextlib.suppress(client.exceptions.ApiException):
+                delete()
+
+
+# --- an exec through the gateway to the fake kubelet ------------------------------------------------------
+
+
+@dataclass
+class ExecRig:
+    gateway: Gateway
+    kubelet: FakeKubelet
+    cluster: str  # the ManagedCluster of cluster1
+    namespace: str  # in cluster1: the pod and the gateway's exec grant
+    pod: str
+    container: str
+    directory: Path
+
+
+def _exec(
+    core: client.CoreV1Api, rig: ExecRig, command: list[str], stdin: bytes, pod: str | None = None
+) -> Any:
+    """An exec with ``stdin`` (then the fake kubelet's end-of-stdin: an empty stdin message); the
+    client once the exec is over, with its stdout and returncode."""
+    session = stream(
+        core.connect_get_namespaced_pod_exec,
+        pod or rig.pod,
+        rig.namespace,
+        command=command,
+        container=rig.container,
+        stdin=True,
+        stdout=True,
+        stderr=True,
+        tty=False,
+        binary=True,
+        _preload_content=False,
+        _headers={"sec-websocket-protocol": V4},
+    )
+    try:
+        for start in range(0, len(stdin), CHUNK):
+            session.write_stdin(stdin[start : start + CHUNK])
+        session.write_channel(0, b"")
+        session.run_forever(timeout=EXEC_TIMEOUT)
+        assert not session.is_open(), f"the exec did not end within {EXEC_TIMEOUT}s"
+        return session
+    finally:
+        session.close()
+
+
+# --- RBAC -------------------------------------------------------------------------------------------------
+
+
+def _bind(api: Any, namespace: str, name: str, rules: list[dict[str, Any]], subject: dict[str, str]) -> None:
+    """A Role and its RoleBinding in ``namespace`` (a ClusterRole and binding when it is "")."""
+    rbac = client.RbacAuthorizationV1Api(api)
+    kind = "Role" if namespace else "ClusterRole"
+    binding = {
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": RBAC, "kind": kind, "name": name},
+        "subjects": [subject],
+    }
+    if namespace:
+        rbac.create_namespaced_role(namespace, {"metadata": {"name": name}, "rules": rules})
+        rbac.create_namespaced_role_binding(namespace, binding)
+    else:
+        ignore_conflict(lambda: rbac.create_cluster_role({"metadata": {"name": name}, "rules": rules}))
+        ignore_conflict(lambda: rbac.create_cluster_role_binding(binding))
+
+
+def _user(name: str) -> dict[str, str]:
+    return {"kind": "User", "name": name, "apiGroup": RBAC}
