@@ -10,10 +10,12 @@ frames into one TLS write, and WINDOW_UPDATEs are batched (a quarter of a window
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import ssl
 import struct
 from collections import deque
+from dataclasses import dataclass, field
 
 import h2.config
 import h2.connection
@@ -82,10 +84,8 @@ async def sendv(sock: socket.socket, chunks: list) -> None:
 
 def abort(sock: socket.socket) -> None:
     """Close with RST, so no peer takes it for a clean end."""
-    try:
+    with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except OSError:
-        pass
     sock.close()
 
 
@@ -184,7 +184,8 @@ class Tls:
                 view = memoryview(bytearray(len(keep) + size))
                 view[: len(keep)] = keep
                 n = len(keep)
-                while n < len(view):
+                # Only while records wait: a read that finds none raises, and an exception costs.
+                while n < len(view) and (self.incoming.pending or self.obj.pending()):
                     try:
                         got = self.obj.read(min(RECORD, len(view) - n), view[n:])
                     except ssl.SSLWantReadError:
@@ -235,29 +236,19 @@ class H2(h2.connection.H2Connection):
     open_inbound_streams = property(lambda self: self._bound(h2.connection.H2Connection.open_inbound_streams))
 
 
+@dataclass(slots=True, eq=False)
 class Stream:
-    __slots__ = (
-        "buffered",
-        "chunks",
-        "done",
-        "ended",
-        "lot",
-        "reset",
-        "sid",
-        "starved",
-        "status",
-        "unacked",
-        "window",
-    )
-
-    def __init__(self, sid: int) -> None:
-        self.sid = sid
-        self.chunks: deque[memoryview] = deque()
-        self.buffered = self.unacked = 0
-        self.window = FIRST_WINDOW
-        self.starved = self.ended = self.done = self.reset = False  # ended: the peer's; done: ours
-        self.status: int | None = None
-        self.lot = trio.lowlevel.ParkingLot()  # its reader, its sender and its opener wait here
+    sid: int
+    chunks: deque[memoryview] = field(default_factory=deque)
+    buffered: int = 0
+    window: int = FIRST_WINDOW  # the receive window granted
+    unacked: int = 0  # bytes read and not yet given back in a WINDOW_UPDATE
+    starved: bool = False  # the peer used up the window since it last grew
+    ended: bool = False  # the peer's half-close
+    done: bool = False  # ours
+    reset: bool = False
+    status: int | None = None
+    lot: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)  # its tasks wait here
 
 
 class Tunnel:
