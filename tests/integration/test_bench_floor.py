@@ -151,7 +151,7 @@ class Client:
 async def target_conn(stream: trio.SocketStream, seen: list[str]) -> None:
     """b"X": send PAYLOAD while reading to EOF, then the sha256 of what was read. b"H": send 1 MiB and
     half-close first, then read to EOF and note its sha256 in ``seen``. b"S": read forever (a stream
-    to reset)."""
+    to reset). b"R": take 64 KiB, then abort (RST: the agent resets the stream)."""
     mode = await stream.receive_some(1)
     digest = hashlib.sha256()
 
@@ -170,6 +170,9 @@ async def target_conn(stream: trio.SocketStream, seen: list[str]) -> None:
             await stream.send_eof()
             await drain()
             seen.append(digest.hexdigest())
+        elif mode == b"R":
+            await stream.receive_some(64 << 10)
+            stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         else:
             await drain()
     except trio.BrokenResourceError:
@@ -254,9 +257,13 @@ async def test_reset_stream_leaves_the_others_and_the_tunnel(
                 await client.send(os.urandom(256 << 10))
             for _ in range(4):
                 nursery.start_soon(exchange, floor, target[0], results)
+            reset_by_target = await open_through(floor, target[0], b"R")
+            await reset_by_target.send(os.urandom(256 << 10))
             await trio.sleep(0.2)
             for client in doomed:
                 client.abort()  # RST: the server resets the stream, the agent aborts its target
+            with pytest.raises((ConnectionError, trio.BrokenResourceError)):  # aborted, not ended
+                await reset_by_target.recv_all()
         while len(target[1]) < 3:  # the target side of each reset stream broke too
             await trio.sleep(0.02)
         await exchange(floor, target[0], results)  # the tunnel still carries new streams
