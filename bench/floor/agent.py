@@ -21,9 +21,9 @@ async def handle(tunnel: net.Tunnel, st: net.Stream, authority: str) -> None:
     except (OSError, ValueError):
         tunnel.respond(st, 502)
         return
-    tunnel.respond(st, 200)
     ok = False
     try:
+        tunnel.respond(st, 200)
 
         async def down() -> None:
             while chunks := await tunnel.recv(st):

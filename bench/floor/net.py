@@ -369,8 +369,8 @@ class Tunnel:
         st = self.streams.get(sid)
         if st is None or st.reset or not payload:
             return  # late data for a stream already gone
-        # Kept as a view of the decrypted buffer, not copied: a slow reader pins that buffer (at most
-        # 256 KiB per window's worth), the fast path never copies an inbound payload.
+        # Kept as a view of the decrypted buffer, not copied: a reader that stops pins the buffers its
+        # window's worth of bytes is in, the fast path never copies an inbound payload.
         st.chunks.append(payload)
         st.buffered += len(payload)
         if st.window < STREAM_WINDOW and st.window - st.buffered - st.unacked <= st.window // 8:
@@ -392,6 +392,8 @@ class Tunnel:
         return st.status or 0
 
     def respond(self, st: Stream, status: int) -> None:
+        if st.reset or self.closed:
+            return  # reset while the target was dialed: its relay finds out (an error here ends the tunnel)
         self.h2.send_headers(st.sid, [(":status", str(status))], end_stream=status != 200)
         st.done = status != 200
         self._queue()
