@@ -2,9 +2,9 @@
 
 What makes it fast, in one place: sockets and TLS are driven directly (non-blocking calls, trio only
 to wait for readiness: no per-call locks or scheduler passes), reads are large, DATA frames bypass h2
-both ways (h2 copies a payload several times; here a payload is copied once each way, into the
-outbound buffer and out of the decrypted one), one writer task per tunnel coalesces every stream's
-frames into one TLS write, and WINDOW_UPDATEs are batched (a quarter of a window at a time).
+both ways (h2 copies a payload several times; here an outbound payload is copied once, joined with
+its frame header for TLS, and an inbound one not at all), one writer task per tunnel coalesces every
+stream's frames into one TLS write, and WINDOW_UPDATEs are batched (a quarter of a window at a time).
 """
 
 from __future__ import annotations
@@ -272,7 +272,8 @@ class Tunnel:
         self.h2.initiate_connection()
         self.h2.increment_flow_control_window(CONN_WINDOW - 65535)
         self.streams: dict[int, Stream] = {}
-        self.out = bytearray()
+        self.out: list[bytes | memoryview] = []  # frames for the writer, in order
+        self.queued = 0  # their bytes
         self.conn_unacked = 0
         self.preface = 0 if client_side else 24
         self.closed = False
@@ -293,19 +294,24 @@ class Tunnel:
             self.drained.unpark_all()
 
     def _queue(self, *frames) -> None:
-        out = self.out
-        out += self.h2.data_to_send()  # h2's own frames first: a stream's HEADERS before its DATA
-        for frame in frames:
-            out += frame  # the one copy of an outbound payload
+        """Hand frames to the writer (kept, not copied: the relays never reuse a buffer they send)."""
+        for frame in (self.h2.data_to_send(), *frames):  # h2's first: a stream's HEADERS before its DATA
+            if frame:
+                self.out.append(frame)
+                self.queued += len(frame)
         self.writer_lot.unpark_all()
 
     async def _writer(self) -> None:
         while True:
-            self.out += self.h2.data_to_send()
+            self._queue()
             if not self.out:
                 await self.writer_lot.park()
                 continue
-            data, self.out = self.out, bytearray()  # everything every stream queued: one TLS write
+            # Everything every stream queued, one TLS write: joined once (the one copy of an outbound
+            # payload: TLS records need frame headers and payloads side by side).
+            data = b"".join(self.out)
+            self.out.clear()
+            self.queued = 0
             self.drained.unpark_all()
             await self.tls.send([data])
 
@@ -428,7 +434,7 @@ class Tunnel:
             return 0
 
     async def send(self, st: Stream, view: memoryview) -> None:
-        """Frame all of ``view`` as the windows allow (copied before this returns)."""
+        """Frame all of ``view`` as the windows allow; ``view``'s buffer must not change afterwards."""
         while view:
             room = self.room(st)
             if not room:
@@ -446,7 +452,7 @@ class Tunnel:
             self.h2.outbound_flow_control_window -= count
             self._queue(*frames)
             view = view[count:]
-            if len(self.out) >= HIGH_WATER:
+            if self.queued >= HIGH_WATER:
                 await self.drained.park()
 
     def end(self, st: Stream) -> None:
