@@ -6,6 +6,7 @@ certificate and key."""
 from __future__ import annotations
 
 import argparse
+import random
 import socket
 from pathlib import Path
 
@@ -47,22 +48,24 @@ async def handle(tunnel: net.Tunnel, st: net.Stream, authority: str) -> None:
 async def agent(args: argparse.Namespace, cert: str, key: str) -> None:
     host, _, port = args.server.rpartition(":")
     ctx = net.context(argparse.Namespace(ca=args.ca, cert=cert, key=key), server=False, alpn="h2")
-    pause = 0.05
+    failures = 0
     while True:
-        sock = None
+        sock, started = None, trio.current_time()
         try:
             sock = await net.dial(host, int(port))
             tls = net.Tls(sock, ctx, server_side=False, name=host)
             await tls.handshake()
-            pause = 0.05
             await net.Tunnel(tls, client_side=False, on_request=handle).run()
         except Exception:
             pass  # the server is down or restarting: dial again
         finally:
             if sock is not None:
                 sock.close()
-        await trio.sleep(pause)
-        pause = min(2 * pause, 1.0)
+        # Ours' backoff, so that a restart is measured the same: full jitter, from 0.5 s doubling up to
+        # 30 s, back to the start after a tunnel that lived 10 s.
+        failures = 0 if trio.current_time() - started > 10 else failures
+        await trio.sleep(random.uniform(0, min(30.0, 0.5 * 2**failures)))
+        failures = min(failures + 1, 10)
 
 
 async def run(args: argparse.Namespace) -> None:
