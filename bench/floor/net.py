@@ -203,8 +203,10 @@ class Tls:
         return None
 
     async def send(self, chunks: list) -> None:
+        """Encrypt and send the chunks; the list is emptied (nothing is pinned while the socket waits)."""
         for chunk in chunks:
             self.obj.write(chunk)
+        chunks.clear()
         await self.flush()
 
     async def send_eof(self) -> None:
@@ -309,16 +311,19 @@ class Tunnel:
                 continue
             # Everything every stream queued, one TLS write: joined once (the one copy of an outbound
             # payload: TLS records need frame headers and payloads side by side).
-            data = b"".join(self.out)
+            data = [b"".join(self.out)]
             self.out.clear()
             self.queued = 0
             self.drained.unpark_all()
-            await self.tls.send([data])
+            await self.tls.send(data)
 
     async def _reader(self) -> None:
-        keep = b""
+        keep: bytes | memoryview = b""
         while (view := await self.tls.recv(keep)) is not None:
-            keep = view[self._frames(view, len(view)) :]  # a frame still arriving, copied once
+            used = self._frames(view, len(view))
+            # A frame still arriving (copied once, into the next buffer); an empty view would still pin
+            # this buffer for as long as the tunnel idles.
+            keep = view[used:] if used < len(view) else b""
 
     def _frames(self, view: memoryview, have: int) -> int:
         """Take every whole frame in ``view[:have]``; return how far that went."""
