@@ -271,6 +271,9 @@ class Tunnel:
                 S.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
             },
         )
+        # h2 applies these two only when a changed value is acknowledged, and values given up front
+        # never change: set by hand, as ours does.
+        self.h2.max_inbound_frame_size, self.h2.decoder.max_header_list_size = MAX_FRAME, MAX_HEADER_LIST
         self.h2.initiate_connection()
         self.h2.increment_flow_control_window(CONN_WINDOW - 65535)
         self.streams: dict[int, Stream] = {}
