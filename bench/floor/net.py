@@ -300,11 +300,13 @@ class Tunnel:
 
     def _queue(self, *frames) -> None:
         """Hand frames to the writer (kept, not copied: the relays never reuse a buffer they send)."""
+        queued = self.queued
         for frame in (self.h2.data_to_send(), *frames):  # h2's first: a stream's HEADERS before its DATA
             if frame:
                 self.out.append(frame)
                 self.queued += len(frame)
-        self.writer_lot.unpark_all()
+        if self.queued > queued:
+            self.writer_lot.unpark_all()  # only then: a wake-up with nothing to write costs a pass
 
     async def _writer(self) -> None:
         while True:
@@ -331,7 +333,7 @@ class Tunnel:
     def _frames(self, view: memoryview, have: int) -> int:
         """Take every whole frame in ``view[:have]``; return how far that went."""
         pos = min(self.preface, have)  # the client's preface is no frame: h2 reads it
-        to_h2, self.preface = [view[:pos]], self.preface - pos
+        to_h2, self.preface = [view[:pos]] if pos else [], self.preface - pos
         while have - pos >= 9:
             end = pos + 9 + (view[pos] << 16 | view[pos + 1] << 8 | view[pos + 2])
             if end > have:
