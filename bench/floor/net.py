@@ -250,7 +250,10 @@ class Stream:
     done: bool = False  # ours
     reset: bool = False
     status: int | None = None
-    lot: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)  # its tasks wait here
+    # Its reader (and opener) and its sender wait apart: data arriving does not wake a sender waiting
+    # for window, nor a WINDOW_UPDATE a reader.
+    lot: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
+    send_lot: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
 
 
 class Tunnel:
@@ -362,18 +365,18 @@ class Tunnel:
                 self.nursery.start_soon(self.on_request, self, st, dict(event.headers).get(":authority", ""))
             elif isinstance(event, h2.events.ResponseReceived) and st:
                 st.status = int(dict(event.headers)[":status"])
+                st.lot.unpark_all()
             elif isinstance(event, h2.events.StreamEnded) and st:
                 st.ended = True
+                st.lot.unpark_all()
                 self._forget(st)
             elif isinstance(event, h2.events.StreamReset) and st:
                 self._gone(st)
             elif isinstance(event, (h2.events.WindowUpdated, h2.events.RemoteSettingsChanged)):
                 for waiting in [st] if st else list(self.streams.values()):
-                    waiting.lot.unpark_all()  # a sender waits for window
+                    waiting.send_lot.unpark_all()
             elif isinstance(event, h2.events.ConnectionTerminated):
                 self.closed = True
-            if st:
-                st.lot.unpark_all()
         self._queue()  # SETTINGS and PING ACKs
 
     def _data(self, sid: int, payload: memoryview) -> None:
@@ -450,7 +453,7 @@ class Tunnel:
             if not room:
                 if st.reset or self.closed:
                     raise Reset
-                await st.lot.park()
+                await st.send_lot.park()
                 continue
             count, size = min(room, len(view)), self.h2.max_outbound_frame_size
             frames = []
@@ -487,6 +490,7 @@ class Tunnel:
         st.chunks.clear()
         self.streams.pop(st.sid, None)
         st.lot.unpark_all()
+        st.send_lot.unpark_all()
 
     def _forget(self, st: Stream) -> None:
         if st.ended and st.done:  # no frame can come for it; its reader keeps what is buffered
