@@ -21,7 +21,18 @@ from pathlib import Path
 from bench import report
 from bench.pki import BenchPKI
 from bench.procs import Proc, free_port, raise_nofile, wait_port
-from bench.systems import REPO, Direct, Env, Ours, System, Unavailable, Upstream, build_loadgen, find_anp
+from bench.systems import (
+    REPO,
+    Direct,
+    Env,
+    Floor,
+    Ours,
+    System,
+    Unavailable,
+    Upstream,
+    build_loadgen,
+    find_anp,
+)
 from bench.workloads import WORKLOADS, Runner, Settings, log
 
 DEFAULT_ANP_VERSION = "v0.36.0"
@@ -37,6 +48,8 @@ SYSTEMS: dict[str, Callable[[Env], System]] = {
     # the server with --workers 2 (ours runs --workers 1): what a second core buys (issue 17)
     "ours-w2": lambda env: Ours(env, workers=2),
     "upstream-grpc": lambda env: Upstream(env, mode="grpc"),
+    # bench/floor: the same stack (trio, ssl, h11, h2, ours' windows) with nothing of ours (issue 36)
+    "floor": Floor,
 }
 
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 from bench import efficiency
 
-SYSTEM_ORDER = ("direct", "ours", "upstream", "ours-websocket", "ours-grpc", "upstream-grpc")
+SYSTEM_ORDER = ("direct", "ours", "upstream", "ours-websocket", "ours-grpc", "upstream-grpc", "floor")
 # Quotients shown where both systems ran: (numerator, denominator). The first is this project against
 # upstream as cluster-proxy runs it; the second the same in konnectivity gRPC (the seed's own mode);
-# the third what the WebSocket carrier costs against the plain tunnel.
-RATIOS = (("ours", "upstream"), ("ours-grpc", "upstream-grpc"), ("ours-websocket", "ours"))
+# the third what the WebSocket carrier costs against the plain tunnel; the fourth what ours' features
+# cost over the floor of the same stack (bench/floor).
+RATIOS = (("ours", "upstream"), ("ours-grpc", "upstream-grpc"), ("ours-websocket", "ours"), ("ours", "floor"))
 
 # (workload, metric) -> (label, unit, higher_is_better); only these appear in the main table.
 METRICS: dict[tuple[str, str], tuple[str, str, bool]] = {
@@ -203,6 +204,8 @@ def markdown(results: dict) -> str:
         lines += cpu_rows
         lines.append("")
     lines += efficiency.markdown(results["records"])
+    if any(r["system"] == "floor" for r in results["records"]):
+        lines += efficiency.markdown(results["records"], "ours", "floor")
     return "\n".join(lines)
 
 
@@ -377,6 +380,7 @@ def plots(results: dict, out_dir: Path) -> list[Path]:
         "ours-websocket": "#17becf",
         "ours-grpc": "#2ca02c",
         "upstream-grpc": "#d62728",
+        "floor": "#9467bd",
     }
     made: list[Path] = []
 

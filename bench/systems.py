@@ -1,5 +1,6 @@
 """The paths a workload is measured through: direct, ours, upstream, and their variants (ours with
-agents over the WebSocket transport; ours and upstream through konnectivity gRPC).
+agents over the WebSocket transport; ours and upstream through konnectivity gRPC), and the floor
+(bench/floor: our stack with nothing of ours around it).
 
 Every system gives the loadgen the flags that reach the target through it (`dial_args`), the
 processes to watch (`procs`), and for the fan-in workload a way to run many agents
@@ -639,6 +640,94 @@ class Ours(System):
 
     def probe_args(self) -> list[str]:
         return [*self.env.proxy_args(self.client_port), *self._protocol_args()]
+
+
+class Floor(System):
+    """bench/floor: the shortest correct proxy-server and agent on ours' stack (trio, ssl, h11, h2, the
+    same certificates, windows and settings) with nothing of ours around it: the ceiling ours is
+    measured against (issue 36). Started like ours (ports, certificates, the cluster header)."""
+
+    name = "floor"
+    workloads = ("bulk", "connect", "rr", "idle", "fanin", "hol")
+
+    def check(self) -> None:
+        if not (self.env.venv_bin / "python").exists():
+            raise Unavailable(
+                f"floor: {self.env.venv_bin / 'python'} missing (run `bash scripts/bootstrap.sh`)"
+            )
+
+    def _proc(self, role: str, argv: list[str], tag: str) -> Proc:
+        command = [str(self.env.venv_bin / "python"), "-m", f"bench.floor.{role}", *argv]
+        log = self.env.log_dir / f"floor-{role}-{tag}.log"
+        return Proc(f"floor-{role}", command, log, env={"PYTHONPATH": str(REPO)})
+
+    def _start_server(self, tag: str) -> Proc:
+        self.client_port, self.agent_port = free_port(), free_port()
+        return self._launch_server(tag)
+
+    def _launch_server(self, tag: str) -> Proc:
+        e = self.env
+        p = self._proc(
+            "server",
+            [
+                *("--agent-listen", f"127.0.0.1:{self.agent_port}"),
+                *("--client-listen", f"127.0.0.1:{self.client_port}"),
+                *("--ca", str(e.pki.ca), "--cert", str(e.server_cert.cert), "--key", str(e.server_cert.key)),
+            ],
+            tag,
+        )
+        wait_port("127.0.0.1", self.client_port, 30, p)
+        wait_port("127.0.0.1", self.agent_port, 30, p)
+        return p
+
+    def _agent_argv(self, *identity: str) -> list[str]:
+        return ["--server", f"127.0.0.1:{self.agent_port}", "--ca", str(self.env.pki.ca), *identity]
+
+    def start(self) -> None:
+        self.server = self._start_server("main")
+        cert = self.env.pki.agent(CLUSTER, "agent1")
+        identity = ("--cluster", CLUSTER, "--cert", str(cert.cert), "--key", str(cert.key))
+        self.agent = self._proc("agent", self._agent_argv(*identity), "main")
+        try:
+            self.wait_routable()
+        except Exception as exc:
+            raise RuntimeError(
+                f"{exc}\n--- server log ---\n{self.server.tail()}\n--- agent log ---\n{self.agent.tail()}"
+            ) from exc
+
+    def dial_args(self, proxy_port: int | None = None) -> list[str]:
+        return [
+            "--target",
+            self.target_authority(),
+            *self.env.proxy_args(proxy_port or self.client_port),
+            "--header",
+            f"{CLUSTER_HEADER}: {CLUSTER}",
+        ]
+
+    def probe_args(self) -> list[str]:
+        return self.env.proxy_args(self.client_port)
+
+    def probe_line(self) -> str:
+        return f"{self.target_authority()}\t{CLUSTER_HEADER}: {CLUSTER}"
+
+    def start_fanin(self, n: int, tag: str, processes: int = 1) -> FaninHandle:
+        """The n agents (each its own cluster and certificate) in ``processes`` processes, as ours'."""
+        e = self.env
+        server = self._start_server(f"fanin-{tag}")
+        certs = [e.pki.agent(f"fanin-{i}", "a") for i in range(n)]
+        lines = [f"{self.target_authority()}\t{CLUSTER_HEADER}: fanin-{i}" for i in range(n)]
+        fleets = []
+        for part in range(processes):
+            fleet = e.log_dir / f"floor-fanin-{tag}-fleet{part}.txt"
+            fleet.write_text("".join(f"{c.cert} {c.key}\n" for c in certs[part::processes]))
+            fleets.append((self._agent_argv("--fleet", str(fleet)), f"fanin-{tag}-agents{part}"))
+        return FaninHandle(
+            server,
+            lambda: [self._proc("agent", argv, log) for argv, log in fleets],
+            n,
+            lines,
+            lambda: self._launch_server(f"fanin-{tag}"),
+        )
 
 
 def _gauge(metrics: str, name: str) -> int | None:
