@@ -43,7 +43,7 @@ class AgentPort:
         context: Callable[[], object],
         registry: Registry,
         metrics: ServerMetrics,
-        log: structlog.stdlib.BoundLogger,
+        log: structlog.typing.FilteringBoundLogger,
         server_id: str,
         server_count: int,
         worker: tuple[int, int] | None = None,

@@ -111,7 +111,7 @@ class Relayer:
         metrics: ServerMetrics,
         policy: PolicyFile | None,
         dial_timeout: float,
-        log: structlog.stdlib.BoundLogger,
+        log: structlog.typing.FilteringBoundLogger,
         *,
         agent_answer_timeout: float | None = None,
         pending: PendingDials | None = None,
@@ -330,7 +330,7 @@ class Relayer:
     async def _dial(
         self,
         route: Route,
-        log: structlog.stdlib.BoundLogger,
+        log: structlog.typing.FilteringBoundLogger,
         deadline: float,
         headers: list[tuple[str, str]] | None = None,
         budget: Budget | None = None,
@@ -393,7 +393,7 @@ class Relayer:
             self.metrics.dial_retries.labels(route.cluster).inc()
 
     def _agent_failed(
-        self, tunnel: AgentTunnel, kind: str, error: str, log: structlog.stdlib.BoundLogger
+        self, tunnel: AgentTunnel, kind: str, error: str, log: structlog.typing.FilteringBoundLogger
     ) -> None:
         self.metrics.agent_dial_failures.labels(tunnel.cluster, tunnel.agent_id, kind).inc()
         log.warning("dial_failed_at_agent", agent_id=tunnel.agent_id, kind=kind, error=error)
