@@ -61,8 +61,8 @@ async def close_cleanly(stream: trio.abc.Stream, grace: float = CLOSE_GRACE) -> 
                 # it waits for the peer's answer, which lets the peer read ours before our socket
                 # closes (closing with its bytes unread would send RST, which can destroy our last).
                 _drop_buffered_input(stream)
-                await stream.unwrap()
-                await stream.transport_stream.aclose()  # after unwrap() the SSLStream no longer closes it
+                transport, _ = await stream.unwrap()
+                await transport.aclose()  # after unwrap() the SSLStream no longer closes it (nor holds it)
             else:
                 await stream.aclose()
             closed = True
