@@ -63,13 +63,22 @@ def agent_fault(refused: ConnectRefused) -> bool:
 
 
 class ClientRequest(Protocol):
-    """One client's request for a stream into a cluster, as a frontend presents it."""
+    """One client's request for a stream into a cluster, as a frontend presents it (read-only: a
+    frontend may answer from its own request, as HTTP/2's does, through properties)."""
 
     frontend: str  # the metrics and log label: "http1", "h2", ...
     client: ClientIdentity
-    authority: str  # the target as the client wrote it
-    headers: Mapping[str, str]  # lower-case names
     early_data: bytes  # bytes for the target the client sent with its request
+
+    @property
+    def authority(self) -> str:
+        """The target as the client wrote it."""
+        ...
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """Lower-case names."""
+        ...
 
     async def accept(self) -> trio.abc.Stream:
         """Tell the client the stream is open; the stream to relay with."""
@@ -90,7 +99,9 @@ class Described(Protocol):
 
     frontend: str
     client: ClientIdentity
-    authority: str
+
+    @property
+    def authority(self) -> str: ...
 
 
 @dataclass
