@@ -276,14 +276,14 @@ class KubernetesSecretStore(CertStore):
 
     def _read(self, name: str) -> dict[str, Any] | None:
         try:
-            return self._call("get", name, self.api.read_namespaced_secret, name, self.namespace)  # type: ignore[no-any-return]
+            return self._call("get", name, self.api.read_namespaced_secret, name, self.namespace)  # type: ignore[no-any-return]  # _call answers the API server's JSON: here a Secret
         except NotFound:
             return None
 
     def _create(self, body: dict[str, Any]) -> dict[str, Any]:
         name = body["metadata"]["name"]
         try:
-            return self._call("create", name, self.api.create_namespaced_secret, self.namespace, body)  # type: ignore[no-any-return]
+            return self._call("create", name, self.api.create_namespaced_secret, self.namespace, body)  # type: ignore[no-any-return]  # _call answers the API server's JSON: here a Secret
         except _Lost:
             stored = self._read(name)
             if stored is not None and stored.get("data") == body.get("data"):
@@ -296,7 +296,7 @@ class KubernetesSecretStore(CertStore):
         """Replace with the body's resourceVersion: StoreConflict when it changed; NotFound when the
         Secret is gone; :class:`_Lost` when the answer never came (the caller reads back)."""
         name = body["metadata"]["name"]
-        return self._call("update", name, self.api.replace_namespaced_secret, name, self.namespace, body)  # type: ignore[no-any-return]
+        return self._call("update", name, self.api.replace_namespaced_secret, name, self.namespace, body)  # type: ignore[no-any-return]  # _call answers the API server's JSON: here a Secret
 
     def _delete(self, name: str) -> None:
         with contextlib.suppress(NotFound):

@@ -111,7 +111,7 @@ class AuthorityRecord:
             raise ValueError(f"unknown CA state {state!r}")
         return cls(
             id=str(data["id"]),
-            state=cast(CAState, state),
+            state=state,
             cert_pem=cert_pem,
             created_at=_required_time(data["created_at"]),
             activated_at=parse_time(data.get("activated_at")),
@@ -213,7 +213,7 @@ class Identity:
         if kind not in KINDS:
             raise ValueError(f"unknown identity kind {kind!r}")
         return cls(
-            kind=cast(Kind, kind),
+            kind=kind,
             name=str(data["name"]),
             cluster=data.get("cluster"),
             hosts=tuple(data.get("hosts") or ()),
@@ -262,7 +262,7 @@ class Binding:
         if kind not in KINDS:
             raise ValueError(f"unknown binding kind {kind!r}")
         return cls(
-            kind=cast(Kind, kind),
+            kind=kind,
             cluster=data.get("cluster"),
             agent_id=data.get("agent_id"),
             name=data.get("name"),

@@ -30,7 +30,9 @@ def files_in(directory: Path) -> CertFiles:
     return CertFiles(directory / "client.crt", directory / "client.key", directory / "ca.crt")
 
 
-def add_enroll_command(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_enroll_command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     enroll_parser = commands.add_parser(
         "enroll",
         help="get a hub client certificate from the cert-signer with a bootstrap token",

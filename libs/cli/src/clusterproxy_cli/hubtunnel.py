@@ -87,14 +87,21 @@ async def open_hub_tunnel(
 
 
 class LocalDoor(Protocol):
-    """What a local front door is told: where the hub is, its certificate, and where to listen."""
+    """What a local front door is told: where the hub is, its certificate, and where to listen.
+    Read-only (properties), so the frozen dataclasses of the commands are front doors."""
 
-    proxy: tuple[str, int]
-    tls: TLSSource
-    server_name: str | None
-    connect_timeout: float
-    listen_host: str
-    listen_port: int
+    @property
+    def proxy(self) -> tuple[str, int]: ...
+    @property
+    def tls(self) -> TLSSource: ...
+    @property
+    def server_name(self) -> str | None: ...
+    @property
+    def connect_timeout(self) -> float: ...
+    @property
+    def listen_host(self) -> str: ...
+    @property
+    def listen_port(self) -> int: ...
 
 
 Handler = Callable[[SharedTunnel, trio.SocketStream], Awaitable[None]]

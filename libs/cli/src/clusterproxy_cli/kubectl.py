@@ -229,18 +229,22 @@ class _KubectlParser(argparse.ArgumentParser):
     """The kubectl command's parser: the arguments after the first ``--`` are ``kubectl_args``,
     untouched; the flags before it are ours."""
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def,override]
-        args = list(sys.argv[1:] if args is None else args)
+    def parse_known_args(  # type: ignore[override]  # one signature for argparse's overloads (a namespace given or not)
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        ours = list(sys.argv[1:] if args is None else args)
         kubectl_args: list[str] = []
-        if "--" in args:
-            split = args.index("--")
-            args, kubectl_args = args[:split], args[split + 1 :]
-        namespace, extras = super().parse_known_args(args, namespace)
-        namespace.kubectl_args = kubectl_args
-        return namespace, extras
+        if "--" in ours:
+            split = ours.index("--")
+            ours, kubectl_args = ours[:split], ours[split + 1 :]
+        parsed, extras = super().parse_known_args(ours, namespace)
+        parsed.kubectl_args = kubectl_args
+        return parsed, extras
 
 
-def add_kubectl_command(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_kubectl_command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     parser = commands.add_parser(
         "kubectl",
         help="run kubectl against a managed cluster's kube-apiserver through the tunnel",

@@ -492,7 +492,7 @@ class Hub:
         for server in ports.servers:
             if server.name not in children:
                 continue
-            connected = await connected_clusters(LOOPBACK, server.admin)
+            connected = await connected_clusters(LOOPBACK, server.admin, self.api_tls)
             if connected is None:
                 problems.append((children[server.name], f"does not answer on its admin port {server.admin}"))
                 continue

@@ -31,7 +31,9 @@ CHILD_PROGRAMS = ("haproxy", "tinyproxy", "clusterproxy_cli.echo")
 SERVICE_PREFIX = "cluster-proxy-"  # the services' console scripts (server, agent, cert-signer, ...)
 
 
-def add_local_down_command(local_commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_local_down_command(
+    local_commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     down = local_commands.add_parser(
         "down",
         help="stop a running `local up` (from another terminal or a script)",

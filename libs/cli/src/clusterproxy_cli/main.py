@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -60,6 +61,9 @@ from .local_down import add_local_down_command, run_local_down
 from .local_supervise import AGENT_RESTART_DELAY, REPLICA_RESTART
 from .proxy import add_proxy_command, run_proxy
 from .state import DEFAULT_STATE_DIR
+
+if TYPE_CHECKING:
+    from .portforward import PortForward  # imported where used: most commands never load it
 
 # --- converters --------------------------------------------------------------------------------------
 
@@ -196,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 # --- port-forward ------------------------------------------------------------------------------------
 
 
-def resolve_port_forward(args: argparse.Namespace, parser: argparse.ArgumentParser):  # type: ignore[no-untyped-def]
+def resolve_port_forward(args: argparse.Namespace, parser: argparse.ArgumentParser) -> PortForward:
     """Turn parsed flags into a PortForward: explicit flags win over ``local.json``."""
     from .portforward import PortForward
 
@@ -219,7 +223,7 @@ def _port_forward(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
     pf = resolve_port_forward(args, parser)
     configure_logging(args.log_level)
-    tls = followed_tls(pf.tls, parser, get_logger("port-forward"))  # type: ignore[arg-type]
+    tls = followed_tls(pf.tls, parser, get_logger("port-forward"))  # type: ignore[arg-type]  # resolve_port_forward sets files (TLSFiles), the one kind followed
     try:
         trio.run(partial(run_port_forward, replace(pf, tls=tls), stop_on_signals=True))
     except KeyboardInterrupt:

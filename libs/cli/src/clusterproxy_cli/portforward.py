@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 import trio
+from structlog.typing import FilteringBoundLogger
 
 from clusterproxy_protocol.closing import reset_if_process_dies
 from clusterproxy_protocol.errors import ConnectRefused, TunnelError
@@ -45,13 +46,17 @@ class PortForward:
         return format_authority(self.target_host, self.target_port)
 
 
-def _format_sockaddr(sockaddr: tuple) -> str:  # type: ignore[type-arg]
+def _format_sockaddr(sockaddr: tuple[str, int] | tuple[str, int, int, int]) -> str:
     return format_address(sockaddr)
 
 
 async def _handle(
-    pf: PortForward, shared: SharedTunnel, local: trio.SocketStream, log, counter: list[int]
-) -> None:  # type: ignore[no-untyped-def]
+    pf: PortForward,
+    shared: SharedTunnel,
+    local: trio.SocketStream,
+    log: FilteringBoundLogger,
+    counter: list[int],
+) -> None:
     # The local client may read a close-delimited answer (HTTP/1.0, a raw TCP protocol): the FIN the
     # kernel sends for a killed port-forward would end it as if complete. Armed, every close but the
     # relay's clean one is a RST: this process dying, a refused CONNECT, the tunnel unavailable.

@@ -229,7 +229,9 @@ def _parse_cluster(text: str) -> str:
         raise InvalidValue(str(exc)) from None
 
 
-def add_proxy_command(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_proxy_command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     parser = commands.add_parser(
         "proxy",
         help="a local SOCKS5 and HTTP proxy into the clusters (curl, kubectl, browsers)",

@@ -12,7 +12,7 @@ and ``/metrics``, and no port, Service or flag is added. A plain request for suc
 from __future__ import annotations
 
 import ssl
-from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,7 +44,7 @@ INVENTORY_LABELS = frozenset({"cluster", "agent_id"})
 
 
 class _Families(Protocol):
-    def collect(self) -> Iterator[Metric] | list[Metric]: ...
+    def collect(self) -> Iterable[Metric]: ...
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def metrics_response(
     families = _Relabelled(registry, without, keep) if without or keep is not None else registry
     return Response(
         200,
-        prometheus_client.generate_latest(families),  # type: ignore[arg-type]
+        prometheus_client.generate_latest(families),
         content_type=prometheus_client.CONTENT_TYPE_LATEST,
     )
 

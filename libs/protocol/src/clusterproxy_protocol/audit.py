@@ -247,7 +247,7 @@ class RotatingFileSink(_Counted):
         except OSError as exc:
             raise ConfigError(f"audit log {str(path)!r} cannot be opened: {exc.strerror or exc}") from None
 
-    def _open(self) -> None:
+    def _open(self) -> int:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
         try:
             os.fchmod(fd, FILE_MODE)  # a file that existed keeps no wider mode
@@ -256,6 +256,7 @@ class RotatingFileSink(_Counted):
             os.close(fd)
             raise
         self._fd = fd
+        return fd
 
     def _emit(self, line: str) -> None:
         data = line.encode("ascii")  # to_json writes ASCII only
@@ -263,18 +264,19 @@ class RotatingFileSink(_Counted):
             data = b"\n" + data
         if self._closed:
             raise ValueError("the audit log is closed")
-        if self._fd is None:  # the last rotation could not open the new file: try again
-            self._open()
+        fd = self._fd
+        if fd is None:  # the last rotation could not open the new file: try again
+            fd = self._open()
         if self._size + len(data) > self.max_bytes and self._size > 0:
             # Our count, checked against the file itself (someone may have truncated it), before the
             # rename: rotation happens only between records, so no line is split between files.
-            self._size = os.fstat(self._fd).st_size  # type: ignore[arg-type]
+            self._size = os.fstat(fd).st_size
             if self._size + len(data) > self.max_bytes and self._size > 0:
-                self._rotate()
+                fd = self._rotate()
         view = memoryview(data)
         while view:
             try:
-                done = os.write(self._fd, view)  # type: ignore[arg-type]
+                done = os.write(fd, view)
             except OSError:
                 self._torn = len(view) != len(data)
                 raise
@@ -282,7 +284,8 @@ class RotatingFileSink(_Counted):
             view = view[done:]
         self._torn = False
 
-    def _rotate(self) -> None:
+    def _rotate(self) -> int:
+        """The new file's descriptor, the old one closed and renamed."""
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
@@ -291,7 +294,7 @@ class RotatingFileSink(_Counted):
             if older.exists():
                 os.replace(older, self._rotated(index + 1))  # the one at ``keep`` is overwritten: dropped
         os.replace(self.path, self._rotated(1))
-        self._open()
+        return self._open()
 
     def _rotated(self, index: int) -> Path:
         return self.path.with_name(f"{self.path.name}.{index}")

@@ -20,7 +20,7 @@ async def bootstrap_with_retry(
     files: CertFiles,
     token: str | None,
     make_csr: Callable[[Any], str],
-    log: structlog.stdlib.BoundLogger,
+    log: structlog.typing.FilteringBoundLogger,
     *,
     patience: float = BOOTSTRAP_PATIENCE,
 ) -> Issued | None:

@@ -61,8 +61,8 @@ async def close_cleanly(stream: trio.abc.Stream, grace: float = CLOSE_GRACE) -> 
                 # it waits for the peer's answer, which lets the peer read ours before our socket
                 # closes (closing with its bytes unread would send RST, which can destroy our last).
                 _drop_buffered_input(stream)
-                await stream.unwrap()
-                await inner.aclose()  # after unwrap() the SSLStream no longer closes it
+                transport, _ = await stream.unwrap()
+                await transport.aclose()  # after unwrap() the SSLStream no longer closes it (nor holds it)
             else:
                 await stream.aclose()
             closed = True
@@ -73,7 +73,7 @@ async def close_cleanly(stream: trio.abc.Stream, grace: float = CLOSE_GRACE) -> 
             await trio.aclose_forcefully(stream)
 
 
-def _drop_buffered_input(stream: trio.SSLStream) -> None:
+def _drop_buffered_input(stream: trio.SSLStream[trio.abc.Stream]) -> None:
     """Discard the peer's records already received but not yet read. Python's ``unwrap()`` calls
     SSL_shutdown twice in a row, and the second call fails on such a record (OpenSSL 3:
     APPLICATION_DATA_AFTER_CLOSE_NOTIFY) before trio has sent the close_notify the first one queued:

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import h2.config
 import h2.connection
@@ -43,6 +44,9 @@ from clusterproxy_protocol.stream_state import StreamState
 from clusterproxy_protocol.windows import Budget
 from clusterproxy_protocol.wire import REASON_HEADER
 
+if TYPE_CHECKING:
+    from hpack.struct import Header
+
 CANCEL = h2.errors.ErrorCodes.CANCEL
 NO_ERROR = h2.errors.ErrorCodes.NO_ERROR
 REFUSED_STREAM = h2.errors.ErrorCodes.REFUSED_STREAM
@@ -58,6 +62,9 @@ class Role(enum.Enum):
 
 
 class TunnelCore(ReceiveWindows):
+    # The base knows only h2's class (h2_connection imports flow_control, so it cannot name ours).
+    _conn: TunnelH2Connection
+
     def __init__(
         self,
         role: Role,
@@ -161,7 +168,7 @@ class TunnelCore(ReceiveWindows):
     def open_connect(
         self,
         authority: str,
-        headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        headers: Sequence[tuple[str, str]] = (),
         budget: Budget | None = None,
         prepaid: int = 0,
     ) -> int:
@@ -175,7 +182,7 @@ class TunnelCore(ReceiveWindows):
         method: str,
         path: str,
         authority: str,
-        headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        headers: Sequence[tuple[str, str]] = (),
         body: bytes = b"",
     ) -> int:
         request = [
@@ -235,7 +242,7 @@ class TunnelCore(ReceiveWindows):
         self,
         stream_id: int,
         status: int,
-        headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        headers: Sequence[tuple[str, str]] = (),
         *,
         end_stream: bool = False,
     ) -> None:
@@ -363,7 +370,7 @@ class TunnelCore(ReceiveWindows):
 
     # -- input ------------------------------------------------------------------------------------
 
-    def receive_bytes(self, data: bytes) -> list[ev.Event]:
+    def receive_bytes(self, data: bytes | bytearray) -> list[ev.Event]:
         """Feed bytes from the peer; returns what happened. b"" means the transport hit EOF."""
         if self.closed:
             return []
@@ -421,7 +428,7 @@ class TunnelCore(ReceiveWindows):
                 return True
         return False
 
-    def goodbye_received(self, data: bytes) -> bool:
+    def goodbye_received(self, data: bytes | bytearray) -> bool:
         """After our own close: does ``data`` hold the peer's GOAWAY (so it is closing too)?"""
         data = self._scanner.skip_unseen_data(data)
         try:
@@ -449,7 +456,7 @@ class TunnelCore(ReceiveWindows):
                     # nobody has read yet. Refused before it can send any.
                     self._refuse_over_budget(sid, full, out)
                     return
-                fields = dict(headers or [])
+                fields = _fields(headers)
                 self._add_stream(sid, self.budget, remote_ended=ended is not None, reserve=self.reserve)
                 out.append(
                     ev.RequestReceived(
@@ -462,7 +469,7 @@ class TunnelCore(ReceiveWindows):
                     )
                 )
             case h2.events.ResponseReceived(stream_id=sid, headers=headers):
-                fields = dict(headers or [])
+                fields = _fields(headers)
                 status = int(fields.pop(":status", "0"))
                 out.append(ev.ResponseReceived(sid, status, fields))
             case h2.events.StreamEnded(stream_id=sid):
@@ -592,3 +599,9 @@ def error_reply(reason: str) -> tuple[list[tuple[str, str]], bytes]:
     for humans, in the body."""
     reason = clean_reason(reason)
     return [(REASON_HEADER, reason), ("content-type", "text/plain")], (reason + "\n").encode()
+
+
+def _fields(headers: list[Header] | None) -> dict[str, str]:
+    """A header block as a dict. h2 declares names and values bytes, but the core's connection decodes
+    them (``header_encoding="utf-8"``, :class:`TunnelCore`): they are str."""
+    return dict(cast("list[tuple[str, str]]", headers or []))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import math
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +61,7 @@ class IncomingRequest:
     stream: TunnelStream
     mux: Mux
 
-    async def accept(self, headers: list[tuple[str, str]] = ()) -> TunnelStream:  # type: ignore[assignment]
+    async def accept(self, headers: Sequence[tuple[str, str]] = ()) -> TunnelStream:
         # The peer may have reset the stream, or the connection died, while we were working on it.
         self.stream.raise_unless_answerable()
         self.stream.unanswered_work = None
@@ -81,7 +81,7 @@ class IncomingRequest:
         finally:
             await self.stream.aclose()
 
-    async def respond(self, status: int, body: bytes, headers: list[tuple[str, str]] = ()) -> None:  # type: ignore[assignment]
+    async def respond(self, status: int, body: bytes, headers: Sequence[tuple[str, str]] = ()) -> None:
         head = [("content-length", str(len(body))), *headers]
         self.stream.raise_unless_answerable()
         self.stream.unanswered_work = None
@@ -195,7 +195,7 @@ class Mux:
     async def open_connect(
         self,
         authority: str,
-        headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        headers: Sequence[tuple[str, str]] = (),
         budget: Budget | None = None,
         prepaid: Callable[[], int] | None = None,
     ) -> TunnelStream:
@@ -224,7 +224,7 @@ class Mux:
         self,
         method: str,
         path: str,
-        headers: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        headers: Sequence[tuple[str, str]] = (),
         body: bytes = b"",
         *,
         authority: str = "tunnel",
@@ -315,7 +315,9 @@ class Mux:
                 "the peer accepts no more streams on this connection (draining or at its limit)"
             )
         stream_id = start()
-        stream = TunnelStream(self, self.core.stream(stream_id))  # type: ignore[arg-type]
+        state = self.core.stream(stream_id)
+        assert state is not None  # start() has just opened it
+        stream = TunnelStream(self, state)
         self._add(stream)
         self.kick()
         return stream
@@ -535,21 +537,24 @@ class Mux:
             return  # a limit later in the same read ended the connection and every stream with it
         stream = TunnelStream(self, state)
         self._add(stream)
-        if self._handler is None or self._nursery is None:
+        handler = self._handler
+        if handler is None or self._nursery is None:
             self.core.refuse(event.stream_id, 405, "this side of the tunnel accepts no streams")
             stream.close()
             return
         request = IncomingRequest(event.method, event.authority, event.path, event.headers, stream, self)
         # Made now, not in the task: a reset later in this same read must reach it (on_broken).
         stream.unanswered_work = trio.CancelScope()
-        self._nursery.start_soon(self._run_handler, request, stream.unanswered_work)
+        self._nursery.start_soon(self._run_handler, handler, request, stream.unanswered_work)
 
-    async def _run_handler(self, request: IncomingRequest, unanswered_work: trio.CancelScope) -> None:
+    async def _run_handler(
+        self, handler: RequestHandler, request: IncomingRequest, unanswered_work: trio.CancelScope
+    ) -> None:
         try:
             with unanswered_work:
                 if not request.stream.answerable:
                     return  # reset (or the connection lost) before the handler started: no work at all
-                await self._handler(request)  # type: ignore[misc]
+                await handler(request)
         except Exception:
             # A bug in one stream's handler costs that stream, never the whole tunnel.
             _log.exception("stream_handler_failed", stream_id=request.stream.stream_id)

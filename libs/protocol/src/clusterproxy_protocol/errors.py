@@ -9,7 +9,6 @@ from __future__ import annotations
 import ssl
 import sys
 from collections.abc import Mapping
-from typing import ClassVar
 
 
 class TunnelError(Exception):
@@ -23,13 +22,13 @@ class TunnelClosed(TunnelError):
 class ConnectRefused(TunnelError):
     """A CONNECT was answered with an error status."""
 
-    status: ClassVar[int] = 0
+    status: int = 0  # a subclass's own, or the one given
 
     def __init__(
         self, reason: str, *, status: int | None = None, headers: Mapping[str, str] | None = None
     ) -> None:
         if status is not None:
-            self.status = status  # type: ignore[misc]
+            self.status = status
         self.reason = reason
         # The answer's other headers, when it came over HTTP/2 (cluster-proxy-fault, for one).
         self.headers: Mapping[str, str] = headers or {}

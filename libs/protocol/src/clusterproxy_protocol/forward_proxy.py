@@ -446,14 +446,14 @@ class ConnectExchange:
         data = self._h11.send(h11.Request(method="CONNECT", target=self.target, headers=headers))
         return data + (self._h11.send(h11.EndOfMessage()) or b"")
 
-    def receive_data(self, data: bytes) -> ConnectAnswer | None:
+    def receive_data(self, data: bytes | bytearray) -> ConnectAnswer | None:
         if not data:  # an answer already read returned before: this end came first
             seen = f" (after {self._head[:60]!r})" if self._head else ""
             raise self._failure(f"closed the connection before answering the CONNECT{seen}")
         if len(self._head) < 60:
             self._head += data[: 60 - len(self._head)]
         try:
-            self._h11.receive_data(data)
+            self._h11.receive_data(data)  # type: ignore[arg-type]  # h11 declares bytes but appends it to a bytearray: any bytes-like does
             while True:
                 event = self._h11.next_event()
                 if event is h11.NEED_DATA:

@@ -157,7 +157,7 @@ class FrameScanner:
         self.partial_frame_since = since
         return 0
 
-    def skip_unseen_data(self, data: bytes) -> bytes:
+    def skip_unseen_data(self, data: bytes | bytearray) -> bytes | bytearray:
         """``data`` without the rest of a DATA frame h2 never saw the start of (it went past h2), so
         h2 can read what follows: after our own close, the peer's GOAWAY."""
         if self._data_stream and self._frame_left:

@@ -80,10 +80,10 @@ class TunnelH2Connection(h2.connection.H2Connection):
         # h2 keeps its frame handlers as this connection's bound methods in a dict on it: a cycle
         # that keeps a closed connection (its buffers, its streams) until a full collection.
         self._frame_dispatch_table = {
-            frame_type: _FrameHandler(handler.__func__, self)
+            frame_type: _FrameHandler(handler.__func__, self)  # type: ignore[attr-defined]  # h2 declares its table's values plain callables; they are its own bound methods
             for frame_type, handler in self._frame_dispatch_table.items()
         }
-        self._frames: list[bytes | memoryview] = []  # queued after h2's buffer, in order
+        self._frames: list[bytes | bytearray | memoryview] = []  # queued after h2's buffer, in order
         self._frames_size = 0
 
     def send_data_frames(self, stream_id: int, data: memoryview) -> None:
@@ -137,7 +137,9 @@ class TunnelH2Connection(h2.connection.H2Connection):
         self._swept_size = len(self.streams)
         return count
 
-    def _receive_headers_frame(self, frame: hyperframe.frame.HeadersFrame) -> tuple[list, list]:  # type: ignore[type-arg]
+    def _receive_headers_frame(
+        self, frame: hyperframe.frame.HeadersFrame
+    ) -> tuple[list[hyperframe.frame.Frame], list[h2.events.Event]]:
         over_limit = (
             frame.stream_id not in self.streams
             and self.open_inbound_streams >= self.local_settings.max_concurrent_streams
@@ -175,7 +177,11 @@ def check_h2_open_streams() -> None:
         raise InternalChanged("h2", "H2Connection._open_streams", "is not a method (self, remainder)")
     for name in ("open_outbound_streams", "open_inbound_streams"):
         counter = base.__dict__.get(name)
-        if not isinstance(counter, property) or "_open_streams" not in counter.fget.__code__.co_names:  # type: ignore[union-attr]
+        if (
+            not isinstance(counter, property)
+            or counter.fget is None
+            or "_open_streams" not in counter.fget.__code__.co_names
+        ):
             raise InternalChanged("h2", f"H2Connection.{name}", "no longer counts through _open_streams")
     headers = base.__dict__.get("_receive_headers_frame")
     if (

@@ -95,7 +95,7 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
     root = logging.getLogger()
     for old in [h for h in root.handlers if getattr(h, "_cluster_proxy", False)]:
         root.removeHandler(old)
-    handler._cluster_proxy = True  # type: ignore[attr-defined]
+    handler._cluster_proxy = True  # type: ignore[attr-defined]  # our mark, found again (getattr) when called again
     root.addHandler(handler)
     root.setLevel(level_no)
 

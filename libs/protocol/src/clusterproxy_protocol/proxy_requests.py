@@ -60,14 +60,14 @@ class RequestHeadReader:
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_HEAD)
         self.received = 0
 
-    def feed(self, data: bytes) -> ConnectRequest | None:
+    def feed(self, data: bytes | bytearray) -> ConnectRequest | None:
         """The request once its head is whole, else None (more bytes needed). ``b""`` is the end of
         the client's input. Raises :class:`BadRequest` (status and reason) for a malformed head, one
         over :data:`MAX_REQUEST_HEAD` (431), or an end of input within the head."""
         if not data and not self.received:
             raise BadRequest(400, "the client closed without sending a request")
         self.received += len(data)
-        self._conn.receive_data(data)  # h11 takes b"" for the end of input
+        self._conn.receive_data(data)  # type: ignore[arg-type]  # h11 takes b"" for the end of input; declared bytes, it appends to a bytearray: any bytes-like does
         try:
             event = request_heads.next_event(self._conn)
         except h11.RemoteProtocolError as exc:

@@ -96,7 +96,7 @@ def renewal_time(cert: x509.Certificate, policy: RenewalPolicy, sample: float) -
 
 def backoff_delay(attempt: int, policy: RenewalPolicy, sample: float) -> float:
     """Capped exponential backoff with jitter: between half and all of ``initial * 2**attempt``."""
-    base = min(policy.retry_max, policy.retry_initial * 2 ** min(attempt, 32))
+    base = min(policy.retry_max, policy.retry_initial * 2.0 ** min(attempt, 32))
     return base * (0.5 + 0.5 * sample)
 
 

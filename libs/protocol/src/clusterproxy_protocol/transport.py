@@ -120,7 +120,9 @@ async def _receive_socket(stream: trio.SocketStream, max_bytes: int) -> bytes:
         return data
 
 
-async def _receive_tls_direct(stream: trio.SSLStream, max_bytes: int) -> bytes | bytearray | None:
+async def _receive_tls_direct(
+    stream: trio.SSLStream[trio.abc.Stream], max_bytes: int
+) -> bytes | bytearray | None:
     """Decrypted data, or None when trio must take this read (not in its steady state, the socket's
     end, an error, a close_notify): nothing was taken from the stream then that trio will miss."""
     await _turn()
@@ -180,7 +182,9 @@ def _decrypt(ssl_object: ssl.SSLObject, incoming: ssl.MemoryBIO | None, max_byte
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-async def _receive_tls_through_trio(stream: trio.SSLStream, max_bytes: int) -> bytes | bytearray:
+async def _receive_tls_through_trio(
+    stream: trio.SSLStream[trio.abc.Stream], max_bytes: int
+) -> bytes | bytearray:
     data = await stream.receive_some(min(max_bytes, TLS_RECORD))
     if not data:
         return data
@@ -211,7 +215,7 @@ async def send_all(stream: trio.abc.SendStream, data: bytes | bytearray | memory
 
 
 async def _send_tls_direct(
-    stream: trio.SSLStream,
+    stream: trio.SSLStream[trio.abc.Stream],
     parts: TlsParts,
     socket_stream: trio.SocketStream,
     data: bytes | bytearray | memoryview,

@@ -94,7 +94,7 @@ def apply() -> None:
     check_hyperframe_body_repr()
     check_trio_handshake_once()
     if hyperframe.frame.DataFrame.__dict__.get("_body_repr") is not _cheap_data_frame_repr:
-        hyperframe.frame.DataFrame._body_repr = _cheap_data_frame_repr  # type: ignore[method-assign]
+        hyperframe.frame.DataFrame._body_repr = _cheap_data_frame_repr  # type: ignore[method-assign,assignment]  # the patch itself; ours reads DataFrame's fields, so it is declared for DataFrame, not Frame
     _let_trio_handshakes_go()
 
 
@@ -123,11 +123,19 @@ def check_hyperframe_body_repr() -> None:
     raw_data_repr = getattr(hyperframe.frame, "_raw_data_repr", None)
     if not callable(raw_data_repr):
         raise InternalChanged("hyperframe", "frame._raw_data_repr", "is missing")
-    samples = [b"", b"short", bytes(range(10)), bytes(range(11)), bytes(range(256)), memoryview(bytes(64))]
+    # memoryview too: h2's send_data hands hyperframe slices of the caller's buffer as they come.
+    samples: list[bytes | memoryview] = [
+        b"",
+        b"short",
+        bytes(range(10)),
+        bytes(range(11)),
+        bytes(range(256)),
+        memoryview(bytes(64)),
+    ]
     for data in samples:
         for padding in ({}, {"flags": ["PADDED"], "pad_length": 3}):
-            expected = body_repr(hyperframe.frame.DataFrame(1, data, **padding))
-            if _cheap_data_frame_repr(hyperframe.frame.DataFrame(1, data, **padding)) != expected:
+            expected = body_repr(hyperframe.frame.DataFrame(1, data, **padding))  # type: ignore[arg-type]  # declared bytes, given memoryviews by h2 (above)
+            if _cheap_data_frame_repr(hyperframe.frame.DataFrame(1, data, **padding)) != expected:  # type: ignore[arg-type]  # as above
                 raise InternalChanged(
                     "hyperframe",
                     "Frame._body_repr",
@@ -254,19 +262,19 @@ def _ensure_then_let_go(
     ensure: Callable[..., Awaitable[None]],
 ) -> Callable[..., Coroutine[object, object, None]]:
     @functools.wraps(ensure)
-    async def ensure_then_let_go(self: object, *, checkpoint: bool) -> None:
+    async def ensure_then_let_go(self: Any, *, checkpoint: bool) -> None:  # trio's private _Once: untyped
         try:
             await ensure(self, checkpoint=checkpoint)
         finally:
-            if self.started:  # type: ignore[attr-defined]  # run (or running, or failed): never again
-                self._afn = _handshake_already_run  # type: ignore[attr-defined]
-                self._args = ()  # type: ignore[attr-defined]
+            if self.started:  # run (or running, or failed): never again
+                self._afn = _handshake_already_run
+                self._args = ()
 
-    ensure_then_let_go.lets_go = True  # type: ignore[attr-defined]
+    ensure_then_let_go.lets_go = True  # type: ignore[attr-defined]  # a mark on the function, read back with getattr
     return ensure_then_let_go
 
 
-def _trio_once() -> type:
+def _trio_once() -> type[Any]:  # trio's private _Once: its shape is checked, not declared
     import trio._ssl  # here, not at the top: the sans-IO core imports this module
 
     once = getattr(trio._ssl, "_Once", None)
@@ -278,7 +286,7 @@ def _trio_once() -> type:
 def _let_trio_handshakes_go() -> None:
     once = _trio_once()
     if not getattr(once.ensure, "lets_go", False):
-        once.ensure = _ensure_then_let_go(once.ensure)  # type: ignore[attr-defined]
+        once.ensure = _ensure_then_let_go(once.ensure)
 
 
 def check_trio_handshake_once() -> None:
@@ -294,7 +302,7 @@ def check_trio_handshake_once() -> None:
     if not isinstance(handshook, once):
         raise InternalChanged("trio", "SSLStream._handshook", "is not a _ssl._Once")
     function = getattr(handshook, "_afn", None)
-    if getattr(function, "__self__", None) is not stream or handshook.started is not False:  # type: ignore[attr-defined]
+    if getattr(function, "__self__", None) is not stream or handshook.started is not False:
         raise InternalChanged("trio", "_ssl._Once._afn", "is not the stream's handshake, not yet run")
     if getattr(handshook, "_args", None) != ():
         raise InternalChanged("trio", "_ssl._Once._args", "is not the handshake's (empty) arguments")

@@ -12,7 +12,7 @@ import argparse
 import datetime as dt
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from clusterproxy_castore.models import Binding
@@ -158,7 +158,7 @@ def format_status(data: dict[str, Any]) -> str:
         "",
         "certificate authorities:",
     ]
-    rows = [("ID", "STATE", "NOT AFTER", "SUBJECT")]
+    rows: list[tuple[str, ...]] = [("ID", "STATE", "NOT AFTER", "SUBJECT")]
     rows += [(a["id"], a["state"], a["not_after"], a["subject"]) for a in data["authorities"]]
     lines += _table(rows)
     parties = data["parties"]
@@ -166,7 +166,7 @@ def format_status(data: dict[str, Any]) -> str:
     if parties:
         pending = data["phase"] == "new-ca-pending"
         moving = data["phase"] == "moving-leaves"
-        header = ("IDENTITY", "SERIAL", "CA", "PRESENTS", "RENEW DUE", "NOT AFTER", "TRUSTS")
+        header: tuple[str, ...] = ("IDENTITY", "SERIAL", "CA", "PRESENTS", "RENEW DUE", "NOT AFTER", "TRUSTS")
         if pending:
             header = (*header, "TRUSTS NEW CA")
         if moving:
@@ -179,7 +179,7 @@ def format_status(data: dict[str, Any]) -> str:
                 if p["presenting"] is None
                 else ",".join(x["ca_id"] or f"?{x['serial'][:12]}" for x in p["presenting"]) or "none"
             )
-            row = (
+            row: tuple[str, ...] = (
                 p["identity"],
                 p["serial"][:12],
                 p["ca_id"],
@@ -209,7 +209,7 @@ def format_status(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
+def _table(rows: Sequence[tuple[str | None, ...]]) -> list[str]:
     widths = [max(len(str(r[i] or "-")) for r in rows) for i in range(len(rows[0]))]
     return [
         "  " + "  ".join(str(c or "-").ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
@@ -369,7 +369,7 @@ def _token_create(store: CertStore, args: argparse.Namespace, out: TextIO) -> in
 
 def _token_list(store: CertStore, args: argparse.Namespace, out: TextIO) -> int:
     now = utc_now()
-    rows = [("ID", "FOR", "EXPIRES", "STATE")]
+    rows: list[tuple[str, ...]] = [("ID", "FOR", "EXPIRES", "STATE")]
     for t in sorted(store.list_tokens(), key=lambda t: t.created_at):
         state = "used" if t.used_at else "expired" if t.expired(now) else "unused"
         rows.append((t.id, t.binding.describe(), t.expires_at.isoformat(timespec="seconds"), state))

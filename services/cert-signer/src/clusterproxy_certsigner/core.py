@@ -17,6 +17,7 @@ from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
 
 from clusterproxy_castore.models import (
     Authorities,
@@ -142,7 +143,7 @@ class SignerCore:
         return current, active, key
 
     def _issue(
-        self, identity: Identity, public_key: object, now: dt.datetime, **record: Any
+        self, identity: Identity, public_key: CertificatePublicKeyTypes, now: dt.datetime, **record: Any
     ) -> tuple[IssuedRecord, str]:
         current, active, key = self._signing_ca()
         ca_cert = active.cert
@@ -333,7 +334,12 @@ class SignerCore:
     # -- the signer's own certificate and housekeeping ---------------------------------------------------
 
     def issue_self(
-        self, public_key: object, name: str, hosts: Sequence[str], *, predecessor: str | None = None
+        self,
+        public_key: CertificatePublicKeyTypes,
+        name: str,
+        hosts: Sequence[str],
+        *,
+        predecessor: str | None = None,
     ) -> IssueResult:
         """The signer's own serving certificate, replacing ``predecessor`` (the serial of the one it
         served with until now, if any). Not a party of ``status``; ``retire`` waits for it to be

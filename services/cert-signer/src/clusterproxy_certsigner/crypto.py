@@ -21,6 +21,7 @@ import ipaddress
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from clusterproxy_castore.models import Identity
@@ -48,11 +49,9 @@ ALLOWED_RSA_SIZES = (3072, 4096)
 MAX_BACKDATE = dt.timedelta(minutes=5)
 
 
-def public_key_sha256(public_key: object) -> str:
+def public_key_sha256(public_key: CertificatePublicKeyTypes) -> str:
     """SHA-256 (hex) of a public key's SubjectPublicKeyInfo."""
-    der = public_key.public_bytes(  # type: ignore[attr-defined]
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
+    der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     return hashlib.sha256(der).hexdigest()
 
 
@@ -92,7 +91,7 @@ def _host_names(hosts: tuple[str, ...]) -> list[x509.GeneralName]:
 def issue_leaf(
     ca_cert: x509.Certificate,
     ca_key: CAKey,
-    public_key: object,
+    public_key: CertificatePublicKeyTypes,
     identity: Identity,
     *,
     now: dt.datetime,
@@ -138,14 +137,14 @@ def issue_leaf(
         x509.CertificateBuilder()
         .subject_name(subject)
         .issuer_name(ca_cert.subject)
-        .public_key(public_key)  # type: ignore[arg-type]
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - backdate_for(ttl))
         .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(key_usage(cert_sign=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage(eku), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)  # type: ignore[arg-type]
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
         )

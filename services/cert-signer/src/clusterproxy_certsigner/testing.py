@@ -102,7 +102,7 @@ async def serve_tls_echo(nursery: trio.Nursery, context: Callable[[], ssl.SSLCon
 class EchoClient:
     """One TLS connection to :func:`serve_tls_echo`."""
 
-    def __init__(self, stream: trio.SSLStream) -> None:
+    def __init__(self, stream: trio.SSLStream[trio.SocketStream]) -> None:
         self.stream = stream
 
     @classmethod

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 __all__ = [
     "ADDON_NAME",
@@ -109,7 +109,7 @@ class _Cache:
         with self._lock:
             hit = self._values.get(key)
         if hit is not None and now - hit[0] < self.ttl:
-            return hit[1]  # type: ignore[no-any-return]
+            return hit[1]
         value = load()
         with self._lock:
             self._values[key] = (now, value)
@@ -138,9 +138,18 @@ class HubInventory:
         return self._cache.get("clusters", self._load_clusters)
 
     def _load_clusters(self) -> tuple[list[ClusterEntry], int]:
-        managed = self.custom.list_cluster_custom_object(CLUSTER_GROUP, CLUSTER_VERSION, "managedclusters")
-        addons = self.custom.list_cluster_custom_object(
-            ADDON_GROUP, ADDON_VERSION, "managedclusteraddons", field_selector=f"metadata.name={ADDON_NAME}"
+        managed = cast(  # kubernetes declares custom objects `object`: they are JSON
+            "dict[str, Any]",
+            self.custom.list_cluster_custom_object(CLUSTER_GROUP, CLUSTER_VERSION, "managedclusters"),
+        )
+        addons = cast(
+            "dict[str, Any]",
+            self.custom.list_cluster_custom_object(
+                ADDON_GROUP,
+                ADDON_VERSION,
+                "managedclusteraddons",
+                field_selector=f"metadata.name={ADDON_NAME}",
+            ),
         )
         by_namespace = {a["metadata"]["namespace"]: a for a in addons.get("items", [])}
         entries = []

@@ -22,7 +22,7 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import trio
 
@@ -132,8 +132,11 @@ class ProfilePublisher:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            listed = self.custom.list_namespaced_custom_object(
-                PROFILE_GROUP, PROFILE_VERSION, self.namespace, PROFILE_PLURAL
+            listed = cast(  # kubernetes declares custom objects `object`: they are JSON
+                "dict[str, Any]",
+                self.custom.list_namespaced_custom_object(
+                    PROFILE_GROUP, PROFILE_VERSION, self.namespace, PROFILE_PLURAL
+                ),
             )
         except ApiException as exc:
             if exc.status == 404:  # a list in a namespace that does not exist is empty, not 404
@@ -148,8 +151,15 @@ class ProfilePublisher:
         for name in sorted(wanted):
             profile = existing.get(name)
             if profile is None:
-                profile = self.custom.create_namespaced_custom_object(
-                    PROFILE_GROUP, PROFILE_VERSION, self.namespace, PROFILE_PLURAL, self._new_profile(name)
+                profile = cast(
+                    "dict[str, Any]",
+                    self.custom.create_namespaced_custom_object(
+                        PROFILE_GROUP,
+                        PROFILE_VERSION,
+                        self.namespace,
+                        PROFILE_PLURAL,
+                        self._new_profile(name),
+                    ),
                 )
                 result.created.append(name)
             ours = self.access_provider(name)

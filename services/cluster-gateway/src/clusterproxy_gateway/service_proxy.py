@@ -341,9 +341,13 @@ class ServiceProxy:
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
+        assert self.hub_api is not None  # the reviewer is set up only with a hub API (__init__)
         api = client.AuthenticationV1Api(self.hub_api)
         try:
-            answer = await trio.to_thread.run_sync(api.create_token_review, review_request(token))
+            answer = await trio.to_thread.run_sync(
+                api.create_token_review,  # type: ignore[arg-type]  # given a dict: its validate_call (pydantic) makes the V1TokenReview
+                review_request(token),
+            )
         except ApiException as exc:
             raise ReviewFailed(
                 503,

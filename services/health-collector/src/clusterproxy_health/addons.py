@@ -10,7 +10,7 @@ The collector's RBAC: ``list`` on ``managedclusteraddons.addon.open-cluster-mana
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from clusterproxy_protocol.kubeconfig import load_configuration
 
@@ -52,8 +52,11 @@ class AddonReader:
         items: list[dict[str, Any]] = []
         token = None
         while True:
-            answer = self.api.list_cluster_custom_object(
-                group, version, plural, limit=500, _continue=token, _request_timeout=self.timeout, **query
+            answer = cast(  # kubernetes declares custom objects `object`: they are JSON
+                "dict[str, Any]",
+                self.api.list_cluster_custom_object(
+                    group, version, plural, limit=500, _continue=token, _request_timeout=self.timeout, **query
+                ),
             )
             items += answer.get("items") or []
             token = (answer.get("metadata") or {}).get("continue")

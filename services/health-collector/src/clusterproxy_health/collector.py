@@ -167,7 +167,7 @@ class Collector:
         unreachable = {
             r.last_probe.error
             for r in self.state.clusters.values()
-            if r.last_probe is not None and r.last_probe.reason == "proxy_server"
+            if r.last_probe is not None and r.last_probe.reason == "proxy_server" and r.last_probe.error
         }
         if unreachable:
             self.state.problems.append(

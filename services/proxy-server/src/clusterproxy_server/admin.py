@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from cryptography import x509
+from prometheus_client import CollectorRegistry
 
-from clusterproxy_protocol.admin import INVENTORY_LABELS, PeerRoute, Response, Route, metrics_response
+from clusterproxy_protocol.admin import INVENTORY_LABELS, Response, Route, metrics_response
 from clusterproxy_server.authz import ClientIdentity, PolicyFile
 from clusterproxy_server.metrics import ServerMetrics
 from clusterproxy_server.registry import Registry
@@ -24,6 +25,8 @@ from clusterproxy_server.registry import Registry
 #: what a client may see of the inventory: cluster name -> whether it is shown to this certificate;
 #: None is a worker's parent on the pod's private admin channel (it sees all and filters itself)
 Visibility = Callable[[x509.Certificate | None], Callable[[str], bool]]
+#: an authenticated route here: None for the certificate is a worker's parent (above), which sees all
+PrivateRoute = Callable[[x509.Certificate | None], Response]
 
 
 def visibility(policy: PolicyFile | None) -> Visibility:
@@ -39,18 +42,18 @@ def visibility(policy: PolicyFile | None) -> Visibility:
 
 
 def metrics_routes(
-    families: object, visible: Visibility
-) -> tuple[Callable[[], Response], Callable[[x509.Certificate | None], Response]]:
+    families: CollectorRegistry, visible: Visibility
+) -> tuple[Callable[[], Response], PrivateRoute]:
     """``/metrics`` plain (inventory labels summed away) and authenticated (every label, the samples
     of the clusters this client may not see left out)."""
 
     def plain() -> Response:
-        return metrics_response(families, without=INVENTORY_LABELS)  # type: ignore[arg-type]
+        return metrics_response(families, without=INVENTORY_LABELS)
 
     def authenticated(cert: x509.Certificate | None) -> Response:
         shown = visible(cert)
         return metrics_response(
-            families,  # type: ignore[arg-type]
+            families,
             keep=lambda labels: "cluster" not in labels or shown(labels["cluster"]),
         )
 
@@ -63,7 +66,7 @@ def admin_routes(
     not_ready: Callable[[], str | None],
     server_id: str,
     visible: Visibility,
-) -> tuple[Mapping[str, Route], Mapping[str, PeerRoute]]:
+) -> tuple[Mapping[str, Route], Mapping[str, PrivateRoute]]:
     """The plain routes and the authenticated ones. ``not_ready()``: why this replica takes no new
     connections (starting, draining), None when it does. Every agent entry names this replica
     (``server_id``): behind a load balancer, the answer says which replica the agents listed are

@@ -10,6 +10,7 @@ looking for a missing replica do this by design."""
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Callable
 
 import structlog
@@ -40,10 +41,10 @@ class AgentPort:
     def __init__(
         self,
         *,
-        context: Callable[[], object],
+        context: Callable[[], ssl.SSLContext],
         registry: Registry,
         metrics: ServerMetrics,
-        log: structlog.stdlib.BoundLogger,
+        log: structlog.typing.FilteringBoundLogger,
         server_id: str,
         server_count: int,
         worker: tuple[int, int] | None = None,

@@ -35,7 +35,7 @@ class AgentWebSocketPort:
         agent_port: AgentPort,
         *,
         metrics: ServerMetrics,
-        log: structlog.stdlib.BoundLogger,
+        log: structlog.typing.FilteringBoundLogger,
         handshake_timeout: float,
     ) -> None:
         self.agent_port = agent_port

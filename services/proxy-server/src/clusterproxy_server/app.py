@@ -180,8 +180,13 @@ class ProxyServer:
         if cfg.agent_websocket_listen is not None and self.worker is None:
             host, port = cfg.agent_websocket_listen
             websocket_listeners = await trio.open_tcp_listeners(port, host=host)
+        agent_at, client_at, admin_at = (
+            ls[0].socket.getsockname()[:2] for ls in (agent_listeners, client_listeners, admin_listeners)
+        )
         bound = BoundAddresses(
-            *(ls[0].socket.getsockname()[:2] for ls in (agent_listeners, client_listeners, admin_listeners)),
+            agent_at,
+            client_at,
+            admin_at,
             agent_websocket=websocket_listeners[0].socket.getsockname()[:2] if websocket_listeners else None,
         )
         async with trio.open_nursery() as nursery:

@@ -18,7 +18,7 @@ from clusterproxy_server.metrics import ServerMetrics
 class Peer(NamedTuple):
     """A peer through the handshake: its stream and its certificate, parsed once."""
 
-    stream: trio.SSLStream
+    stream: trio.SSLStream[trio.abc.Stream]
     cert: x509.Certificate
 
 
@@ -28,7 +28,7 @@ async def accept_tls(
     port: str,
     timeout: float,
     metrics: ServerMetrics,
-    log: structlog.stdlib.BoundLogger,
+    log: structlog.typing.FilteringBoundLogger,
     accepted: CertRole,
     peer: str,
 ) -> Peer | None:

@@ -117,7 +117,7 @@ class ClientQuotas:
         self,
         settings: QuotaSettings,
         metrics: ServerMetrics,
-        log: structlog.stdlib.BoundLogger,
+        log: structlog.typing.FilteringBoundLogger,
         first_window: int,
         clock: Callable[[], float] = trio.current_time,
     ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import trio
@@ -95,7 +96,7 @@ class Registry:
     def pick(
         self,
         cluster: str,
-        exclude: set[AgentTunnel] = frozenset(),  # type: ignore[assignment]
+        exclude: AbstractSet[AgentTunnel] = frozenset(),
         *,
         fall_back_to_ejected: bool = True,
     ) -> AgentTunnel:

@@ -63,13 +63,22 @@ def agent_fault(refused: ConnectRefused) -> bool:
 
 
 class ClientRequest(Protocol):
-    """One client's request for a stream into a cluster, as a frontend presents it."""
+    """One client's request for a stream into a cluster, as a frontend presents it (read-only: a
+    frontend may answer from its own request, as HTTP/2's does, through properties)."""
 
     frontend: str  # the metrics and log label: "http1", "h2", ...
     client: ClientIdentity
-    authority: str  # the target as the client wrote it
-    headers: Mapping[str, str]  # lower-case names
     early_data: bytes  # bytes for the target the client sent with its request
+
+    @property
+    def authority(self) -> str:
+        """The target as the client wrote it."""
+        ...
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """Lower-case names."""
+        ...
 
     async def accept(self) -> trio.abc.Stream:
         """Tell the client the stream is open; the stream to relay with."""
@@ -90,7 +99,9 @@ class Described(Protocol):
 
     frontend: str
     client: ClientIdentity
-    authority: str
+
+    @property
+    def authority(self) -> str: ...
 
 
 @dataclass
@@ -111,7 +122,7 @@ class Relayer:
         metrics: ServerMetrics,
         policy: PolicyFile | None,
         dial_timeout: float,
-        log: structlog.stdlib.BoundLogger,
+        log: structlog.typing.FilteringBoundLogger,
         *,
         agent_answer_timeout: float | None = None,
         pending: PendingDials | None = None,
@@ -330,7 +341,7 @@ class Relayer:
     async def _dial(
         self,
         route: Route,
-        log: structlog.stdlib.BoundLogger,
+        log: structlog.typing.FilteringBoundLogger,
         deadline: float,
         headers: list[tuple[str, str]] | None = None,
         budget: Budget | None = None,
@@ -393,7 +404,7 @@ class Relayer:
             self.metrics.dial_retries.labels(route.cluster).inc()
 
     def _agent_failed(
-        self, tunnel: AgentTunnel, kind: str, error: str, log: structlog.stdlib.BoundLogger
+        self, tunnel: AgentTunnel, kind: str, error: str, log: structlog.typing.FilteringBoundLogger
     ) -> None:
         self.metrics.agent_dial_failures.labels(tunnel.cluster, tunnel.agent_id, kind).inc()
         log.warning("dial_failed_at_agent", agent_id=tunnel.agent_id, kind=kind, error=error)

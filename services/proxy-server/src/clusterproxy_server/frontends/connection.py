@@ -54,7 +54,7 @@ class Drain:
 
 @dataclass(frozen=True)
 class ClientConnection:
-    stream: trio.SSLStream
+    stream: trio.SSLStream[trio.abc.Stream]
     client: ClientIdentity
     received: bytes  # what was read to tell the protocol; the frontend processes it first
     proxy: Callable[[ClientRequest], Awaitable[None]]  # the shared dial-and-relay path

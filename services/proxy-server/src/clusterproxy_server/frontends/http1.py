@@ -16,7 +16,7 @@ from clusterproxy_server.frontends.connection import ClientConnection, send_and_
 
 @dataclass
 class Http1Request:
-    stream: trio.SSLStream
+    stream: trio.SSLStream[trio.abc.Stream]
     client: ClientIdentity
     authority: str
     headers: Mapping[str, str]

@@ -280,21 +280,21 @@ class Session:
             self._pending[request.random] = scope
             tasks.start_soon(self._dial, dial, scope)
         elif kind == pb.DATA:
-            dial = self.dials.get(packet.data.connectID)
-            if dial is not None and packet.data.data:
+            open_dial = self.dials.get(packet.data.connectID)
+            if open_dial is not None and packet.data.data:
                 try:
-                    await dial.inbound[0].send(packet.data.data)
+                    await open_dial.inbound[0].send(packet.data.data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass  # the dial ended meanwhile: its data has nowhere to go
         elif kind == pb.CLOSE_REQ:
-            dial = self.dials.get(packet.closeRequest.connectID)
-            if dial is not None:
-                dial.client_closed = True
-                dial.inbound[0].close()
+            open_dial = self.dials.get(packet.closeRequest.connectID)
+            if open_dial is not None:
+                open_dial.client_closed = True
+                open_dial.inbound[0].close()
         elif kind == pb.DIAL_CLS:
-            scope = self._pending.pop(packet.closeDial.random, None)
-            if scope is not None:
-                scope.cancel()
+            pending = self._pending.pop(packet.closeDial.random, None)
+            if pending is not None:
+                pending.cancel()
 
     async def _dial(self, dial: KonnectivityDial, scope: trio.CancelScope) -> None:
         with scope:
