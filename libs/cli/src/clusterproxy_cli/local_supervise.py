@@ -145,27 +145,29 @@ class Supervisor:
     async def stop_all(self, grace: float = STOP_GRACE) -> None:
         """SIGTERM every child still running, wait up to ``grace`` seconds, then SIGKILL."""
         self.stopping = True
-        running = [c for c in self.children.values() if c.process is not None and c.returncode is None]
-        for child in reversed(running):  # agents before the server, the server before the signer
+        running = [
+            (c, c.process) for c in self.children.values() if c.process is not None and c.returncode is None
+        ]
+        for _, process in reversed(running):  # agents before the server, the server before the signer
             with contextlib.suppress(ProcessLookupError):
-                child.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+                process.send_signal(signal.SIGTERM)
         with trio.move_on_after(grace):
-            for child in running:
-                await child.process.wait()  # type: ignore[union-attr]
-        for child in running:
+            for _, process in running:
+                await process.wait()
+        for child, process in running:
             if child.returncode is None:
                 print(f"{child.name} did not stop within {grace:g}s: killing it", file=self.out, flush=True)
                 with contextlib.suppress(ProcessLookupError):
-                    child.process.kill()  # type: ignore[union-attr]
+                    process.kill()
         with trio.move_on_after(5):
-            for child in running:
-                await child.process.wait()  # type: ignore[union-attr]
+            for _, process in running:
+                await process.wait()
 
     def report_failure(self, child: Child, problem: str | None = None) -> None:
         if problem is None:
             problem = describe_exit(child.returncode)
-            if child.restarts:
-                problem += f" after {child.restarts} restarts within {child.restart.window:g}s"  # type: ignore[union-attr]
+            if child.restarts and child.restart is not None:
+                problem += f" after {child.restarts} restarts within {child.restart.window:g}s"
         print(f"error: {child.name} {problem}; last lines of {child.log_path}:", file=self.out, flush=True)
         for line in child.tail().splitlines():
             print(f"  | {line}", file=self.out)

@@ -208,7 +208,9 @@ def generate_key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())
 
 
-def _csr(key: Any, subject: list[x509.NameAttribute], sans: Sequence[x509.GeneralName]) -> str:
+def _csr(
+    key: Any, subject: Sequence[x509.NameAttribute[str | bytes]], sans: Sequence[x509.GeneralName]
+) -> str:
     builder = x509.CertificateSigningRequestBuilder().subject_name(x509.Name(subject))
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)

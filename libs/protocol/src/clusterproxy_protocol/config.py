@@ -18,10 +18,12 @@ the converters directly can catch either).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import math
 import os
 import re
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -279,18 +281,45 @@ def env_for(flag: str, prefix: str = ENV_PREFIX) -> str:
     return prefix + flag.lstrip("-").upper().replace("-", "_")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Twin:
+    """What :func:`add_flag` knows of a flag beyond argparse: its environment twin and how to read it."""
+
+    env: str
+    default: Any
+    convert: Callable[[str], Any]
+    multiple: bool
+    required: bool
+
+
+# Kept beside the parser's actions rather than on them: argparse.Action has no place for them.
+_TWINS: weakref.WeakKeyDictionary[argparse.Action, _Twin] = weakref.WeakKeyDictionary()
+
+
 def _given_marker(dest: str) -> str:
     return f"_cluster_proxy_given_{dest}"
 
 
 class _Store(argparse._StoreAction):
-    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         super().__call__(parser, namespace, values, option_string)
         setattr(namespace, _given_marker(self.dest), True)
 
 
 class _Append(argparse._AppendAction):
-    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         if not getattr(namespace, _given_marker(self.dest), False):
             setattr(namespace, self.dest, None)  # never append to the default list
         super().__call__(parser, namespace, values, option_string)
@@ -298,7 +327,13 @@ class _Append(argparse._AppendAction):
 
 
 class _Switch(argparse.BooleanOptionalAction):
-    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         super().__call__(parser, namespace, values, option_string)
         setattr(namespace, _given_marker(self.dest), True)
 
@@ -362,11 +397,7 @@ def add_flag(
         )
         converter = type
     action = parser.add_argument(name, *aliases, **kwargs)
-    action.cluster_proxy_env = env  # type: ignore[attr-defined]
-    action.cluster_proxy_default = default  # type: ignore[attr-defined]
-    action.cluster_proxy_convert = converter  # type: ignore[attr-defined]
-    action.cluster_proxy_multiple = multiple  # type: ignore[attr-defined]
-    action.cluster_proxy_required = required  # type: ignore[attr-defined]
+    _TWINS[action] = _Twin(env, default, converter, multiple, required)
     return action
 
 
@@ -391,9 +422,9 @@ def _convert(action: argparse.Action, convert: Callable[[str], Any], text: str) 
     return value
 
 
-def _twin_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+def _twin_actions(parser: argparse.ArgumentParser) -> list[tuple[argparse.Action, _Twin]]:
     """Every flag added by :func:`add_flag` in ``parser`` and its sub-command parsers."""
-    found: list[argparse.Action] = []
+    found: list[tuple[argparse.Action, _Twin]] = []
     seen: set[int] = set()
     todo = [parser]
     while todo:
@@ -402,8 +433,8 @@ def _twin_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
             continue
         seen.add(id(p))
         for a in p._actions:
-            if hasattr(a, "cluster_proxy_env"):
-                found.append(a)
+            if (twin := _TWINS.get(a)) is not None:
+                found.append((a, twin))
             elif isinstance(a, argparse._SubParsersAction):
                 todo.extend(a.choices.values())
     return found
@@ -429,15 +460,13 @@ def parse_args_or_exit(
         parser.error(str(exc))
 
     missing: list[str] = []
-    for a in _twin_actions(parser):
+    for a, twin in _twin_actions(parser):
         if not hasattr(args, a.dest):  # belongs to a sub-command that was not chosen
             continue
         marker = _given_marker(a.dest)
         if getattr(args, marker, False):
             continue
-        env: str = a.cluster_proxy_env  # type: ignore[attr-defined]
-        convert = a.cluster_proxy_convert  # type: ignore[attr-defined]
-        multiple: bool = a.cluster_proxy_multiple  # type: ignore[attr-defined]
+        env, convert, multiple = twin.env, twin.convert, twin.multiple
         flag = a.option_strings[0] if a.option_strings else a.dest
         text = environ.get(env)
         if text is not None:
@@ -454,10 +483,10 @@ def parse_args_or_exit(
                     detail = f"invalid value {text!r}: {detail}"
                 parser.error(f"environment variable {env} ({flag}): {detail}")
             setattr(args, a.dest, value)
-        elif a.cluster_proxy_required:  # type: ignore[attr-defined]
+        elif twin.required:
             missing.append(f"{flag} (or environment variable {env})")
         elif multiple:
-            default = a.cluster_proxy_default  # type: ignore[attr-defined]
+            default = twin.default
             try:
                 value = [_convert(a, convert, d) if isinstance(d, str) else d for d in default]
             except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:

@@ -183,7 +183,7 @@ async def _receive(
             data = await stream.receive_some(RECEIVE_SIZE)
             read += len(data)
             closed = not data
-            conn.receive_data(data)
+            conn.receive_data(data)  # type: ignore[arg-type]  # h11 declares bytes; it appends to a bytearray, so any bytes-like read does
             continue
         if isinstance(event, h11.Response):
             head = event

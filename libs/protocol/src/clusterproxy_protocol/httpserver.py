@@ -92,7 +92,7 @@ async def serve_http(
     tls: Callable[[], ssl.SSLContext] | None = None,
     tls_optional: bool = False,
     error_response: ErrorResponse = text_error,
-    log: structlog.stdlib.BoundLogger | None = None,
+    log: structlog.typing.FilteringBoundLogger | None = None,
     log_requests: bool = False,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -130,7 +130,7 @@ async def serve_stream(
     *,
     peer: str = "",
     error_response: ErrorResponse = text_error,
-    log: structlog.stdlib.BoundLogger | None = None,
+    log: structlog.typing.FilteringBoundLogger | None = None,
     log_requests: bool = False,
 ) -> None:
     """One request on a stream the caller accepted (a tunnel stream: no socket, no TLS of ours), served
@@ -161,7 +161,7 @@ class _Connection:
     handler: Handler
     limits: HttpLimits
     error_response: ErrorResponse
-    log: structlog.stdlib.BoundLogger
+    log: structlog.typing.FilteringBoundLogger
     log_requests: bool
 
     async def serve(self, tcp: trio.SocketStream, context: ssl.SSLContext | None) -> None:
@@ -247,7 +247,7 @@ class _Connection:
                 data = await stream.receive_some(16 << 10)
                 if not data:
                     raise EOFError
-                conn.receive_data(data)
+                conn.receive_data(data)  # type: ignore[arg-type]  # h11 declares bytes; it appends to a bytearray, so any bytes-like read does
                 continue
             if isinstance(event, h11.Request):
                 head = event

@@ -348,7 +348,7 @@ class Manager:
             self.credentials,
             self.metrics,
         )
-        self.queue = WorkQueue()
+        self.queue: WorkQueue[str] = WorkQueue()
         self.log = get_logger("clusterproxy_addon_manager")
         self.certificate = HubClientCertificate(
             self.credentials,

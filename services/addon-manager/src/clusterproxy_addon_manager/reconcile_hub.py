@@ -6,6 +6,7 @@ of it without a configuration, the old namespace's after a move), and the MPC's 
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 from .compare import contains
@@ -172,7 +173,7 @@ def _ensure(ctl: Controller, obj: dict[str, Any], hub: HubInformers | None = Non
 def _delete_hub_objects(
     ctl: Controller,
     hub: HubInformers,
-    keep: set[tuple[str, str]] = frozenset(),  # type: ignore[assignment]
+    keep: AbstractSet[tuple[str, str]] = frozenset(),
 ) -> int:
     """Delete the hub objects this manager made that are not in ``keep`` ((kind, name))."""
     deleted = 0

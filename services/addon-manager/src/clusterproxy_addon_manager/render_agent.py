@@ -117,7 +117,7 @@ def agent_deployment(inputs: AgentInputs) -> dict[str, Any]:
         *([f"--proxy-ca-file={BOOTSTRAP_DIR}/{PROXY_CA_KEY}"] if inputs.proxy.ca_bundle_pem else []),
         *cfg.agent_args,
     ]
-    mounts = [{"name": "credentials", "mountPath": CREDENTIALS_DIR}]
+    mounts: list[dict[str, Any]] = [{"name": "credentials", "mountPath": CREDENTIALS_DIR}]
     if inputs.proxy.ca_bundle_pem:
         mounts.append({"name": "bootstrap", "mountPath": BOOTSTRAP_DIR, "readOnly": True})
     pod_spec: dict[str, Any] = {

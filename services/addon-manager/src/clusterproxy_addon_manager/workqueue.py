@@ -14,18 +14,21 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Hashable
+from typing import Generic, TypeVar
 
 import trio
+
+Key = TypeVar("Key", bound=Hashable)
 
 __all__ = ["WorkQueue"]
 
 
-class WorkQueue:
+class WorkQueue(Generic[Key]):
     def __init__(self, *, retry_initial: float = 0.2, retry_max: float = 30.0) -> None:
-        self._pending: OrderedDict[Hashable, None] = OrderedDict()
-        self._processing: set[Hashable] = set()
-        self._dirty: set[Hashable] = set()  # added while processing
-        self._failures: dict[Hashable, int] = {}
+        self._pending: OrderedDict[Key, None] = OrderedDict()
+        self._processing: set[Key] = set()
+        self._dirty: set[Key] = set()  # added while processing
+        self._failures: dict[Key, int] = {}
         self._wakeup = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.retry_initial = retry_initial
@@ -38,7 +41,7 @@ class WorkQueue:
     def processing(self) -> int:
         return len(self._processing)
 
-    def add(self, key: Hashable) -> None:
+    def add(self, key: Key) -> None:
         if key in self._processing:
             self._dirty.add(key)
             return
@@ -46,7 +49,7 @@ class WorkQueue:
             self._pending[key] = None
             self._wakeup.set()
 
-    async def get(self) -> Hashable:
+    async def get(self) -> Key:
         while not self._pending:
             self._wakeup = trio.Event()
             await self._wakeup.wait()
@@ -54,7 +57,7 @@ class WorkQueue:
         self._processing.add(key)
         return key
 
-    def done(self, key: Hashable, *, failed: bool = False) -> float | None:
+    def done(self, key: Key, *, failed: bool = False) -> float | None:
         """Mark ``key`` processed. A failure schedules a retry (needs :meth:`run`) and returns its
         delay; a key added meanwhile is queued again at once."""
         self._processing.discard(key)
@@ -73,10 +76,10 @@ class WorkQueue:
             self.add_after(key, delay)
         return delay
 
-    def failures(self, key: Hashable) -> int:
+    def failures(self, key: Key) -> int:
         return self._failures.get(key, 0)
 
-    def add_after(self, key: Hashable, delay: float) -> None:
+    def add_after(self, key: Key, delay: float) -> None:
         if self._nursery is None:
             raise RuntimeError("WorkQueue.run() is not running: delayed adds need its nursery")
 

@@ -104,7 +104,7 @@ class HTTPConnection:
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 raise ProtocolFailure(f"connection lost: {exc}") from None
             try:
-                self.conn.receive_data(data)
+                self.conn.receive_data(data)  # type: ignore[arg-type]  # h11 declares bytes; it appends to a bytearray, so any bytes-like read does
             except h11.RemoteProtocolError as exc:
                 raise ProtocolFailure(str(exc)) from None
 
@@ -152,7 +152,8 @@ async def cancel_when_closed(http: HTTPConnection, scope: trio.CancelScope) -> N
     if not data:
         scope.cancel()
         return
-    http.conn.receive_data(data)  # a pipelined request: h11 keeps it for after this answer
+    # a pipelined request: h11 keeps it for after this answer
+    http.conn.receive_data(data)  # type: ignore[arg-type]  # h11 declares bytes; it appends to a bytearray, so any bytes-like read does
     await trio.sleep_forever()
 
 

@@ -297,8 +297,8 @@ def check_claims(config: OIDCConfig, claims: dict[str, Any], now: float) -> Veri
     for key, value in config.required_claims:
         if claims.get(key) != value:
             raise TokenRefused(f"claim {key!r} is not {value!r} (--oidc-required-claim)")
-    name = claims.get(config.username_claim)
-    if not isinstance(name, str) or not name:
+    username = claims.get(config.username_claim)
+    if not isinstance(username, str) or not username:
         raise TokenRefused(
             f"claim {config.username_claim!r} (--oidc-username-claim) is missing or not a string"
         )
@@ -306,16 +306,16 @@ def check_claims(config: OIDCConfig, claims: dict[str, Any], now: float) -> Veri
         raise TokenRefused("email_verified is not true")
     groups: tuple[str, ...] = ()
     if config.groups_claim:
-        value = claims.get(config.groups_claim)
-        if isinstance(value, str):
-            groups = (value,)
-        elif isinstance(value, list) and all(isinstance(g, str) for g in value):
-            groups = tuple(value)
-        elif value is not None:
+        claimed = claims.get(config.groups_claim)
+        if isinstance(claimed, str):
+            groups = (claimed,)
+        elif isinstance(claimed, list) and all(isinstance(g, str) for g in claimed):
+            groups = tuple(claimed)
+        elif claimed is not None:
             raise TokenRefused(
                 f"claim {config.groups_claim!r} (--oidc-groups-claim) is not a string or a list of them"
             )
-    return Verified(config.user_prefix + name, tuple(config.groups_prefix + g for g in groups), exp)
+    return Verified(config.user_prefix + username, tuple(config.groups_prefix + g for g in groups), exp)
 
 
 Fetch = Callable[[str], Awaitable[Any]]  # an https URL -> its JSON

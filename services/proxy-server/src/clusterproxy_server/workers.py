@@ -25,7 +25,7 @@ import signal
 import socket
 import sys
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -265,7 +265,7 @@ class Supervisor:
         self.log.info("server_drained", workers=self.count)
         return 0
 
-    async def _watch_signals(self, signals: trio.abc.ReceiveChannel[int]) -> None:
+    async def _watch_signals(self, signals: AsyncIterator[int]) -> None:
         async for signum in signals:
             name = signal.Signals(signum).name
             if not self.stopping:
@@ -350,9 +350,9 @@ class Supervisor:
         self.ready = True
         self.log.info(
             "server_started",
-            agent_port=format_address(self._port("agent")),
+            agent_port=format_address(a) if (a := self._port("agent")) else None,
             agent_websocket_port=format_address(p) if (p := self._port("websocket")) else None,
-            client_port=format_address(self._port("client")),
+            client_port=format_address(c) if (c := self._port("client")) else None,
             admin_port=format_address(admin.socket.getsockname()[:2]),
             workers=self.count,
             worker_server_ids=[s.server_id for s in self.states],
