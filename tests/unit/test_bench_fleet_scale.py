@@ -78,16 +78,6 @@ def test_proc_net_sections() -> None:
     assert fs.parse_proc_net(SNMP, "Icmp") == {}
 
 
-def test_listening_ports_from_proc_net_tcp() -> None:
-    table = (
-        "  sl  local_address rem_address   st tx_queue rx_queue\n"
-        "   0: 0100007F:7CE0 00000000:0000 0A 00000000:00000000\n"
-        "   1: 0100007F:7CE1 0100007F:9C40 01 00000000:00000000\n"
-        "   2: 00000000:1F90 00000000:0000 0A 00000000:00000000\n"
-    )
-    assert fs.listening_ports(table) == {0x7CE0, 0x1F90}
-
-
 def test_metrics_sums_and_labels() -> None:
     sums = fs.metric_sums(METRICS)
     assert sums["cluster_proxy_server_agent_tunnels"] == 19998
@@ -141,6 +131,8 @@ def test_rates_mean_and_peak_over_windows() -> None:
     assert fs.rates(samples[:1], "n") == {"mean_per_s": 0.0, "peak_per_s": 0.0}
     short = [{"t": 0.0, "n": 0}, {"t": 0.5, "n": 5}]
     assert fs.rates(short, "n") == {"mean_per_s": 10.0, "peak_per_s": 10.0}  # one window, shorter than asked
+    tail = [{"t": 0.0, "n": 0}, {"t": 1.0, "n": 1}, {"t": 1.5, "n": 5}]  # the 0.5 s tail joins 0-1 s
+    assert fs.rates(tail, "n") == {"mean_per_s": 3.3, "peak_per_s": 3.3}
     cpu = [{"t": 0.0, "server_cpu_s": 1.0}, {"t": 1.0, "server_cpu_s": 1.5}, {"t": 2.0, "server_cpu_s": 1.6}]
     assert fs.peak_cpu_pct(cpu) == 50.0
 
@@ -204,3 +196,21 @@ def test_arguments() -> None:
         fs.parse_args(["--agents", "0", "--out", "/tmp/x"])
     with pytest.raises(SystemExit):
         fs.parse_args(["--workers", "0", "--out", "/tmp/x"])
+
+
+def test_a_descendant_is_killed_only_while_it_runs_the_same_arguments() -> None:
+    argv = [
+        "/venv/bin/cluster-proxy-server",
+        "--agent-listen",
+        "127.0.0.1:30559",
+        "--server-id",
+        "fleet-w2-start",
+    ]
+    worker = (
+        b"/venv/bin/python\0-m\0clusterproxy_server.main\0" + b"\0".join(a.encode() for a in argv[1:]) + b"\0"
+    )
+    assert fs.runs_with(worker, argv)
+    assert not fs.runs_with(b"/usr/bin/python3\0-m\0something.else\0", argv)  # the pid was reused
+    other_server = worker.replace(b"fleet-w2-start", b"proxy-server-1")
+    assert not fs.runs_with(other_server, argv)
+    assert not fs.runs_with(worker, ["/bin/only-a-program"])  # no arguments: nothing to recognise it by
