@@ -905,7 +905,10 @@ def markdown(results: dict) -> str:
             "restart: all routable after listening, s",
             lambda r: _get(r, "restart", "all_routable_after_listening_s"),
         ),
-        ("storm: TCP accepted per s, mean / peak (machine-wide)", lambda r: _pair(_get(r, "restart", "tcp_accepted_per_s"))),
+        (
+            "storm: TCP accepted per s, mean / peak (machine-wide)",
+            lambda r: _pair(_get(r, "restart", "tcp_accepted_per_s")),
+        ),
         ("storm: tunnels up per s, mean / peak", lambda r: _pair(_get(r, "restart", "tunnels_per_s"))),
         ("storm: server CPU, % of a core, mean / peak", lambda r: _cpu(r.get("restart"))),
         ("storm: registrations per tunnel", lambda r: _get(r, "restart", "registrations_per_tunnel")),
