@@ -38,6 +38,11 @@ def server_base(server_id: str) -> str:
     return server_id.split(".w", 1)[0]
 
 
+def admin_address(agent: dict) -> tuple[str, int]:
+    """Where an agent's admin port listens: its ``admin`` (HOST:PORT), else any free loopback port."""
+    return parse_authority(agent["admin"]) if "admin" in agent else ("127.0.0.1", 0)
+
+
 def status(services: list[Service], expect: int, base_rss_kib: int) -> dict:
     """What the agents hold now. ``routable[S]``: agents holding ``expect`` distinct replicas (the
     workers) of server S, so that any worker of S can route to them."""
@@ -82,7 +87,7 @@ async def run_fleet(spec: dict) -> None:
                 cert=Path(agent["cert"]),
                 key=Path(agent["key"]),
                 allow=[parse_rule("127.0.0.0/8")],
-                admin_listen=parse_authority(agent.get("admin", "127.0.0.1:0")),
+                admin_listen=admin_address(agent),
                 backoff_initial=common.get("backoff_initial", 0.5),
                 backoff_max=common.get("backoff_max", 30.0),
                 log_level="warning",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench import fleet_scale as fs
-from bench.fleet import server_base
+from bench.fleet import admin_address, server_base
 
 SNMP = """Ip: Forwarding DefaultTTL InReceives
 Ip: 1 64 1000
@@ -214,3 +214,8 @@ def test_a_descendant_is_killed_only_while_it_runs_the_same_arguments() -> None:
     other_server = worker.replace(b"fleet-w2-start", b"proxy-server-1")
     assert not fs.runs_with(other_server, argv)
     assert not fs.runs_with(worker, ["/bin/only-a-program"])  # no arguments: nothing to recognise it by
+
+
+def test_an_agent_listens_where_its_spec_says_or_on_any_free_port() -> None:
+    assert admin_address({"cluster": "c"}) == ("127.0.0.1", 0)  # the fan-in workload's specs
+    assert admin_address({"admin": "127.3.0.1:24001"}) == ("127.3.0.1", 24001)
