@@ -507,7 +507,7 @@ class FleetRun:
 
     # -- fleet
 
-    def start_fleet(self, ours: Ours, workers: int) -> list[tuple[Child, Path]]:
+    def start_fleet(self, ours: Ours, workers: int) -> Fleets:
         processes = agent_processes(self.opts.agents, self.opts.processes)
         fleets = []
         for part in range(processes):
@@ -1105,7 +1105,14 @@ def main(argv: list[str] | None = None) -> int:
             results["runs"].append(result)
             try:
                 run.measure(workers, result)
-            except (RuntimeError, TimeoutError, subprocess.SubprocessError, OSError) as exc:
+            except (
+                RuntimeError,
+                TimeoutError,
+                subprocess.SubprocessError,
+                OSError,
+                ValueError,
+                KeyError,
+            ) as exc:
                 result["error"] = str(exc)
                 log(f"w{workers}: failed: {exc}")
             finally:
