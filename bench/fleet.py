@@ -44,13 +44,16 @@ def admin_address(agent: dict) -> tuple[str, int]:
 
 
 def status(services: list[Service], expect: int, base_rss_kib: int) -> dict:
-    """What the agents hold now. ``routable[S]``: agents holding ``expect`` distinct replicas (the
-    workers) of server S, so that any worker of S can route to them."""
+    """What the agents hold now. ``registered[S]``: tunnels registered with a worker of server S;
+    ``routable[S]``: agents holding ``expect`` distinct replicas (the workers) of S, so that any
+    worker of S can route to them."""
     routable: Counter[str] = Counter()
+    registered: Counter[str] = Counter()
     tunnels = 0
     for service in services:
         tunnels += service.agent.connected
         held = Counter(server_base(replica) for replica in service.agent.held_replicas())
+        registered.update(held)
         for base, count in held.items():
             if count >= expect:
                 routable[base] += 1
@@ -58,7 +61,8 @@ def status(services: list[Service], expect: int, base_rss_kib: int) -> dict:
         "time": time.time(),
         "pid": os.getpid(),
         "agents": len(services),
-        "tunnels": tunnels,
+        "tunnels": tunnels,  # live connections, registered or not yet
+        "registered": dict(registered),  # server -> tunnels registered with (held by) its workers
         "routable": dict(routable),
         "rss_kib": rss_kib(os.getpid()),
         "base_rss_kib": base_rss_kib,

@@ -15,10 +15,11 @@ For each worker count: the server starts, the agents start (``bench.fleet``, ful
 - idle CPU of the server (and of the fleet) over ``--idle-window`` seconds, nothing else asking;
 - the return after a crash: every process of the server SIGKILLed at once (a pod's crash), the server
   started again on the same ports with a new ``--server-id``, seconds until every agent holds every new
-  worker again (from the SIGKILL and from the new server's listening), and the reconnect storm: TCP
-  connections accepted per second (the kernel's PassiveOpens: system-wide, so only meaningful on a
-  quiet machine), tunnels registered per second (agents' view), the server's CPU, its counters
-  (registrations, refusals by reason) and the kernel's listen-queue overflows; then the probe again.
+  worker again (from the SIGKILL and from the new server's listening), and the reconnect storm:
+  connections the server accepted per second (its registrations and refusals over the storm; per
+  sample, its established connections on the agent port as ``ss`` lists them), tunnels registered
+  per second (the agents' view), the server's CPU and the kernel's listen-queue overflows (counted
+  machine-wide); then the probe again.
 
 Every tunnel shape figure is today's: an agent holds one tunnel per worker of every replica.
 
@@ -152,14 +153,16 @@ def metric_sums(text: str) -> dict[str, float]:
     return sums
 
 
-def metric_by_label(text: str, name: str, label: str) -> dict[str, float]:
-    """Samples of ``name`` summed per value of ``label``."""
+def metric_by_label(text: str, name: str, label: str, **where: str) -> dict[str, float]:
+    """Samples of ``name`` (those whose labels match ``where``) summed per value of ``label``."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
         if not m or m.group(1) != name:
             continue
         labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(3) or ""))
+        if any(labels.get(k) != v for k, v in where.items()):
+            continue
         key = labels.get(label, "")
         out[key] = out.get(key, 0.0) + float(m.group(4))
     return out
@@ -167,14 +170,24 @@ def metric_by_label(text: str, name: str, label: str) -> dict[str, float]:
 
 def fleet_total(statuses: Iterable[dict | None], server: str) -> dict[str, int]:
     """The fleet processes' status files summed: agents reporting, routable through ``server`` (they
-    hold every worker of it), live tunnels, RSS; ``silent``: processes with no status yet."""
-    total = {"agents": 0, "routable": 0, "tunnels": 0, "rss_kib": 0, "base_rss_kib": 0, "silent": 0}
+    hold every worker of it), tunnels registered with it, live tunnels (registered or not), RSS;
+    ``silent``: processes with no status yet."""
+    total = {
+        "agents": 0,
+        "routable": 0,
+        "registered": 0,
+        "tunnels": 0,
+        "rss_kib": 0,
+        "base_rss_kib": 0,
+        "silent": 0,
+    }
     for s in statuses:
         if s is None:
             total["silent"] += 1
             continue
         total["agents"] += s["agents"]
         total["routable"] += s["routable"].get(server, 0)
+        total["registered"] += s["registered"].get(server, 0)
         total["tunnels"] += s["tunnels"]
         total["rss_kib"] += s["rss_kib"]
         total["base_rss_kib"] += s["base_rss_kib"]
@@ -188,7 +201,9 @@ def pct_of_core(cpu_s: float, wall_s: float) -> float:
 def rates(samples: list[dict], key: str, window: float = 1.0) -> dict[str, float]:
     """Per second of a growing counter ``key`` in samples ``{"t": seconds, key: value}``: the mean
     over the samples and the peak over consecutive windows of at least ``window`` seconds that cover
-    them all (a shorter tail joins the last window, so the peak is never below the mean)."""
+    them all (a shorter tail joins the last window, so the peak is never below the mean). Samples
+    without the value (None: not read) are left out."""
+    samples = [s for s in samples if s.get(key) is not None]
     if len(samples) < 2 or samples[-1]["t"] <= samples[0]["t"]:
         return {"mean_per_s": 0.0, "peak_per_s": 0.0}
     bounds = [0]
@@ -543,35 +558,36 @@ class FleetRun:
         server_base: str,
         timeout: float,
         workers: int,
-        ready_port: int = 0,
+        agent_port: int,
     ) -> tuple[float, list[dict]]:
-        """Poll the fleet's status files (and the server's CPU, the kernel's TCP counters) until every
-        agent holds every worker of ``server_base``; returns (time.monotonic() then, samples). With
-        ``ready_port``, the first sample with ``ready`` is the first after the server's /readyz said
-        200 (it is asked until then only)."""
+        """Poll the fleet's status files (and the server's CPU, its established connections, the
+        kernel's listen-queue counters) until every agent holds every worker of ``server_base``;
+        returns (time.monotonic() then, samples). The server's own readings come first in a sample:
+        they are what moves fastest in a storm."""
         n = self.opts.agents
         t0 = time.monotonic()
         bound = self.deadline.bound(timeout)
         samples: list[dict] = []
         last_print = 0.0
-        ready = not ready_port
         while True:
             now = time.monotonic() - t0
-            ready = ready or _ready(ready_port)
-            total = fleet_total((read_status(path) for _c, path in fleets), server_base)
-            tcp = parse_proc_net(read_text("/proc/net/snmp"), "Tcp")
-            ext = parse_proc_net(read_text("/proc/net/netstat"), "TcpExt")
             sample = {
                 "t": round(now, 3),
-                "ready": ready,
-                "routable": total["routable"],
-                "tunnels": total["tunnels"],
+                "established": established(agent_port),
                 "server_cpu_s": server.cpu_seconds(),
                 "server_rss_kib": sum(server.rss_kib().values()),
-                "passive_opens": tcp.get("PassiveOpens", 0),
-                "listen_overflows": ext.get("ListenOverflows", 0),
-                "listen_drops": ext.get("ListenDrops", 0),
             }
+            ext = parse_proc_net(read_text("/proc/net/netstat"), "TcpExt")
+            total = fleet_total((read_status(path) for _c, path in fleets), server_base)
+            sample.update(
+                {
+                    "routable": total["routable"],
+                    "registered": total["registered"],
+                    "tunnels": total["tunnels"],
+                    "listen_overflows": ext.get("ListenOverflows", 0),
+                    "listen_drops": ext.get("ListenDrops", 0),
+                }
+            )
             samples.append(sample)
             for child, _path in fleets:
                 if not child.alive():
@@ -659,7 +675,7 @@ class FleetRun:
         log(f"w{workers}: {n} agents in {len(fleets)} processes started")
         try:
             done_at, samples = self.wait_routable(
-                "connect", server, fleets, first_id, opts.connect_timeout, workers
+                "connect", server, fleets, first_id, opts.connect_timeout, workers, ours.agent_port
             )
         except PhaseTimeout as exc:
             result["connect"] = {"timed_out": str(exc), "routable": exc.seen["routable"]}
@@ -667,7 +683,8 @@ class FleetRun:
         connect_s = done_at - t_fleet
         result["connect"] = {
             "all_routable_s": round(connect_s, 2),
-            "tunnels_per_s": rates(samples, "tunnels"),
+            "established_per_s": rates(samples, "established"),
+            "registered_per_s": rates(samples, "registered"),
             "server_cpu_pct": pct_of_core(
                 samples[-1]["server_cpu_s"] - samples[0]["server_cpu_s"], connect_s
             ),
@@ -754,7 +771,7 @@ class FleetRun:
                 second_id,
                 self.opts.restart_timeout,
                 workers,
-                ready_port=ours.admin_port,
+                ours.agent_port,
             )
         except PhaseTimeout as exc:
             out["timed_out"] = str(exc)
@@ -764,13 +781,11 @@ class FleetRun:
         metrics = scrape(ours.admin_port)
         out.update(
             {
-                "restarted_ready_after_kill_s": next(
-                    (round(t_listen + x["t"] - t_kill, 2) for x in samples if x["ready"]), None
-                ),
                 "all_routable_after_kill_s": round(done_at - t_kill, 2),
                 "all_routable_after_listening_s": round(done_at - t_listen, 2),
-                "tcp_accepted_per_s": rates(samples, "passive_opens"),
-                "tunnels_per_s": rates(samples, "tunnels"),
+                "accepted_per_s": accepted_per_s(metrics, storm_wall),
+                "established_per_s": rates(samples, "established"),
+                "registered_per_s": rates(samples, "registered"),
                 "server_cpu_pct": pct_of_core(
                     samples[-1]["server_cpu_s"] - samples[0]["server_cpu_s"], storm_wall
                 ),
@@ -792,6 +807,28 @@ class FleetRun:
         out["probe"] = self.probe(ours)
         log(f"w{workers}: probe {out['probe']['ok']}/{n} answered in {out['probe']['wall_s']} s")
         return out
+
+
+def established(port: int) -> int | None:
+    """The server's established TCP connections on ``port`` (``ss``: the kernel filters them, which
+    reading /proc/net/tcp's tens of thousands of lines twice a second would not)."""
+    try:
+        out = subprocess.run(
+            ["ss", "-Htn", "state", "established", f"( sport = :{port} )"],
+            capture_output=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.count(b"\n")
+
+
+def accepted_per_s(metrics: dict, wall: float) -> float | None:
+    """Agent connections the server took per second: each was registered or refused."""
+    if not isinstance(metrics.get("registrations"), float) or wall <= 0:
+        return None
+    return round((metrics["registrations"] + sum((metrics.get("rejected") or {}).values())) / wall, 1)
 
 
 def fleet_argv(venv_bin: Path, spec: Path) -> list[str]:
@@ -825,7 +862,9 @@ def scrape(admin_port: int) -> dict:
     return {
         "tunnels": sums.get("cluster_proxy_server_agent_tunnels"),
         "registrations": sums.get("cluster_proxy_server_agent_connects_total"),
-        "rejected": metric_by_label(text, "cluster_proxy_server_rejected_connections_total", "reason"),
+        "rejected": metric_by_label(
+            text, "cluster_proxy_server_rejected_connections_total", "reason", port="agent"
+        ),
         "client_refusals": metric_by_label(text, "cluster_proxy_server_client_refusals_total", "bound"),
     }
 
@@ -877,8 +916,8 @@ def markdown(results: dict) -> str:
         ("tunnels per agent (pods x workers)", lambda r: _get(r, "memory", "tunnels_per_agent")),
         ("all routable after the agents start, s", lambda r: _get(r, "connect", "all_routable_s")),
         (
-            "while connecting: tunnels up per s, mean / peak",
-            lambda r: _pair(_get(r, "connect", "tunnels_per_s")),
+            "while connecting: tunnels registered per s, mean / peak",
+            lambda r: _pair(_get(r, "connect", "registered_per_s")),
         ),
         ("while connecting: server CPU, % of a core", lambda r: _get(r, "connect", "server_cpu_pct")),
         ("server RSS, MiB (parent + workers)", lambda r: _get(r, "memory", "server_rss_mib")),
@@ -896,23 +935,26 @@ def markdown(results: dict) -> str:
             "restart: new server listening after SIGKILL, s",
             lambda r: _get(r, "restart", "restarted_listening_after_kill_s"),
         ),
-        (
-            "restart: new server ready after SIGKILL, s (+ up to 0.5)",
-            lambda r: _get(r, "restart", "restarted_ready_after_kill_s"),
-        ),
         ("restart: all routable after SIGKILL, s", lambda r: _get(r, "restart", "all_routable_after_kill_s")),
         (
             "restart: all routable after listening, s",
             lambda r: _get(r, "restart", "all_routable_after_listening_s"),
         ),
         (
-            "storm: TCP accepted per s, mean / peak (machine-wide)",
-            lambda r: _pair(_get(r, "restart", "tcp_accepted_per_s")),
+            "storm: agent connections accepted per s (server's counters), mean",
+            lambda r: _get(r, "restart", "accepted_per_s"),
         ),
-        ("storm: tunnels up per s, mean / peak", lambda r: _pair(_get(r, "restart", "tunnels_per_s"))),
+        (
+            "storm: agent-port connections established per s (ss), mean / peak",
+            lambda r: _pair(_get(r, "restart", "established_per_s")),
+        ),
+        (
+            "storm: tunnels registered per s (agents' view), mean / peak",
+            lambda r: _pair(_get(r, "restart", "registered_per_s")),
+        ),
         ("storm: server CPU, % of a core, mean / peak", lambda r: _cpu(r.get("restart"))),
         ("storm: registrations per tunnel", lambda r: _get(r, "restart", "registrations_per_tunnel")),
-        ("storm: refused connections by reason", lambda r: _get(r, "restart", "rejected")),
+        ("storm: agent connections refused, by reason", lambda r: _get(r, "restart", "rejected")),
         ("storm: listen queue overflows / drops (machine-wide)", lambda r: _overflows(r.get("restart"))),
         ("probe after the restart", lambda r: _probe(_get(r, "restart", "probe"))),
         ("fleet RSS per agent, KiB", lambda r: _get(r, "memory", "fleet_kib_per_agent")),

@@ -85,6 +85,17 @@ def test_metrics_sums_and_labels() -> None:
     by_reason = fs.metric_by_label(METRICS, "cluster_proxy_server_rejected_connections_total", "reason")
     assert by_reason == {"SSLEOFError": 4, "handshake timeout": 5}
     assert fs.metric_by_label(METRICS, "absent", "reason") == {}
+    agent_port = fs.metric_by_label(
+        METRICS, "cluster_proxy_server_rejected_connections_total", "reason", port="agent"
+    )
+    assert agent_port == {"SSLEOFError": 3, "handshake timeout": 5}
+
+
+def test_accepted_connections_are_the_registered_and_the_refused() -> None:
+    metrics = {"registrations": 190.0, "rejected": {"handshake timeout": 10.0}}
+    assert fs.accepted_per_s(metrics, 4.0) == 50.0
+    assert fs.accepted_per_s({"registrations": 10.0}, 2.0) == 5.0
+    assert fs.accepted_per_s({"error": "connection refused"}, 2.0) is None
 
 
 def test_fleet_statuses_sum_what_holds_the_named_server() -> None:
@@ -92,6 +103,7 @@ def test_fleet_statuses_sum_what_holds_the_named_server() -> None:
         {
             "agents": 5,
             "routable": {"fleet-w2-restart": 3, "fleet-w2-start": 2},
+            "registered": {"fleet-w2-restart": 7, "fleet-w2-start": 4},
             "tunnels": 8,
             "rss_kib": 1000,
             "base_rss_kib": 400,
@@ -100,6 +112,7 @@ def test_fleet_statuses_sum_what_holds_the_named_server() -> None:
         {
             "agents": 5,
             "routable": {"fleet-w2-restart": 5},
+            "registered": {"fleet-w2-restart": 10},
             "tunnels": 10,
             "rss_kib": 900,
             "base_rss_kib": 400,
@@ -109,6 +122,7 @@ def test_fleet_statuses_sum_what_holds_the_named_server() -> None:
     assert total == {
         "agents": 10,
         "routable": 8,
+        "registered": 17,
         "tunnels": 18,
         "rss_kib": 1900,
         "base_rss_kib": 800,
@@ -133,6 +147,9 @@ def test_rates_mean_and_peak_over_windows() -> None:
     assert fs.rates(short, "n") == {"mean_per_s": 10.0, "peak_per_s": 10.0}  # one window, shorter than asked
     tail = [{"t": 0.0, "n": 0}, {"t": 1.0, "n": 1}, {"t": 1.5, "n": 5}]  # the 0.5 s tail joins 0-1 s
     assert fs.rates(tail, "n") == {"mean_per_s": 3.3, "peak_per_s": 3.3}
+    unread = [{"t": 0.0, "n": None}, {"t": 1.0, "n": 4}, {"t": 2.0, "n": None}, {"t": 3.0, "n": 10}]
+    assert fs.rates(unread, "n") == {"mean_per_s": 3.0, "peak_per_s": 3.0}  # ss not there: left out
+    assert fs.rates([{"t": 0.0, "n": None}, {"t": 1.0, "n": None}], "n")["mean_per_s"] == 0.0
     cpu = [{"t": 0.0, "server_cpu_s": 1.0}, {"t": 1.0, "server_cpu_s": 1.5}, {"t": 2.0, "server_cpu_s": 1.6}]
     assert fs.peak_cpu_pct(cpu) == 50.0
 
@@ -158,11 +175,15 @@ def test_markdown_names_every_figure_and_the_commands() -> None:
     run = {
         "workers": 2,
         "commands": {"server": "cluster-proxy-server --workers 2"},
-        "connect": {"all_routable_s": 4.2, "tunnels_per_s": {"mean_per_s": 10.0, "peak_per_s": 20.0}},
+        "connect": {"all_routable_s": 4.2, "registered_per_s": {"mean_per_s": 10.0, "peak_per_s": 20.0}},
         "memory": {"tunnels_per_agent": 2, "server_rss_mib": 300.0, "server_kib_per_tunnel": 50.0},
         "probe": {"ok": 200, "targets": 200, "wall_s": 1.5},
         "idle": {"server_cpu_pct": 3.0},
-        "restart": {"all_routable_after_kill_s": 8.0, "rejected": {"SSLEOFError": 2.0}},
+        "restart": {
+            "all_routable_after_kill_s": 8.0,
+            "accepted_per_s": 50.0,
+            "rejected": {"SSLEOFError": 2.0},
+        },
         "goals": fs.goal_check(200, 300.0, 3.0, 8.0),
     }
     results = {
@@ -179,8 +200,9 @@ def test_markdown_names_every_figure_and_the_commands() -> None:
     md = fs.markdown(results)
     assert "| server RSS per tunnel, KiB | 50.0 | - |" in md
     assert "| probe: clusters answering | 200/200 in 1.5 s | - |" in md
-    assert "| storm: refused connections by reason | SSLEOFError 2 | - |" in md
-    assert "| while connecting: tunnels up per s, mean / peak | 10.0 / 20.0 | - |" in md
+    assert "| storm: agent connections refused, by reason | SSLEOFError 2 | - |" in md
+    assert "| storm: agent connections accepted per s (server's counters), mean | 50.0 | - |" in md
+    assert "| while connecting: tunnels registered per s, mean / peak | 10.0 / 20.0 | - |" in md
     assert "`cluster-proxy-server --workers 2`" in md
     assert "--workers 1 failed: boom" in md
     assert "not the goal's scale" in md and "- a note" in md
