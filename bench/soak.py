@@ -8,7 +8,7 @@ What runs (the processes as the tests start them, ``tests.support.procs.Hub``, w
 ``local up``'s, ``clusterproxy_cli.commands``; the certificates of ``tests.support.pki``):
 
 - a proxy-server (one worker, log level info) with an agent WebSocket port, at the battery's flags
-  (``SERVER_OPTIONS`` of tests/e2e/test_bad_input_battery.py: 1 s frame, 5 s stall and handshake
+  (``SERVER_OPTIONS`` of tests/support/bad_input_cases.py: 1 s frame, 5 s stall and handshake
   deadlines, 16 streams per client connection) so that every attack of the battery gets the answer
   it asserts;
 - three agents: ``cluster1`` over TLS and ``cluster2`` over the WebSocket transport, which live for
@@ -16,7 +16,7 @@ What runs (the processes as the tests start them, ``tests.support.procs.Hub``, w
   restarted every ``--restart-every`` (the first half an interval in, so restarts fall between
   battery rounds);
 - targets in this process: the sized and digest targets of tests.support, an echo, and the HTTP target
-  of tests/e2e/test_konnectivity_grpc.py for the Go konnectivity client.
+  of tests/support/konnget.py for the Go konnectivity client.
 
 The mix, each flow bounded in rate (one start per interval on average, jittered +-50 %, so at most
 twice duration/interval starts) and in concurrency, clusters taken in turn; every flow stops starting
@@ -65,13 +65,12 @@ from clusterproxy_protocol.config import InvalidValue, parse_positive_duration
 from clusterproxy_protocol.errors import ConnectRefused
 from clusterproxy_protocol.wire import WEBSOCKET_PATH
 from clusterproxy_sdk import TLSFiles, Tunnel, open_tunnel
-from tests.e2e.test_agent_websocket import websocket_port
-from tests.e2e.test_bad_input_battery import AGENT_OPTIONS, CASES, SERVER_OPTIONS
-from tests.e2e.test_konnectivity_grpc import _answer as answer_http
-from tests.e2e.test_konnectivity_grpc import run_konnget
+from tests.support.agent_websocket import websocket_port
+from tests.support.bad_input_cases import AGENT_OPTIONS, CASES, SERVER_OPTIONS
 from tests.support.battery import HANG_GUARD, AttackContext
 from tests.support.clients import client_context, h1_connect
 from tests.support.gopeers import KONNECTIVITY_SOURCES, go_peer
+from tests.support.konnget import answer_http, run_konnget
 from tests.support.pki import make_pki
 from tests.support.procs import Hub, Process
 from tests.support.targets import CHUNK, Target, pattern_digest, serve, serve_digest, serve_echo

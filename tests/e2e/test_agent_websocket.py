@@ -19,6 +19,7 @@ from clusterproxy_protocol.certclient import CertFiles
 from clusterproxy_protocol.pki import DevCA
 from clusterproxy_protocol.wire import WEBSOCKET_PATH
 from tests.support import require
+from tests.support.agent_websocket import websocket_port
 from tests.support.clients import transfer
 from tests.support.nginx import Ingress, IngressRequest, missing, start_ingress
 from tests.support.pki import PkiFiles
@@ -50,12 +51,6 @@ def hub(pki: PkiFiles, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub
         "2s",
     ) as hub:
         yield hub
-
-
-def websocket_port(hub: Hub) -> int:
-    assert hub.server is not None
-    started = next(e for e in hub.server.events() if e.get("event") == "server_started")
-    return int(started["agent_websocket_port"].rsplit(":", 1)[1])
 
 
 def launch_agent(hub: Hub, cluster: str, server: str, *extra: str, cert_for: str | None = None) -> Process:

@@ -2,77 +2,29 @@
 (``CreateSingleUseGrpcTunnel`` + ``tunnel.DialContext`` as an ``http.Client``'s dialer, gRPC with mTLS)
 against our proxy-server's client port, a real agent and HTTP targets inside the cluster.
 
-The Go side is ``tests/go-konnectivity/konnget``; the HTTP target here answers ``GET /bytes/N`` with N
-pattern bytes, ``POST /sha256`` with the sha256 of the body, ``GET /endless`` with a body that never
-ends (for a reader that stops reading).
+The Go side is ``tests/go-konnectivity/konnget``, run by tests/support/konnget.py; the HTTP target
+there answers ``GET /bytes/N`` with N pattern bytes, ``POST /sha256`` with the sha256 of the body,
+``GET /endless`` with a body that never ends (for a reader that stops reading).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import h11
 import pytest
 import trio
 
 from tests.support.gopeers import KONNECTIVITY_SOURCES, go_peer
+from tests.support.konnget import answer_http, run_konnget
 from tests.support.pki import PkiFiles
 from tests.support.procs import Hub, running_hub
-from tests.support.targets import Blackhole, Target, pattern, pattern_digest, serve
+from tests.support.targets import Blackhole, Target, pattern_digest, serve
 
 pytestmark = pytest.mark.slow
 
 CLUSTER = "cluster1"
-
-
-async def _answer(stream: trio.SocketStream, _target: Target) -> None:
-    conn = h11.Connection(h11.SERVER)
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            conn.receive_data(await stream.receive_some(65536))
-            continue
-        if isinstance(event, h11.ConnectionClosed | h11.EndOfMessage):
-            return
-        if not isinstance(event, h11.Request):
-            return
-        path = event.target.decode()
-        if event.method == b"POST":
-            digest = hashlib.sha256()
-            while not isinstance(part := conn.next_event(), h11.EndOfMessage):
-                if part is h11.NEED_DATA:
-                    conn.receive_data(await stream.receive_some(65536))
-                elif isinstance(part, h11.Data):
-                    digest.update(part.data)
-            body = digest.hexdigest().encode()
-            await stream.send_all(
-                conn.send(h11.Response(status_code=200, headers=[("content-length", str(len(body)))]))
-            )
-            await stream.send_all(conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
-            return
-        if path.startswith("/bytes/"):
-            size = int(path.removeprefix("/bytes/"))
-            await stream.send_all(
-                conn.send(h11.Response(status_code=200, headers=[("content-length", str(size))]))
-            )
-            for chunk in pattern(path, size):
-                await stream.send_all(conn.send(h11.Data(data=chunk)))
-            await stream.send_all(conn.send(h11.EndOfMessage()))
-            return
-        if path == "/endless":
-            await stream.send_all(
-                conn.send(h11.Response(status_code=200, headers=[("transfer-encoding", "chunked")]))
-            )
-            chunk = b"x" * 65536
-            while True:
-                await stream.send_all(conn.send(h11.Data(data=chunk)))
-        await stream.send_all(conn.send(h11.Response(status_code=404, headers=[("content-length", "0")])))
-        return
 
 
 @pytest.fixture(scope="module")
@@ -86,30 +38,10 @@ def hub(pki: PkiFiles, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub
         yield hub
 
 
-async def run_konnget(binary: Path, hub: Hub, *args: str, timeout: float = 120) -> dict[str, Any]:
-    pki = hub.pki
-    argv = [
-        str(binary),
-        "-proxy",
-        f"127.0.0.1:{hub.client_port}",
-        "-ca",
-        str(pki.ca),
-        "-cert",
-        str(pki.client.cert),
-        "-key",
-        str(pki.client.key),
-        *args,
-    ]
-    with trio.fail_after(timeout):
-        done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
-    assert done.returncode == 0, f"konnget {args} failed ({done.returncode}):\n{done.stderr.decode()}"
-    return json.loads(done.stdout)
-
-
 @pytest.fixture
 async def cluster_target(hub: Hub, nursery: trio.Nursery) -> Target:
     """An HTTP target, also the agent's --kube-apiserver (the bare cluster name leads to it)."""
-    target = await serve(nursery, _answer)
+    target = await serve(nursery, answer_http)
     name = f"agent-{CLUSTER}"
     if name in hub.agents:
         hub.agents.pop(name).stop()

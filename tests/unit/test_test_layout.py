@@ -1,7 +1,8 @@
 """The tests' own layout: code that several test modules share lives in ``tests/support`` (a module
 named for its job), never in a test module another one imports. Importing a test module runs its
 module-level code and fixtures a second time under another name, and ties a test's helpers to
-whichever file happened to need them first."""
+whichever file happened to need them first. The benchmarks (``bench/``) borrow the tests' helpers
+too, by the same rule: from ``tests/support``, never from a test module."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
+ROOT = TESTS.parent
+CHECKED = (TESTS, ROOT / "bench")  # every tree whose modules may use the tests' helpers
 
 
 def is_test_module(dotted: str) -> bool:
@@ -45,12 +48,16 @@ def test_imports_of_test_modules_are_found() -> None:
 
 def test_no_test_module_imports_another() -> None:
     offenders = []
-    for path in sorted(TESTS.rglob("*.py")):
+    paths = sorted(path for tree in CHECKED for path in tree.rglob("*.py"))
+    assert any(path.parent.name == "bench" for path in paths), (
+        "bench/ has no module: the check looks in the wrong place"
+    )
+    for path in paths:
         tree = ast.parse(path.read_text(), filename=str(path))
         for line, name in imported_modules(tree):
             if is_test_module(name):
-                offenders.append(f"{path.relative_to(TESTS.parent)}:{line} imports {name}")
+                offenders.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
     assert not offenders, (
-        "shared test code belongs in tests/support (a module named for its job), not in a test module:\n"
-        + "\n".join(offenders)
+        "shared test code belongs in tests/support (a module named for its job), not in a test module; "
+        "bench/ imports it from there too:\n" + "\n".join(offenders)
     )

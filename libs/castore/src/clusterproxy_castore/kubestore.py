@@ -32,8 +32,8 @@ Configuration: :func:`clusterproxy_protocol.kubeconfig.load_configuration` (the 
 argument, ``$KUBECONFIG``, the pod's ServiceAccount, whose token is re-read as it rotates,
 ``~/.kube/config``). Nothing is contacted until the first call. :meth:`check` (run by ``serve`` at
 start) tries each verb the signer needs without changing anything (dry-run create, update and delete
-of a Secret that does not exist) and names what is missing. RBAC: :data:`RBAC_YAML` (secrets get,
-list, create, update, delete in the namespace; nothing cluster-scoped).
+of a Secret that does not exist) and names what is missing. RBAC: :mod:`clusterproxy_castore.rbac`
+(secrets get, list, create, update, delete in the namespace; nothing cluster-scoped), re-exported here.
 """
 
 from __future__ import annotations
@@ -58,53 +58,10 @@ from clusterproxy_protocol.kubeconfig import load_configuration
 from clusterproxy_protocol.pki import key_pem
 
 from .models import Authorities, AuthorityRecord, IssuedRecord, TokenRecord
+from .rbac import RBAC_VERBS, RBAC_YAML, rbac_yaml
 from .store import CertStore, NotFound, StoreConflict, StoreError
 
 __all__ = ["RBAC_VERBS", "RBAC_YAML", "KubernetesSecretStore", "StoreForbidden", "rbac_yaml"]
-
-#: Every verb the store uses on ``secrets``, in its namespace (nothing else, nothing cluster-scoped).
-RBAC_VERBS: tuple[str, ...] = ("get", "list", "create", "update", "delete")
-
-#: The Role and RoleBinding the cert-signer's ServiceAccount needs for ``--store kubernetes:NAMESPACE``.
-#: Fill in with :func:`rbac_yaml` (or by hand / kustomize: ``{namespace}`` and ``{service_account}``).
-RBAC_YAML = """\
-apiVersion: rbac.authorization.k8s.io/v1
-kind: Role
-metadata:
-  name: cluster-proxy-cert-signer
-  namespace: {namespace}
-  labels:
-    app.kubernetes.io/part-of: cluster-proxy
-    app.kubernetes.io/component: cert-signer
-rules:
-  # the CA list, bootstrap tokens and issued-certificate records (kubestore.py has the layout)
-  - apiGroups: [""]
-    resources: ["secrets"]
-    verbs: ["get", "list", "create", "update", "delete"]
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: RoleBinding
-metadata:
-  name: cluster-proxy-cert-signer
-  namespace: {namespace}
-  labels:
-    app.kubernetes.io/part-of: cluster-proxy
-    app.kubernetes.io/component: cert-signer
-roleRef:
-  apiGroup: rbac.authorization.k8s.io
-  kind: Role
-  name: cluster-proxy-cert-signer
-subjects:
-  - kind: ServiceAccount
-    name: {service_account}
-    namespace: {namespace}
-"""
-
-
-def rbac_yaml(namespace: str, service_account: str = "cluster-proxy-cert-signer") -> str:
-    """:data:`RBAC_YAML` for a namespace and the signer's ServiceAccount."""
-    return RBAC_YAML.format(namespace=namespace, service_account=service_account)
-
 
 PART_OF = "app.kubernetes.io/part-of"
 MANAGED_BY = "app.kubernetes.io/managed-by"

@@ -4,9 +4,10 @@ glibc's malloc serves each allocation of 128 KiB or more with a fresh ``mmap`` a
 is freed, and hands free memory at the top of its heap back to the kernel once there is more than
 128 KiB of it; either way the next buffer of that size faults its pages in again, and the kernel
 zeroes every page. A relay allocates such buffers on every read and write (a TLS read joined to
-256 KiB, the HTTP/2 frames queued for one write). ``python -m bench.datapath`` measured the tunnel
-core receiving 256 KiB reads at 680-970 ms of CPU per GiB with glibc's defaults and at ~170 with the
-thresholds below. :func:`tune` sets them for the whole process; it is for programs (the services'
+256 KiB, the HTTP/2 frames queued for one write). With glibc's defaults, those faults and zeroed pages
+cost the tunnel core receiving 256 KiB reads several times the CPU per byte it needs with the
+thresholds below (``python -m bench.datapath``; the figures are in docs/benchmarks.md, "Fourth
+round"). :func:`tune` sets them for the whole process; it is for programs (the services'
 entry points), never done on import.
 
 The other side of keeping buffers: ``free()`` hands back only the top of the heap, so after a burst

@@ -16,10 +16,10 @@ Sinks (``--audit-log SPEC``, :func:`open_sink`):
 
 A record is one ``write(2)`` of the whole line on a descriptor opened with ``O_APPEND``, nothing
 buffered in the process: a process killed right after a record was written has lost none of it (the
-kernel has it). It is synchronous, on the caller's thread (the trio loop): a record of ~400 bytes costs
-~13 µs on the 2-core test machine (7 of them making the JSON, 6 the ``write(2)`` into the page cache),
-under 1 % of what opening the stream it describes costs the server (~1 ms of TLS and HTTP/2 alone),
-and less than handing it to a thread would (trio.to_thread: two wake-ups); the rare rotation is a few
+kernel has it). It is synchronous, on the caller's thread (the trio loop): a record (making its JSON,
+one ``write(2)`` into the page cache) costs a small fraction of what opening the stream it describes
+costs the server (TLS and HTTP/2 alone), and less than handing it to a thread would (trio.to_thread: two
+wake-ups); the figures are in docs/protocol.md, "Audit records". The rare rotation is a few
 ``rename(2)``. A disk that blocks for seconds (a hung network file system) would stall the loop: give
 it a local disk, or standard output. A sink never
 raises into the data path: a write that fails (a full disk) is counted, logged once until writes

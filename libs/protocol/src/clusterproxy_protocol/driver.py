@@ -4,8 +4,9 @@ One :class:`Mux` per HTTP/2 connection. It owns the transport: one reader task f
 writer task is the only one that ever writes (it sends whatever the core has queued, so many small
 operations coalesce into one ``send_all``). Every proxied connection is a
 :class:`~clusterproxy_protocol.tunnel_stream.TunnelStream`, a ``trio.abc.HalfCloseableStream``; the
-PINGs that keep a connection alive are :mod:`clusterproxy_protocol.keepalive`'s. A Mux's life is one
-:class:`MuxState`.
+PINGs that keep a connection alive are :mod:`clusterproxy_protocol.keepalive`'s; a stream the peer
+opens reaches the handler as an :class:`~clusterproxy_protocol.incoming_request.IncomingRequest`. A
+Mux's life is one :class:`MuxState`.
 
 The abuse limits that need a clock live here (the rest are the core's): a frame that started
 arriving must finish within ``frame_timeout``; a stream blocked on flow control with no progress
@@ -29,8 +30,9 @@ import trio
 
 from clusterproxy_protocol import events as ev
 from clusterproxy_protocol.closing import close_cleanly
-from clusterproxy_protocol.core import ENHANCE_YOUR_CALM, NO_ERROR, Role, TunnelCore, error_reply
+from clusterproxy_protocol.core import ENHANCE_YOUR_CALM, NO_ERROR, Role, TunnelCore
 from clusterproxy_protocol.errors import TunnelClosed, refusal
+from clusterproxy_protocol.incoming_request import IncomingRequest as IncomingRequest  # re-exported
 from clusterproxy_protocol.keepalive import keep_alive
 from clusterproxy_protocol.logs import get_logger
 from clusterproxy_protocol.settings import TunnelSettings
@@ -46,50 +48,8 @@ MAX_REASON_BODY = 4096
 CLOSE_GRACE = 1.0  # seconds the peer gets to read our GOAWAY and close first
 STUCK_FRAME_RECHECK = 0.05  # seconds between looks while a late frame's rest waits unread
 
-RequestHandler = Callable[["IncomingRequest"], Awaitable[None]]
+RequestHandler = Callable[[IncomingRequest], Awaitable[None]]
 LimitHandler = Callable[[ev.LimitExceeded, bool], None]  # (what tripped, first time on this connection)
-
-
-@dataclass
-class IncomingRequest:
-    """A stream the peer opened toward us (acceptor role)."""
-
-    method: str
-    authority: str
-    path: str
-    headers: dict[str, str]
-    stream: TunnelStream
-    mux: Mux
-
-    async def accept(self, headers: Sequence[tuple[str, str]] = ()) -> TunnelStream:
-        # The peer may have reset the stream, or the connection died, while we were working on it.
-        self.stream.raise_unless_answerable()
-        self.stream.unanswered_work = None
-        self.mux.core.respond(self.stream.stream_id, 200, list(headers))
-        self.mux.kick()
-        await trio.lowlevel.checkpoint()
-        return self.stream
-
-    async def refuse(self, status: int, reason: str) -> None:
-        """Answer with an error status and the reason. The body waits for the peer's window (a short
-        body with END_STREAM would be a malformed reply), up to the stall timeout, which resets it."""
-        head, body = error_reply(reason)
-        try:
-            await self.respond(status, body, head)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # gone, or reset for stalling: nobody is left to tell
-        finally:
-            await self.stream.aclose()
-
-    async def respond(self, status: int, body: bytes, headers: Sequence[tuple[str, str]] = ()) -> None:
-        head = [("content-length", str(len(body))), *headers]
-        self.stream.raise_unless_answerable()
-        self.stream.unanswered_work = None
-        self.mux.core.respond(self.stream.stream_id, status, head)
-        self.mux.kick()
-        await self.stream.send_all(body)
-        await self.stream.send_eof()
-        await self.stream.aclose()
 
 
 @dataclass(frozen=True)

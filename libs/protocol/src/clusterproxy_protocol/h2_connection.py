@@ -50,8 +50,8 @@ class TunnelH2Connection(h2.connection.H2Connection):
     frames without copies, no reference cycle.
 
     * h2 counts open streams, for every new stream, by walking all of them (dropping closed ones as it
-      goes): O(n) per stream, so 10k streams cost O(n^2) (15 % of the server's CPU at 3k streams,
-      py-spy). Here the count is exact only when it could matter: the number of known streams is an
+      goes): O(n) per stream, so 10k streams cost O(n^2), a large share of the server's CPU in py-spy
+      with a few thousand streams open (docs/benchmarks.md, "Profiling-driven improvements"). Here the count is exact only when it could matter: the number of known streams is an
       upper bound, and while it is below every stream limit it is returned as is. Closed streams are
       swept once the table has doubled since the last sweep, which keeps the cost amortized O(1).
     * h2 answers a HEADERS beyond our concurrent-stream limit by ending the connection. RFC 9113
@@ -62,7 +62,7 @@ class TunnelH2Connection(h2.connection.H2Connection):
     * :attr:`queued_output` is the size of h2's outbound buffer, without copying it.
     * :meth:`send_data_frames` queues DATA frames without h2's copies: h2 copies a payload five times
       (``tobytes``, hyperframe's body join, header + body, its ``bytearray`` buffer, ``bytes`` out of
-      it; 11 % of the server in an upload). Here each frame is its 9-byte header and a view of the
+      it; a visible share of the server's CPU in an upload: docs/benchmarks.md, "Third round"). Here each frame is its 9-byte header and a view of the
       caller's bytes, joined once by :meth:`data_to_send`; h2's windows are charged exactly as its
       ``send_data`` charges them (:func:`~clusterproxy_protocol.flow_control.charge_sent`), and any
       stream or connection not plainly open goes through h2.

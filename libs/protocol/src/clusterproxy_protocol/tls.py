@@ -109,9 +109,9 @@ def server_context(cert: Path, key: Path, ca: Path, *, alpn: Sequence[str]) -> s
     ctx = _base(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), alpn)
     ctx.verify_mode = ssl.CERT_REQUIRED
     # OpenSSL sends two TLS 1.3 session tickets after every handshake, each serializing the session
-    # with the client's certificate: a third of the server's handshake (1.17 ms with them, 0.74
-    # without: python -m bench.handshake) for clients that never resume (client-go, konnectivity
-    # clients, curl, our agents).
+    # with the client's certificate: a large share of the server's handshake (python -m bench.handshake;
+    # the figures are in docs/benchmarks.md, "Third round"), spent for clients that never resume
+    # (client-go, konnectivity clients, curl, our agents).
     ctx.num_tickets = 0
     load_cert_chain(ctx, cert, key)
     load_trust(ctx, ca)

@@ -2,8 +2,8 @@
 
 ``trio.SSLStream`` is general: any number of tasks, renegotiation, any transport. Each call takes
 an outer lock, an inner lock and the socket operation, and each of those is a schedule point: a
-1 KiB message costs ~45 µs to send and receive through it against ~7 µs for the same
-``ssl.SSLObject`` and socket calls made directly (docs/benchmarks.md, sixth round), and a socket
+small message costs several times as much to send and receive through it as the same
+``ssl.SSLObject`` and socket calls made directly (docs/benchmarks.md, "Sixth round"), and a socket
 stream's send or receive adds a pass through the scheduler of its own. On the tunnel and relay
 paths, where every small message crosses four of them per process, :func:`send_all` and
 :func:`receive_batch` make those calls directly when the connection is in its steady state (TLS

@@ -5,7 +5,8 @@ memory (the numbers are in docs/benchmarks.md):
 
 * **hyperframe** ``Frame._body_repr``: h2 builds ``repr(frame)`` of every received frame for a trace
   log, even with logging off, and for DATA frames hyperframe serializes and hexlifies the whole body
-  to show its first 10 bytes: ~20 % of a receiver's CPU in a bulk transfer. :func:`apply` gives
+  to show its first 10 bytes: a large share of a receiver's CPU in a bulk transfer (docs/benchmarks.md,
+  "Profiling-driven improvements"). :func:`apply` gives
   ``DataFrame`` a repr with the same text built from the first 11 bytes only. It changes a class for
   the whole process, so only programs apply it (the services' entry points), never an import.
   Checked by :func:`apply`.
@@ -15,8 +16,9 @@ memory (the numbers are in docs/benchmarks.md):
   Checked at every use (one ``isinstance``), on import of :mod:`clusterproxy_protocol.transport`
   and by :func:`apply`.
 * **trio** ``SSLStream``'s state, memory BIOs and locks (:func:`tls_parts`): each of its sends and
-  receives passes through trio's scheduler three times (two locks and the socket call), ~45 µs for a
-  1 KiB message against ~7 µs for the same TLS and socket calls made directly.
+  receives passes through trio's scheduler three times (two locks and the socket call): a small message
+  costs several times what the same TLS and socket calls cost made directly (docs/benchmarks.md,
+  "Sixth round").
   :mod:`clusterproxy_protocol.transport` makes them directly while a connection is in its steady
   state, under trio's own guards and send lock, and leaves everything else to trio. Checked on
   import of :mod:`clusterproxy_protocol.transport`, the one module that uses them: every program
@@ -26,8 +28,8 @@ memory (the numbers are in docs/benchmarks.md):
   stream's own bound ``_do_handshake``, a reference cycle for the stream's whole life: a closed TLS
   connection (its ``SSLObject``, BIOs, OpenSSL's buffers, whatever its owner hung on it) waits for
   the cyclic garbage collector instead of going when its last reference does. After an attack on the
-  client port that was 15-20 MiB of the server's RSS, all of it garbage (docs/benchmarks.md, seventh
-  round). :func:`apply` makes ``_Once.ensure`` drop the handshake function once it has run it (trio
+  client port (hundreds of connections in seconds) that was megabytes of the server's RSS, all of it
+  garbage (docs/benchmarks.md, "Seventh round"). :func:`apply` makes ``_Once.ensure`` drop the handshake function once it has run it (trio
   never calls it twice), for the whole process. Checked by :func:`apply`.
 
 h2's internals are not here: the core's h2 connection subclasses h2 for behaviour of its own

@@ -50,7 +50,9 @@ CAPABILITIES = ("connect", "half-close")
 DUPLICATE_STATUS = 409  # the answer to /v1/info on a tunnel to a replica this agent already holds
 
 
-@functools.cache  # importlib.metadata reads the installed files each time (a fleet of agents: 5 % of its start)
+# importlib.metadata reads the installed files at each call: a fan-in fleet of agents paid for it in its
+# start (docs/benchmarks.md, "Seventh round")
+@functools.cache
 def agent_version() -> str:
     try:
         from importlib.metadata import PackageNotFoundError, version

@@ -25,7 +25,7 @@ import signal
 import socket
 import sys
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -42,6 +42,7 @@ from clusterproxy_protocol.reloader import ReloadingContext
 from clusterproxy_protocol.renewal_metrics import RenewerCollector
 from clusterproxy_protocol.renewer import CertRenewer, RenewalPolicy
 from clusterproxy_protocol.restart_policy import RestartPolicy
+from clusterproxy_protocol.service_runtime import watch_signals
 from clusterproxy_protocol.steering import attach_steering
 from clusterproxy_protocol.wire import ALPN_HTTP1, format_address
 from clusterproxy_server.admin import metrics_routes, visibility
@@ -227,21 +228,28 @@ class Supervisor:
             self.config.admin_listen[1], host=self.config.admin_listen[0]
         )
         try:
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async with trio.open_nursery() as nursery:
-                    plain, private = self.routes()
-                    api = Authenticated(private, lambda: admin_tls.context)
-                    await nursery.start(partial(serve_admin, admin_listeners, plain, authenticated=api))
-                    if self.renewer is not None:
-                        await nursery.start(self.renewer.run)
-                    async with trio.open_nursery() as workers:
-                        for state in self.states:
-                            workers.start_soon(self._keep, state)
-                        nursery.start_soon(self._watch_signals, signals)
-                        nursery.start_soon(self._announce_when_ready, admin_listeners[0])
-                        await self._stop.wait()
-                        self._begin_stop()
-                    nursery.cancel_scope.cancel()
+            async with trio.open_nursery() as nursery:
+                # first thing: from here on no signal is lost, and none kills the parent before its drain
+                await nursery.start(
+                    partial(
+                        watch_signals,
+                        self.log.bind(workers=self.count),
+                        self._first_signal,
+                        partial(self._signal_workers, signal.SIGTERM),
+                    )
+                )
+                plain, private = self.routes()
+                api = Authenticated(private, lambda: admin_tls.context)
+                await nursery.start(partial(serve_admin, admin_listeners, plain, authenticated=api))
+                if self.renewer is not None:
+                    await nursery.start(self.renewer.run)
+                async with trio.open_nursery() as workers:
+                    for state in self.states:
+                        workers.start_soon(self._keep, state)
+                    nursery.start_soon(self._announce_when_ready, admin_listeners[0])
+                    await self._stop.wait()
+                    self._begin_stop()
+                nursery.cancel_scope.cancel()
         finally:
             for state in self.states:
                 if state.process is not None and state.process.returncode is None:
@@ -265,15 +273,13 @@ class Supervisor:
         self.log.info("server_drained", workers=self.count)
         return 0
 
-    async def _watch_signals(self, signals: AsyncIterator[int]) -> None:
-        async for signum in signals:
-            name = signal.Signals(signum).name
-            if not self.stopping:
-                self.log.info("signal_received", signal=name, workers=self.count)
-                self._stop.set()
-            else:
-                self.log.warning("drain_cut_by_signal", signal=name)
-                self._signal_workers(signal.SIGTERM)
+    def _first_signal(self) -> None:
+        """The first SIGTERM/SIGINT starts the drain (each later one cuts it: ``watch_signals``). When a
+        worker's crash loop has started the drain already, the first signal cuts it, as a second would."""
+        if self.stopping:
+            self._signal_workers(signal.SIGTERM)
+        else:
+            self._stop.set()
 
     def _begin_stop(self) -> None:
         if self.stopping:
