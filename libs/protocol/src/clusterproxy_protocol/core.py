@@ -35,7 +35,7 @@ import h2.exceptions
 import h2.settings
 
 from clusterproxy_protocol import events as ev
-from clusterproxy_protocol.errors import clean_reason
+from clusterproxy_protocol.errors import clean_reason, error_reply
 from clusterproxy_protocol.flow_control import ReceiveWindows
 from clusterproxy_protocol.framing import FrameScanner
 from clusterproxy_protocol.h2_connection import TunnelH2Connection
@@ -592,13 +592,6 @@ class TunnelCore(ReceiveWindows):
                 state.reset_code = CANCEL
                 self._drop_buffer(state)
             self._forget(state)
-
-
-def error_reply(reason: str) -> tuple[list[tuple[str, str]], bytes]:
-    """The headers (without content-length) and body of an error reply: the reason in a header and,
-    for humans, in the body."""
-    reason = clean_reason(reason)
-    return [(REASON_HEADER, reason), ("content-type", "text/plain")], (reason + "\n").encode()
 
 
 def _fields(headers: list[Header] | None) -> dict[str, str]:

@@ -10,6 +10,8 @@ import ssl
 import sys
 from collections.abc import Mapping
 
+from clusterproxy_protocol.wire import REASON_HEADER
+
 
 class TunnelError(Exception):
     """Base class of every error the tunnel raises to its users."""
@@ -105,6 +107,13 @@ def clean_reason(reason: str) -> str:
     """A reason safe to put in a header: one line, printable ASCII, bounded."""
     text = " ".join(reason.split())
     return text.encode("ascii", "replace").decode("ascii")[:300]
+
+
+def error_reply(reason: str) -> tuple[list[tuple[str, str]], bytes]:
+    """The headers (without content-length) and body of an error reply: the reason in a header and,
+    for humans, in the body."""
+    reason = clean_reason(reason)
+    return [(REASON_HEADER, reason), ("content-type", "text/plain")], (reason + "\n").encode()
 
 
 def describe_exception(exc: BaseException) -> str:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from clusterproxy_protocol.core import error_reply
+from clusterproxy_protocol.errors import error_reply
 
 if TYPE_CHECKING:
     from clusterproxy_protocol.driver import Mux
