@@ -3,8 +3,8 @@
 The public API is this package: the names in ``__all__``. The services, the SDK, the CLI,
 libs/castore and bench import only those (``from clusterproxy_protocol import TunnelCore, Budget``);
 every submodule is an internal of the library, free to move, split or rename, except the five in
-:data:`SUBMODULES`. ``tests/unit/test_layering.py`` refuses an import of any other submodule from
-outside the library; the library's own tests may reach its internals.
+:data:`SUBMODULES`. ``tests/unit/test_layering.py`` refuses, from outside the library, an import of
+any other submodule or of a name not in ``__all__``; the library's own tests may reach its internals.
 
 The public submodules are namespaces whose functions are named to be read qualified, as
 ``trio.lowlevel`` is: ``http1client.get``, ``certclient.write_bundle``, ``workarounds.apply``,
