@@ -16,8 +16,7 @@ import argparse
 import hashlib
 import time
 
-from clusterproxy_protocol import workarounds
-from clusterproxy_protocol.core import Role, TunnelCore
+from clusterproxy_protocol import Role, TunnelCore, workarounds
 
 RELAY_READ = 256 << 10
 

@@ -29,9 +29,7 @@ from bench.procs import rss_kib
 from clusterproxy_agent.app import Service
 from clusterproxy_agent.config import AgentSettings
 from clusterproxy_agent.egress import parse_rule
-from clusterproxy_protocol import workarounds
-from clusterproxy_protocol.logs import configure_logging
-from clusterproxy_protocol.wire import parse_authority
+from clusterproxy_protocol import configure_logging, parse_authority, workarounds
 
 
 def server_base(server_id: str) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 import trio
 
 from bench.pki import BenchPKI
-from clusterproxy_protocol import tls, transport
+from clusterproxy_protocol import client_context, receive_batch, send_all, server_context
 
 
 class _Steps(trio.abc.Instrument):
@@ -37,12 +37,12 @@ async def _pair(pki: BenchPKI) -> tuple[trio.SSLStream, trio.SSLStream]:
     a, b = trio.socket.socketpair()
     server = trio.SSLStream(
         trio.SocketStream(a),
-        tls.server_context(server_cert.cert, server_cert.key, pki.ca, alpn=["h2"]),
+        server_context(server_cert.cert, server_cert.key, pki.ca, alpn=["h2"]),
         server_side=True,
     )
     client = trio.SSLStream(
         trio.SocketStream(b),
-        tls.client_context(client_cert.cert, client_cert.key, pki.ca, alpn=["h2"]),
+        client_context(client_cert.cert, client_cert.key, pki.ca, alpn=["h2"]),
         server_hostname="localhost",
     )
     async with trio.open_nursery() as nursery:
@@ -75,8 +75,8 @@ async def run(count: int, size: int) -> None:
         ways = {
             "trio SSLStream": (server.send_all, lambda: client.receive_some(1 << 16)),
             "transport (direct)": (
-                lambda data: transport.send_all(server, data),
-                lambda: transport.receive_batch(client, 1 << 16),
+                lambda data: send_all(server, data),
+                lambda: receive_batch(client, 1 << 16),
             ),
         }
         for name, (send, receive) in ways.items():

@@ -60,10 +60,13 @@ import trio
 from bench import soak_report
 from bench.procs import cpu_seconds, raise_nofile, rss_kib, with_descendants
 from bench.soak_report import Restart, Transfer
-from clusterproxy_protocol.certclient import CertFiles
-from clusterproxy_protocol.config import InvalidValue, parse_positive_duration
-from clusterproxy_protocol.errors import ConnectRefused
-from clusterproxy_protocol.wire import WEBSOCKET_PATH
+from clusterproxy_protocol import (
+    WEBSOCKET_PATH,
+    CertFiles,
+    ConnectRefused,
+    InvalidValue,
+    parse_positive_duration,
+)
 from clusterproxy_sdk import TLSFiles, Tunnel, open_tunnel
 from tests.support.agent_websocket import websocket_port
 from tests.support.bad_input_cases import AGENT_OPTIONS, CASES, SERVER_OPTIONS

@@ -41,11 +41,12 @@ def packages(root: Path) -> dict[str, Package]:
     return found
 
 
-def imported_modules(source: str) -> Iterator[tuple[int, str]]:
+def imported_modules(source: str | ast.AST) -> Iterator[tuple[int, str]]:
     """(line, module) of every absolute import: ``import``, ``from ... import`` (at any depth, a
     function's too), and ``importlib.import_module("...")`` / ``__import__("...")`` with a literal
-    name. Relative imports stay inside their own package and are left out."""
-    for node in ast.walk(ast.parse(source)):
+    name. Relative imports stay inside their own package and are left out. ``source`` may be parsed
+    already."""
+    for node in ast.walk(source if isinstance(source, ast.AST) else ast.parse(source)):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -156,3 +157,81 @@ def test_each_form_of_import_is_found(source: str, module: str) -> None:
 
 def test_relative_imports_are_left_out() -> None:
     assert list(imported_modules("from . import clusterproxy_server\nfrom .x import y")) == []
+
+
+# The protocol library's public API (docs/architecture.md, clusterproxy_protocol/__init__.py): from
+# outside the library (the services, the other libraries, bench) only the package's names and its
+# public submodules are imported; the library's own tests (tests/) may reach its internals.
+PROTOCOL = "clusterproxy_protocol"
+PROTOCOL_USERS = ("services", "libs", "bench")
+
+
+def protocol_api_violations(root: Path, public: set[str], submodules: set[str]) -> list[str]:
+    """Every import of the protocol library from outside it that is not of its public API (a name in
+    ``public``, a submodule in ``submodules``), as ``path:line: what``."""
+    library = root / "libs" / "protocol"
+    found = []
+    for top in PROTOCOL_USERS:
+        for path in sorted((root / top).rglob("*.py")):
+            if library in path.parents or ".venv" in path.parts:
+                continue
+            source = path.read_text()
+            if PROTOCOL not in source:
+                continue
+            where = f"{path.relative_to(root)}"
+            tree = ast.parse(source)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == PROTOCOL:
+                    for alias in node.names:
+                        if alias.name not in public:
+                            found.append(f"{where}:{node.lineno}: {alias.name} is not public in {PROTOCOL}")
+            for line, module in imported_modules(tree):
+                head, _, rest = module.partition(".")
+                if head == PROTOCOL and rest and rest.split(".", 1)[0] not in submodules:
+                    found.append(f"{where}:{line}: imports {module}, a private submodule of {PROTOCOL}")
+    return found
+
+
+def _protocol_api() -> tuple[set[str], set[str]]:
+    import clusterproxy_protocol
+
+    return set(clusterproxy_protocol.__all__), set(clusterproxy_protocol.SUBMODULES)
+
+
+def test_nothing_outside_the_protocol_library_imports_its_internals() -> None:
+    found = protocol_api_violations(ROOT, *_protocol_api())
+    assert not found, (
+        f"outside libs/protocol, import from {PROTOCOL} itself (its __all__), or add the name to its "
+        "public API (clusterproxy_protocol/__init__.py says how):\n" + "\n".join(found)
+    )
+
+
+def test_a_private_import_of_the_protocol_library_is_refused(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        "libs/protocol/src/clusterproxy_protocol/core.py",
+        "from clusterproxy_protocol.wire import x\n",
+    )
+    _write(
+        tmp_path,
+        "services/one/src/pkg_one/main.py",
+        "from clusterproxy_protocol import Budget, http1client\n"
+        "from clusterproxy_protocol import core\n"
+        "from clusterproxy_protocol.http1client import get\n"
+        "import clusterproxy_protocol.driver\n",
+    )
+    _write(
+        tmp_path,
+        "bench/tool.py",
+        "def f():\n    from clusterproxy_protocol.windows import Budget\n    return Budget\n",
+    )
+    _write(
+        tmp_path, "libs/sdk/src/pkg_sdk/api.py", "from clusterproxy_protocol import Budget as B, missing\n"
+    )
+
+    assert protocol_api_violations(tmp_path, {"Budget", "http1client"}, {"http1client"}) == [
+        "services/one/src/pkg_one/main.py:2: core is not public in clusterproxy_protocol",
+        "services/one/src/pkg_one/main.py:4: imports clusterproxy_protocol.driver, a private submodule of clusterproxy_protocol",
+        "libs/sdk/src/pkg_sdk/api.py:1: missing is not public in clusterproxy_protocol",
+        "bench/tool.py:2: imports clusterproxy_protocol.windows, a private submodule of clusterproxy_protocol",
+    ]

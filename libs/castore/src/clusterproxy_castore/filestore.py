@@ -28,8 +28,7 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from clusterproxy_protocol.files import write_atomic
-from clusterproxy_protocol.pki import key_pem
+from clusterproxy_protocol import key_pem, write_atomic
 
 from .models import Authorities, AuthorityRecord, IssuedRecord, TokenRecord
 from .store import CertStore, NotFound, StoreConflict, StoreError

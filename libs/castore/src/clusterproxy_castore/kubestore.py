@@ -53,9 +53,7 @@ from typing import Any, TypeVar
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from clusterproxy_protocol.config import ConfigError
-from clusterproxy_protocol.kubeconfig import load_configuration
-from clusterproxy_protocol.pki import key_pem
+from clusterproxy_protocol import ConfigError, key_pem, load_configuration
 
 from .models import Authorities, AuthorityRecord, IssuedRecord, TokenRecord
 from .rbac import RBAC_VERBS, RBAC_YAML, rbac_yaml

@@ -25,7 +25,7 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from clusterproxy_protocol.pki import new_ca
+from clusterproxy_protocol import new_ca
 
 from .models import Authorities, AuthorityRecord, CAState, IssuedRecord, fingerprint, format_time
 from .store import CertStore, StoreConflict

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from clusterproxy_protocol.config import ConfigError, InvalidValue
+from clusterproxy_protocol import ConfigError, InvalidValue
 
 from .models import Authorities, AuthorityRecord, IssuedRecord, TokenRecord
 

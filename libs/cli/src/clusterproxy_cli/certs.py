@@ -9,7 +9,7 @@ import os
 import subprocess
 from collections.abc import Mapping, Sequence
 
-from clusterproxy_protocol.config import ConfigError
+from clusterproxy_protocol import ConfigError
 
 from .commands import signer_command_argv
 from .state import DEFAULT_STATE_DIR

@@ -12,8 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from clusterproxy_protocol.certclient import CertFiles
-from clusterproxy_protocol.config import ConfigError
+from clusterproxy_protocol import CertFiles, ConfigError
 
 SERVER = "cluster-proxy-server"
 AGENT = "cluster-proxy-agent"

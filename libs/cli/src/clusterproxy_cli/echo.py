@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import h11
 import trio
 
-from clusterproxy_protocol.config import add_flag, parse_args_or_exit, parse_hostport
+from clusterproxy_protocol import add_flag, parse_args_or_exit, parse_hostport
 
 MAX_HEAD = 16 << 10
 IDLE_TIMEOUT = 60.0

@@ -15,9 +15,15 @@ from pathlib import Path
 
 import trio
 
-from clusterproxy_protocol import certclient
-from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint, SignerRequestError
-from clusterproxy_protocol.config import ConfigError, add_flag, existing_file
+from clusterproxy_protocol import (
+    CertFiles,
+    ConfigError,
+    SignerEndpoint,
+    SignerRequestError,
+    add_flag,
+    certclient,
+    existing_file,
+)
 
 __all__ = ["add_enroll_command", "enroll", "run_enroll"]
 

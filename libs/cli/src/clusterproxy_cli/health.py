@@ -30,13 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from clusterproxy_protocol.config import (
-    ConfigError,
-    InvalidValue,
-    add_flag,
-    existing_file,
-    parse_duration,
-)
+from clusterproxy_protocol import ConfigError, InvalidValue, add_flag, existing_file, parse_duration
 
 from .commands import executable
 from .state import DEFAULT_STATE_DIR, LOCAL_JSON, proxy_settings, read_local_json

@@ -17,7 +17,7 @@ from typing import Any, Protocol, TextIO
 
 import trio
 
-from clusterproxy_protocol.config import (
+from clusterproxy_protocol import (
     ConfigError,
     InvalidValue,
     add_flag,

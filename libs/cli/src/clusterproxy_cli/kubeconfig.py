@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from clusterproxy_protocol.config import ConfigError
+from clusterproxy_protocol import ConfigError
 from clusterproxy_sdk import check_cluster
 
 __all__ = ["GATEWAY_PATH", "add_kubeconfig_command", "gateway_kubeconfig", "run_kubeconfig"]

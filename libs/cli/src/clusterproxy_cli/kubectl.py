@@ -41,9 +41,15 @@ from typing import Any
 import trio
 import yaml
 
-from clusterproxy_protocol.config import ConfigError, add_flag, existing_file
-from clusterproxy_protocol.errors import TunnelError
-from clusterproxy_protocol.logs import LOG_LEVELS, configure_logging, get_logger
+from clusterproxy_protocol import (
+    LOG_LEVELS,
+    ConfigError,
+    TunnelError,
+    add_flag,
+    configure_logging,
+    existing_file,
+    get_logger,
+)
 from clusterproxy_sdk import check_cluster, format_authority
 
 from .hubtunnel import add_hub_flags, followed_tls, resolve_hub

@@ -46,13 +46,18 @@ from typing import Any, TextIO
 
 import trio
 
-from clusterproxy_protocol import certclient
-from clusterproxy_protocol.certclient import SignerEndpoint, SignerRequestError
-from clusterproxy_protocol.config import ConfigError, parse_duration
-from clusterproxy_protocol.renewer import CertRenewer, RenewalPolicy
-from clusterproxy_protocol.restart_policy import RestartPolicy
-from clusterproxy_protocol.tls import client_context
-from clusterproxy_protocol.wire import ALPN_HTTP1
+from clusterproxy_protocol import (
+    ALPN_HTTP1,
+    CertRenewer,
+    ConfigError,
+    RenewalPolicy,
+    RestartPolicy,
+    SignerEndpoint,
+    SignerRequestError,
+    certclient,
+    client_context,
+    parse_duration,
+)
 
 from .commands import AGENT, SERVER, SIGNER, executable
 from .local_pki import SignerCommandError, issue_certificates, prepare_signer_pki

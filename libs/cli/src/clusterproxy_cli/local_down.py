@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from clusterproxy_protocol.config import add_flag, parse_positive_duration
+from clusterproxy_protocol import add_flag, parse_positive_duration
 
 from .state import DEFAULT_STATE_DIR, LOCAL_JSON
 

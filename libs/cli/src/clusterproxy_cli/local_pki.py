@@ -13,9 +13,7 @@ import trio
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 
-from clusterproxy_protocol import certclient
-from clusterproxy_protocol.certclient import CertFiles
-from clusterproxy_protocol.pki import DevCA, PemPair
+from clusterproxy_protocol import CertFiles, DevCA, PemPair, certclient
 
 from .commands import SIGNER, signer_command_argv
 from .local_plan import (

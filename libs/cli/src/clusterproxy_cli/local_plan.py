@@ -11,9 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clusterproxy_protocol.certclient import CertFiles
-from clusterproxy_protocol.config import InvalidValue
-from clusterproxy_protocol.wire import format_authority
+from clusterproxy_protocol import CertFiles, InvalidValue, format_authority
 
 from .commands import SignerFlags, agent_argv, repeat_flag, server_argv, signer_serve_argv
 from .state import Target

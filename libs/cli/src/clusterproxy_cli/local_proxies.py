@@ -22,7 +22,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from clusterproxy_protocol.config import ConfigError
+from clusterproxy_protocol import ConfigError
 
 from . import haproxy
 from .local_plan import LOOPBACK, ServerPorts, loopback

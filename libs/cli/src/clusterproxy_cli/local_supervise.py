@@ -18,10 +18,14 @@ from typing import TextIO
 
 import trio
 
-from clusterproxy_protocol import certclient, http1client
-from clusterproxy_protocol.certclient import SignerEndpoint, SignerRequestError
-from clusterproxy_protocol.forward_proxy import without_proxy_variables
-from clusterproxy_protocol.restart_policy import RestartPolicy
+from clusterproxy_protocol import (
+    RestartPolicy,
+    SignerEndpoint,
+    SignerRequestError,
+    certclient,
+    http1client,
+    without_proxy_variables,
+)
 
 STOP_GRACE = 10.0
 POLL = 0.1

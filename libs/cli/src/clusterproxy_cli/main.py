@@ -34,20 +34,23 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from clusterproxy_protocol import allocator, workarounds
-from clusterproxy_protocol.config import (
+from clusterproxy_protocol import (
+    LOG_LEVELS,
     ConfigError,
     InvalidValue,
+    TunnelError,
     add_flag,
+    allocator,
+    configure_logging,
+    get_logger,
     parse_args_or_exit,
     parse_duration,
     parse_hostport,
     parse_port,
     parse_positive_duration,
     parse_positive_int,
+    workarounds,
 )
-from clusterproxy_protocol.errors import TunnelError
-from clusterproxy_protocol.logs import LOG_LEVELS, configure_logging, get_logger
 from clusterproxy_sdk import check_cluster
 
 from . import certs as certs_command

@@ -19,11 +19,14 @@ from typing import TextIO
 import trio
 from structlog.typing import FilteringBoundLogger
 
-from clusterproxy_protocol.closing import reset_if_process_dies
-from clusterproxy_protocol.errors import ConnectRefused, TunnelError
-from clusterproxy_protocol.logs import get_logger
-from clusterproxy_protocol.relay import relay
-from clusterproxy_protocol.wire import format_address
+from clusterproxy_protocol import (
+    ConnectRefused,
+    TunnelError,
+    format_address,
+    get_logger,
+    relay_streams,
+    reset_if_process_dies,
+)
 from clusterproxy_sdk import SharedTunnel, TLSSource, format_authority
 
 from .hubtunnel import expiry_hint, serve_locally
@@ -82,7 +85,7 @@ async def _handle(
         await trio.aclose_forcefully(local)
         raise
     log.debug("stream_opened", stream_id=remote.stream_id)
-    result = await relay(client=local, target=remote)
+    result = await relay_streams(client=local, target=remote)
     log.info(
         "connection_closed",
         stream_id=remote.stream_id,

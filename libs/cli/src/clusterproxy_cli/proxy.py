@@ -21,12 +21,21 @@ from typing import Any, TextIO
 
 import trio
 
-from clusterproxy_protocol.closing import abort, close_cleanly, reset_if_process_dies
-from clusterproxy_protocol.config import InvalidValue, add_flag, parse_hostport
-from clusterproxy_protocol.errors import ConnectRefused, TunnelError
-from clusterproxy_protocol.logs import LOG_LEVELS, configure_logging, get_logger
-from clusterproxy_protocol.relay import relay
-from clusterproxy_protocol.wire import format_address
+from clusterproxy_protocol import (
+    LOG_LEVELS,
+    ConnectRefused,
+    InvalidValue,
+    TunnelError,
+    abort,
+    add_flag,
+    close_cleanly,
+    configure_logging,
+    format_address,
+    get_logger,
+    parse_hostport,
+    relay_streams,
+    reset_if_process_dies,
+)
 from clusterproxy_sdk import SharedTunnel, TLSSource, TunnelStream, check_cluster, format_authority
 
 from .hubtunnel import add_hub_flags, expiry_hint, followed_tls, resolve_hub, serve_locally
@@ -177,7 +186,7 @@ async def _handle(
         await trio.aclose_forcefully(local)
         return
     log.debug("stream_opened")
-    result = await relay(client=local, target=remote)
+    result = await relay_streams(client=local, target=remote)
     log.info(
         "connection_closed",
         bytes_to_target=result.bytes_to_target + len(request.first_bytes),

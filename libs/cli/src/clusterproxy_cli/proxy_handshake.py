@@ -21,16 +21,19 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
-from clusterproxy_protocol.errors import MalformedTarget
-from clusterproxy_protocol.proxy_requests import (
+from clusterproxy_protocol import (
+    CLUSTER_NAME,
     BadRequest,
+    MalformedAddress,
+    MalformedTarget,
     RequestHeadReader,
     cluster_from_proxy_authorization,
     error_response,
     established,
+    format_authority,
     forward_form,
+    parse_authority,
 )
-from clusterproxy_protocol.wire import CLUSTER_NAME, MalformedAddress, format_authority, parse_authority
 
 SOCKS5 = 0x05
 SOCKS4 = 0x04

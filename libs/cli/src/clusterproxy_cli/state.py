@@ -28,9 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from clusterproxy_protocol.config import ConfigError, parse_hostport
-from clusterproxy_protocol.files import write_atomic
-from clusterproxy_protocol.wire import CLUSTER_HEADER, format_authority
+from clusterproxy_protocol import CLUSTER_HEADER, ConfigError, format_authority, parse_hostport, write_atomic
 
 LOCAL_JSON = "local.json"
 DEFAULT_STATE_DIR = Path(".state") / "local"

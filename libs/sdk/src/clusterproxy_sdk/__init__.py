@@ -52,7 +52,9 @@ means the connection to the server is gone (its streams fail at once); broken st
 See ``docs/sdk.md`` for more.
 """
 
-from clusterproxy_protocol.errors import (
+from clusterproxy_protocol import (
+    CLUSTER_HEADER,
+    REASON_HEADER,
     ConnectRefused,
     DialTimeout,
     Forbidden,
@@ -62,10 +64,9 @@ from clusterproxy_protocol.errors import (
     TooManyRequests,
     TunnelClosed,
     TunnelError,
+    TunnelStream,
     UnknownCluster,
 )
-from clusterproxy_protocol.tunnel_stream import TunnelStream
-from clusterproxy_protocol.wire import CLUSTER_HEADER, REASON_HEADER
 
 from ._reload import LoadedTLS, ReloadingTLSFiles
 from ._shared import SharedTunnel, open_shared_tunnel

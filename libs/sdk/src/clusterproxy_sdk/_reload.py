@@ -17,8 +17,7 @@ from typing import Any
 
 from cryptography import x509
 
-from clusterproxy_protocol.config import ConfigError
-from clusterproxy_protocol.tls import client_context
+from clusterproxy_protocol import ConfigError, client_context
 
 # Reading the files before and after building the context must agree; a renewer that keeps writing
 # through this many attempts leaves the last good context in place until the next handshake.

@@ -7,9 +7,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from clusterproxy_protocol.errors import TunnelClosed
-from clusterproxy_protocol.settings import TunnelSettings
-from clusterproxy_protocol.tunnel_stream import TunnelStream
+from clusterproxy_protocol import TunnelClosed, TunnelSettings, TunnelStream
 
 from ._tunnel import (
     DEFAULT_KEEPALIVE,

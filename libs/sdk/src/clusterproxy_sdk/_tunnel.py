@@ -15,15 +15,22 @@ from typing import Any
 import trio
 from cryptography import x509
 
-from clusterproxy_protocol.config import ConfigError, parse_hostport
-from clusterproxy_protocol.core import Role
-from clusterproxy_protocol.driver import Mux, open_mux
-from clusterproxy_protocol.errors import TunnelClosed, TunnelError
-from clusterproxy_protocol.settings import TunnelSettings
-from clusterproxy_protocol.tls import client_context
-from clusterproxy_protocol.tunnel_stream import TunnelStream
-from clusterproxy_protocol.wire import ALPN_H2, CLUSTER_HEADER, CLUSTER_NAME
-from clusterproxy_protocol.wire import format_authority as wire_format_authority
+from clusterproxy_protocol import (
+    ALPN_H2,
+    CLUSTER_HEADER,
+    CLUSTER_NAME,
+    ConfigError,
+    Mux,
+    Role,
+    TunnelClosed,
+    TunnelError,
+    TunnelSettings,
+    TunnelStream,
+    client_context,
+    open_mux,
+    parse_hostport,
+)
+from clusterproxy_protocol import format_authority as wire_format_authority
 
 from ._reload import LoadedTLS, ReloadingTLSFiles
 

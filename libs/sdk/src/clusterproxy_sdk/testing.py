@@ -20,12 +20,16 @@ from pathlib import Path
 import trio
 from cryptography import x509
 
-from clusterproxy_protocol.core import Role
-from clusterproxy_protocol.driver import IncomingRequest, Mux, open_mux
-from clusterproxy_protocol.pki import DevCA
-from clusterproxy_protocol.settings import TunnelSettings
-from clusterproxy_protocol.tls import server_context
-from clusterproxy_protocol.wire import CLUSTER_HEADER
+from clusterproxy_protocol import (
+    CLUSTER_HEADER,
+    DevCA,
+    IncomingRequest,
+    Mux,
+    Role,
+    TunnelSettings,
+    open_mux,
+    server_context,
+)
 
 from ._tunnel import TLSFiles, single_exceptions
 

@@ -32,8 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from clusterproxy_protocol.errors import describe_exception
-from clusterproxy_protocol.wire import format_authority
+from clusterproxy_protocol import describe_exception, format_authority
 
 __all__ = [
     "AdminTLS",

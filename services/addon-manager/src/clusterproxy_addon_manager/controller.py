@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol import get_logger
 
 from .availability import AdminTarget, Availability
 from .config import Endpoints, EntrypointWaiting, ProxyConfig, deploy_config_ref, parse_mpc, resolve_endpoints

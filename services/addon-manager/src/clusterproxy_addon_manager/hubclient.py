@@ -32,13 +32,17 @@ from typing import Any
 import trio
 
 from clusterproxy_castore.store import StoreError
-from clusterproxy_protocol import certclient
-from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint, SignerRequestError
-from clusterproxy_protocol.config import ConfigError
-from clusterproxy_protocol.errors import describe_exception
-from clusterproxy_protocol.renewer import CertRenewer
-from clusterproxy_protocol.tls import client_context
-from clusterproxy_protocol.wire import ALPN_HTTP1
+from clusterproxy_protocol import (
+    ALPN_HTTP1,
+    CertFiles,
+    CertRenewer,
+    ConfigError,
+    SignerEndpoint,
+    SignerRequestError,
+    certclient,
+    client_context,
+    describe_exception,
+)
 
 from .availability import AdminTarget, AdminTLS
 from .identity import Credentials, client_binding

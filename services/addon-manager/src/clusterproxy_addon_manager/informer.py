@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol import get_logger
 
 from .kube import Forbidden, Gone, Kube, KubeError, NotFound, Resource, Unavailable
 

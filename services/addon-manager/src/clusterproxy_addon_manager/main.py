@@ -21,26 +21,30 @@ from typing import Any
 
 import trio
 
-from clusterproxy_protocol.admin import Response, metrics_response, serve_admin
-from clusterproxy_protocol.config import (
+from clusterproxy_protocol import (
+    CLUSTER_NAME,
+    LOG_FORMATS,
     ConfigError,
     InvalidValue,
+    Response,
+    add_log_flags,
+    configure_logging,
+    failure_in_log,
     flag_adder,
+    format_authority,
+    get_logger,
+    load_configuration,
+    metrics_response,
     parse_args_or_exit,
     parse_duration,
     parse_hostport,
     parse_positive_duration,
     parse_positive_int,
-)
-from clusterproxy_protocol.kubeconfig import load_configuration
-from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
-from clusterproxy_protocol.service_runtime import (
-    failure_in_log,
     run_service,
+    serve_admin,
     serve_until_signalled,
     signer_url,
 )
-from clusterproxy_protocol.wire import CLUSTER_NAME, format_authority
 
 from . import render
 from .availability import AdminTLS, admin_urls_from_dns, poll_once

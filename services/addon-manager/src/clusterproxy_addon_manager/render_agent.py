@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from clusterproxy_protocol.wire import format_authority
+from clusterproxy_protocol import format_authority
 
 from .config import Endpoints, ProxyConfig, ProxySettings
 from .render import (

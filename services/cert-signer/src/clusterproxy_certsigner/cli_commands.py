@@ -29,7 +29,7 @@ from clusterproxy_castore.rotation import (
 )
 from clusterproxy_castore.store import CertStore, StoreError, open_store, parse_store
 from clusterproxy_castore.tokens import MAX_TOKEN_TTL, create_token
-from clusterproxy_protocol.config import InvalidValue, add_flag, parse_duration
+from clusterproxy_protocol import InvalidValue, add_flag, parse_duration
 
 from .core import utc_now
 from .csr import normalize_host

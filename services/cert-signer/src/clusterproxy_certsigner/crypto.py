@@ -25,13 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKey
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from clusterproxy_castore.models import Identity
-from clusterproxy_protocol.pki import (
-    AGENT_ORGANIZATION,
-    CLIENT_ROLE_URI,
-    SERVER_ROLE_URI,
-    agent_uri,
-    key_usage,
-)
+from clusterproxy_protocol import AGENT_ORGANIZATION, CLIENT_ROLE_URI, SERVER_ROLE_URI, agent_uri, key_usage
 
 __all__ = [
     "ALLOWED_EC_CURVES",

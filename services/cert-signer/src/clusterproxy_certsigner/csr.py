@@ -16,7 +16,7 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID
 
 from clusterproxy_castore.models import Binding, Identity
-from clusterproxy_protocol.pki import AGENT_ORGANIZATION, CertRole, role_of_uri
+from clusterproxy_protocol import AGENT_ORGANIZATION, CertRole, role_of_uri
 
 from .crypto import check_public_key
 from .errors import Forbidden, InvalidCSR

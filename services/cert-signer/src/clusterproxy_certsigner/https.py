@@ -10,8 +10,7 @@ from typing import Any
 
 import trio
 
-from clusterproxy_protocol.httpserver import HttpLimits, Request, Response, serve_http
-from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol import HttpLimits, Request, Response, get_logger, serve_http
 
 from .errors import SignerError
 

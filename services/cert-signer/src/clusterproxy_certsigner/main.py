@@ -28,19 +28,24 @@ from pathlib import Path
 from clusterproxy_castore.filestore import FileStore
 from clusterproxy_castore.rotation import DEFAULT_CA_DAYS, RotationError, ensure_ca
 from clusterproxy_castore.store import CertStore, StoreError
-from clusterproxy_protocol.config import (
+from clusterproxy_protocol import (
+    LOG_FORMATS,
     ConfigError,
     InvalidValue,
+    add_log_flags,
+    configure_logging,
+    failure_in_log,
     flag_adder,
+    get_logger,
     parse_args_or_exit,
     parse_duration,
     parse_hostport,
     parse_positive_float,
     parse_positive_int,
     parse_size,
+    run_service,
+    serve_until_signalled,
 )
-from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
-from clusterproxy_protocol.service_runtime import failure_in_log, run_service, serve_until_signalled
 
 from .cli_commands import add_store_flag, open_store_from_args, parse_host, register_certs_commands
 from .https import HttpLimits
@@ -170,7 +175,7 @@ def _init(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _trust_bundle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from clusterproxy_protocol.certclient import write_bundle
+    from clusterproxy_protocol import write_bundle
 
     pem = ensure_ca(_open(args), now=dt.datetime.now(dt.UTC)).bundle_pem()
     if args.out is not None:

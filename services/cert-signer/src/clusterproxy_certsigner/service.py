@@ -32,10 +32,7 @@ from cryptography import x509
 
 from clusterproxy_castore.rotation import DEFAULT_CA_DAYS, ensure_ca
 from clusterproxy_castore.store import CertStore
-from clusterproxy_protocol import certclient
-from clusterproxy_protocol.logs import get_logger
-from clusterproxy_protocol.reloader import ReloadingContext
-from clusterproxy_protocol.wire import PRESENTING_HEADER, TRUSTED_HEADER
+from clusterproxy_protocol import PRESENTING_HEADER, TRUSTED_HEADER, ReloadingContext, certclient, get_logger
 
 from .core import (
     DEFAULT_CERT_TTL,

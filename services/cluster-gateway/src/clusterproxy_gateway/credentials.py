@@ -27,16 +27,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from clusterproxy_protocol.certclient import (
+from clusterproxy_protocol import (
     CertFiles,
+    CertRenewer,
+    ConfigError,
     SignerEndpoint,
     SignerRequestError,
     client_csr,
     ensure_bootstrapped,
     server_csr,
 )
-from clusterproxy_protocol.config import ConfigError
-from clusterproxy_protocol.renewer import CertRenewer
 
 __all__ = [
     "SelfSigned",

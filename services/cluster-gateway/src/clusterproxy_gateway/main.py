@@ -21,28 +21,31 @@ from urllib.parse import urlsplit
 
 import trio
 
-from clusterproxy_protocol import allocator, workarounds
-from clusterproxy_protocol.audit import add_audit_flag, open_sink
-from clusterproxy_protocol.certclient import CertFiles
-from clusterproxy_protocol.config import (
+from clusterproxy_protocol import (
+    LOG_FORMATS,
+    CertFiles,
     ConfigError,
+    add_audit_flag,
+    add_certificate_flags,
+    add_log_flags,
+    add_signer_flags,
+    allocator,
+    check_without_signer,
+    configure_logging,
     existing_file,
+    failure_on_stderr,
     flag_adder,
+    get_logger,
+    load_configuration,
+    open_sink,
     parse_args_or_exit,
     parse_duration,
     parse_hostport,
     parse_positive_duration,
     parse_positive_int,
-)
-from clusterproxy_protocol.kubeconfig import load_configuration
-from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
-from clusterproxy_protocol.service_runtime import (
-    add_certificate_flags,
-    add_signer_flags,
-    check_without_signer,
-    failure_on_stderr,
     run_service,
     serve_until_signalled,
+    workarounds,
 )
 from clusterproxy_sdk import TLSFiles, open_shared_tunnel
 

@@ -45,8 +45,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
-from clusterproxy_protocol import http1client
-from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol import get_logger, http1client
 
 __all__ = [
     "DEFAULT_SIGNING_ALGS",

@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import trio
 
-from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol import get_logger
 
 from . import objects
 from .inventory import HubInventory

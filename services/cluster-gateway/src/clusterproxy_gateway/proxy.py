@@ -28,18 +28,18 @@ from urllib.parse import unquote
 import h11
 import trio
 
-from clusterproxy_protocol import http1client
-from clusterproxy_protocol.closing import reset_if_process_dies
-from clusterproxy_protocol.errors import (
+from clusterproxy_protocol import (
     ConnectRefused,
     DialTimeout,
     NoAgentConnected,
     TunnelError,
     UnknownCluster,
     describe_exception,
+    get_logger,
+    http1client,
+    relay_streams,
+    reset_if_process_dies,
 )
-from clusterproxy_protocol.logs import get_logger
-from clusterproxy_protocol.relay import relay
 
 from . import objects
 from .http import HTTPConnection, IncomingRequest, ProtocolFailure, cancel_when_closed
@@ -436,7 +436,7 @@ class ClusterProxy:
                 await upstream.stream.send_all(from_caller)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return 101  # one side is gone already; the caller's finally blocks close both
-        result = await relay(http.stream, upstream.stream)
+        result = await relay_streams(http.stream, upstream.stream)
         traffic.to_target += len(from_caller) + result.bytes_to_target
         traffic.to_client += len(from_cluster) + result.bytes_to_client
         return 101

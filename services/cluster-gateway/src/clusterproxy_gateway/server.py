@@ -24,7 +24,7 @@ import trio
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol import get_logger
 
 from . import objects
 from .http import (

@@ -27,9 +27,7 @@ from typing import Any
 import h11
 import trio
 
-from clusterproxy_protocol.audit import AuditRecord, AuditSink
-from clusterproxy_protocol.logs import get_logger
-from clusterproxy_protocol.wire import CLUSTER_NAME
+from clusterproxy_protocol import CLUSTER_NAME, AuditRecord, AuditSink, get_logger
 
 from . import objects
 from .allowlist import AllowList, ServiceTarget

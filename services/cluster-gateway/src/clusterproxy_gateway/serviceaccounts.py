@@ -33,10 +33,17 @@ from typing import Any
 
 import trio
 
-from clusterproxy_protocol import http1client
-from clusterproxy_protocol.agent_control import CONTROL_HOST, CONTROL_PORT, serviceaccount_path
-from clusterproxy_protocol.errors import ConnectRefused, NoAgentConnected, TunnelError, UnknownCluster
-from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol import (
+    CONTROL_HOST,
+    CONTROL_PORT,
+    ConnectRefused,
+    NoAgentConnected,
+    TunnelError,
+    UnknownCluster,
+    get_logger,
+    http1client,
+    serviceaccount_path,
+)
 
 from .proxy import StreamOpener
 

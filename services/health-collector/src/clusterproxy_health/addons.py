@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, cast
 
-from clusterproxy_protocol.kubeconfig import load_configuration
+from clusterproxy_protocol import load_configuration
 
 from .state import AddonStatus, AddonsView
 

@@ -18,10 +18,7 @@ from typing import Any
 
 import trio
 
-from clusterproxy_protocol.config import ConfigError
-from clusterproxy_protocol.logs import get_logger
-from clusterproxy_protocol.tls import client_context
-from clusterproxy_protocol.wire import ALPN_HTTP1
+from clusterproxy_protocol import ALPN_HTTP1, ConfigError, client_context, get_logger
 
 from .credentials import DEFAULT_CLIENT_NAME, ClientCertificate
 from .metrics import CollectorMetrics
@@ -296,8 +293,7 @@ async def _connect_probes(
     """Started once the probes are connected, or once the first try to get the client certificate
     failed (then the rounds run with probes off, the reason shown, while a retryable failure is
     retried with a growing delay)."""
-    from clusterproxy_protocol.certclient import CertFiles
-    from clusterproxy_protocol.renewer import CertRenewer
+    from clusterproxy_protocol import CertFiles, CertRenewer
     from clusterproxy_sdk import TLSFiles, open_shared_tunnel
 
     assert settings.proxy is not None and settings.ca is not None

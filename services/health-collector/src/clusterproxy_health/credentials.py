@@ -27,9 +27,7 @@ from typing import Any
 
 import trio
 
-from clusterproxy_protocol import certclient
-from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint, SignerRequestError
-from clusterproxy_protocol.config import ConfigError
+from clusterproxy_protocol import CertFiles, ConfigError, SignerEndpoint, SignerRequestError, certclient
 
 __all__ = [
     "DEFAULT_CLIENT_NAME",

@@ -22,29 +22,33 @@ from typing import Any
 
 import trio
 
-from clusterproxy_protocol import workarounds
-from clusterproxy_protocol.admin import Response, metrics_response, serve_admin
-from clusterproxy_protocol.config import (
+from clusterproxy_protocol import (
+    CLUSTER_NAME,
+    LOG_FORMATS,
     ConfigError,
     InvalidValue,
+    Response,
+    SignerSettings,
+    add_certificate_flags,
+    add_log_flags,
+    add_signer_flags,
+    check_without_signer,
+    configure_logging,
     existing_file,
+    failure_on_stderr,
     flag_adder,
+    format_authority,
+    get_logger,
+    metrics_response,
     parse_args_or_exit,
     parse_hostport,
     parse_positive_duration,
     parse_positive_int,
-)
-from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
-from clusterproxy_protocol.service_runtime import (
-    SignerSettings,
-    add_certificate_flags,
-    add_signer_flags,
-    check_without_signer,
-    failure_on_stderr,
     run_service,
+    serve_admin,
     serve_until_signalled,
+    workarounds,
 )
-from clusterproxy_protocol.wire import CLUSTER_NAME, format_authority
 
 from .collector import Collector, CollectorSettings, run_with
 from .credentials import DEFAULT_CLIENT_NAME

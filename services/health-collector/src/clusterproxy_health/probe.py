@@ -27,10 +27,15 @@ from urllib.parse import urlsplit
 
 import trio
 
-from clusterproxy_protocol import http1client
-from clusterproxy_protocol.config import InvalidValue
-from clusterproxy_protocol.errors import ConnectRefused, TunnelError, describe_exception
-from clusterproxy_protocol.wire import CLUSTER_NAME, format_authority
+from clusterproxy_protocol import (
+    CLUSTER_NAME,
+    ConnectRefused,
+    InvalidValue,
+    TunnelError,
+    describe_exception,
+    format_authority,
+    http1client,
+)
 
 from .state import ProbeResult
 

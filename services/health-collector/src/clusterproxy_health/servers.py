@@ -21,10 +21,7 @@ from urllib.parse import urlsplit
 
 import trio
 
-from clusterproxy_protocol import http1client
-from clusterproxy_protocol.config import InvalidValue
-from clusterproxy_protocol.errors import describe_exception
-from clusterproxy_protocol.wire import format_authority
+from clusterproxy_protocol import InvalidValue, describe_exception, format_authority, http1client
 
 from .state import ServerView, parse_agents, parse_clusters
 

@@ -26,14 +26,7 @@ from clusterproxy_agent.control import ControlEndpoint, is_control_target
 from clusterproxy_agent.dialer import ConnectFailed, Connector, ResolveFailed, Resolver, connect_any, resolve
 from clusterproxy_agent.egress import EgressPolicy, Target, TargetError, normalize_name, parse_target
 from clusterproxy_agent.metrics import AgentMetrics
-from clusterproxy_protocol.closing import reset_if_process_dies
-from clusterproxy_protocol.driver import IncomingRequest, Mux
-from clusterproxy_protocol.errors import TunnelError, clean_reason
-from clusterproxy_protocol.logs import get_logger
-from clusterproxy_protocol.relay import relay
-from clusterproxy_protocol.steering import parse_worker
-from clusterproxy_protocol.windows import Budget
-from clusterproxy_protocol.wire import (
+from clusterproxy_protocol import (
     FAULT_HEADER,
     FAULT_TARGET,
     INFO_PATH,
@@ -41,7 +34,16 @@ from clusterproxy_protocol.wire import (
     SERVER_COUNT_HEADER,
     SERVER_ID_HEADER,
     SERVER_WORKER_HEADER,
+    Budget,
+    IncomingRequest,
+    Mux,
+    TunnelError,
+    clean_reason,
     format_authority,
+    get_logger,
+    parse_worker,
+    relay_streams,
+    reset_if_process_dies,
 )
 
 __all__ = ["CAPABILITIES", "Agent", "AgentConfig", "ServerIdentity", "TunnelRecord", "agent_version"]
@@ -381,7 +383,7 @@ class Agent:
                     log.info("stream_gone_before_dial_completed", error=repr(exc))
                     return
                 log.debug("stream_connected", dialled=str(target))
-                result = await relay(client=tunnel_stream, target=stream)
+                result = await relay_streams(client=tunnel_stream, target=stream)
             log.debug(
                 "stream_closed",
                 bytes_to_target=result.bytes_to_target,

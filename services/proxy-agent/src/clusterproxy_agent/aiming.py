@@ -15,8 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import trio
 
 from clusterproxy_agent.agent import Agent, TunnelRecord
-from clusterproxy_protocol.steering import source_port_for
-from clusterproxy_protocol.wire import format_authority
+from clusterproxy_protocol import format_authority, source_port_for
 
 __all__ = ["aim", "aimed_dial"]
 

@@ -15,14 +15,18 @@ from clusterproxy_agent.config import AgentSettings
 from clusterproxy_agent.control import ControlEndpoint
 from clusterproxy_agent.replicas import ReplicaSet
 from clusterproxy_agent.tunnel import Opener, TunnelOptions, tls_opener, websocket_carrier
-from clusterproxy_protocol import certclient
-from clusterproxy_protocol.admin import Response, metrics_response, serve_admin
-from clusterproxy_protocol.config import ConfigError
-from clusterproxy_protocol.logs import get_logger
-from clusterproxy_protocol.renewer import CertRenewer
-from clusterproxy_protocol.service_runtime import serve_until_signalled
-from clusterproxy_protocol.tls import web_client_context
-from clusterproxy_protocol.wire import format_authority
+from clusterproxy_protocol import (
+    CertRenewer,
+    ConfigError,
+    Response,
+    certclient,
+    format_authority,
+    get_logger,
+    metrics_response,
+    serve_admin,
+    serve_until_signalled,
+    web_client_context,
+)
 
 __all__ = ["Service", "bootstrap", "serve"]
 

@@ -12,17 +12,24 @@ from urllib.parse import urlsplit
 from clusterproxy_agent.agent import AgentConfig, agent_version
 from clusterproxy_agent.control import ServiceAccountSettings
 from clusterproxy_agent.egress import EgressPolicy, Rule
-from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
-from clusterproxy_protocol.config import InvalidValue, parse_dialable_hostport
-from clusterproxy_protocol.forward_proxy import ProxySettings, Route
-from clusterproxy_protocol.forward_proxy_trio import ForwardProxy
-from clusterproxy_protocol.pki import agent_uri
-from clusterproxy_protocol.reloader import ReloadingContext
-from clusterproxy_protocol.service_runtime import SignerSettings
-from clusterproxy_protocol.settings import TunnelSettings
-from clusterproxy_protocol.tls import client_context
-from clusterproxy_protocol.websocket import host_header
-from clusterproxy_protocol.wire import CLUSTER_NAME, WEBSOCKET_PATH, format_authority
+from clusterproxy_protocol import (
+    CLUSTER_NAME,
+    WEBSOCKET_PATH,
+    CertFiles,
+    ForwardProxy,
+    InvalidValue,
+    ProxySettings,
+    ReloadingContext,
+    Route,
+    SignerEndpoint,
+    SignerSettings,
+    TunnelSettings,
+    agent_uri,
+    client_context,
+    format_authority,
+    host_header,
+    parse_dialable_hostport,
+)
 
 __all__ = ["TUNNEL", "AgentSettings", "WebSocketEndpoint", "agent_id", "cluster_name", "server_addresses"]
 

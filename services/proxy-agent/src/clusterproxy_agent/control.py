@@ -24,12 +24,19 @@ from typing import Any
 import trio
 
 from clusterproxy_agent.dialer import Connector, Resolver, connect_any, resolve
-from clusterproxy_protocol import http1client
-from clusterproxy_protocol.agent_control import CONTROL_CLIENT_HEADER, CONTROL_HOST, SERVICEACCOUNT_PATH
-from clusterproxy_protocol.driver import IncomingRequest
-from clusterproxy_protocol.errors import describe_exception
-from clusterproxy_protocol.httpserver import HttpLimits, Request, Response, serve_stream
-from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol import (
+    CONTROL_CLIENT_HEADER,
+    CONTROL_HOST,
+    SERVICEACCOUNT_PATH,
+    HttpLimits,
+    IncomingRequest,
+    Request,
+    Response,
+    describe_exception,
+    get_logger,
+    http1client,
+    serve_stream,
+)
 
 __all__ = ["ControlEndpoint", "KubeAPI", "KubeError", "ServiceAccountSettings", "is_control_target"]
 

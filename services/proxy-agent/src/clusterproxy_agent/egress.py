@@ -26,9 +26,9 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from clusterproxy_protocol.config import InvalidValue
-from clusterproxy_protocol.wire import (
+from clusterproxy_protocol import (
     EXPECTED_HOSTPORT,
+    InvalidValue,
     MalformedAddress,
     format_authority,
     port_number,

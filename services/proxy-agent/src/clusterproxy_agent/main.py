@@ -26,12 +26,26 @@ from clusterproxy_agent.config import (
 )
 from clusterproxy_agent.control import ServiceAccountSettings
 from clusterproxy_agent.egress import parse_rule
-from clusterproxy_protocol import allocator, workarounds
-from clusterproxy_protocol.config import (
+from clusterproxy_protocol import (
+    LOG_FORMATS,
+    SIGNER_HELP,
     ConfigError,
+    NoProxy,
+    ProxySettings,
+    ProxyURL,
+    SignerSettings,
+    add_certificate_flags,
+    add_log_flags,
+    add_signer_flags,
+    allocator,
+    check_without_signer,
+    configure_logging,
     existing_file,
+    failure_in_log,
     flag_adder,
+    format_authority,
     format_size,
+    get_logger,
     parse_args_or_exit,
     parse_count,
     parse_dialable_hostport,
@@ -39,20 +53,10 @@ from clusterproxy_protocol.config import (
     parse_hostport,
     parse_positive_duration,
     parse_size,
-)
-from clusterproxy_protocol.forward_proxy import NoProxy, ProxySettings, ProxyURL
-from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
-from clusterproxy_protocol.service_runtime import (
-    SIGNER_HELP,
-    SignerSettings,
-    add_certificate_flags,
-    add_signer_flags,
-    check_without_signer,
-    failure_in_log,
     run_service,
+    web_client_context,
+    workarounds,
 )
-from clusterproxy_protocol.tls import web_client_context
-from clusterproxy_protocol.wire import format_authority
 
 __all__ = ["AgentSettings", "build_parser", "main", "parse_settings", "serve"]
 

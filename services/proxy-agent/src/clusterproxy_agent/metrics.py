@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from clusterproxy_protocol.renewal_metrics import RenewerCollector, RenewerCounters
+from clusterproxy_protocol import RenewerCollector, RenewerCounters
 
 PREFIX = "cluster_proxy_agent_"
 DIAL_RESULTS = ("ok", "refused", "timeout", "forbidden", "bad_target")

@@ -16,14 +16,20 @@ import trio
 from cryptography import x509
 
 from clusterproxy_agent.agent import Agent, TunnelRecord
-from clusterproxy_protocol.core import Role
-from clusterproxy_protocol.driver import limit_reporter, open_mux
-from clusterproxy_protocol.errors import describe_exception
-from clusterproxy_protocol.pki import CertRole, certificate_role
-from clusterproxy_protocol.settings import TunnelSettings
-from clusterproxy_protocol.transport import read_in_bulk
-from clusterproxy_protocol.websocket import WebSocketFailed, host_header, open_websocket
-from clusterproxy_protocol.wire import format_authority
+from clusterproxy_protocol import (
+    CertRole,
+    Role,
+    TunnelSettings,
+    WebSocketFailed,
+    certificate_role,
+    describe_exception,
+    format_authority,
+    host_header,
+    limit_reporter,
+    open_mux,
+    open_websocket,
+    read_in_bulk,
+)
 
 __all__ = [
     "Backoff",

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from cryptography import x509
 from prometheus_client import CollectorRegistry
 
-from clusterproxy_protocol.admin import INVENTORY_LABELS, Response, Route, metrics_response
+from clusterproxy_protocol import INVENTORY_LABELS, AdminRoute, Response, metrics_response
 from clusterproxy_server.authz import ClientIdentity, PolicyFile
 from clusterproxy_server.metrics import ServerMetrics
 from clusterproxy_server.registry import Registry
@@ -66,7 +66,7 @@ def admin_routes(
     not_ready: Callable[[], str | None],
     server_id: str,
     visible: Visibility,
-) -> tuple[Mapping[str, Route], Mapping[str, PrivateRoute]]:
+) -> tuple[Mapping[str, AdminRoute], Mapping[str, PrivateRoute]]:
     """The plain routes and the authenticated ones. ``not_ready()``: why this replica takes no new
     connections (starting, draining), None when it does. Every agent entry names this replica
     (``server_id``): behind a load balancer, the answer says which replica the agents listed are

@@ -16,19 +16,24 @@ from collections.abc import Callable
 import structlog
 import trio
 
-from clusterproxy_protocol.core import CANCEL, Role
-from clusterproxy_protocol.driver import Mux, limit_reporter, open_mux
-from clusterproxy_protocol.errors import TunnelClosed, TunnelError
-from clusterproxy_protocol.pki import CertRole, agent_identity_from_cert
-from clusterproxy_protocol.settings import TunnelSettings
-from clusterproxy_protocol.steering import format_worker
-from clusterproxy_protocol.wire import (
+from clusterproxy_protocol import (
+    CANCEL,
     INFO_PATH,
     REASON_HEADER,
     SERVER_COUNT_HEADER,
     SERVER_ID_HEADER,
     SERVER_WORKER_HEADER,
+    CertRole,
+    Mux,
+    Role,
+    TunnelClosed,
+    TunnelError,
+    TunnelSettings,
+    agent_identity_from_cert,
     format_address,
+    format_worker,
+    limit_reporter,
+    open_mux,
 )
 from clusterproxy_server.handshake import accept_tls
 from clusterproxy_server.metrics import ServerMetrics

@@ -16,10 +16,16 @@ import structlog
 import trio
 from trio_websocket import ConnectionClosed, WebSocketRequest, wrap_server_stream
 
-from clusterproxy_protocol import request_heads
-from clusterproxy_protocol.forward_proxy_trio import Prefixed
-from clusterproxy_protocol.websocket import MAX_MESSAGE, READ_SIZE, WebSocketStream
-from clusterproxy_protocol.wire import WEBSOCKET_PATH, WEBSOCKET_SUBPROTOCOL, format_address
+from clusterproxy_protocol import (
+    MAX_MESSAGE,
+    READ_SIZE,
+    WEBSOCKET_PATH,
+    WEBSOCKET_SUBPROTOCOL,
+    Prefixed,
+    WebSocketStream,
+    format_address,
+    request_heads,
+)
 from clusterproxy_server.agent_port import AgentPort
 from clusterproxy_server.frontends.connection import send_and_close
 from clusterproxy_server.frontends.http1_messages import MAX_REQUEST_HEAD, error_response

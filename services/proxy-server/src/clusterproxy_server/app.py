@@ -36,16 +36,23 @@ from functools import partial
 import trio
 from cryptography import x509
 
-from clusterproxy_protocol.admin import Authenticated, serve_admin
-from clusterproxy_protocol.audit import open_sink
-from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
-from clusterproxy_protocol.closing import close_cleanly
-from clusterproxy_protocol.driver import limit_reporter
-from clusterproxy_protocol.logs import get_logger
-from clusterproxy_protocol.pki import CertRole
-from clusterproxy_protocol.reloader import ReloadingContext
-from clusterproxy_protocol.renewer import CertRenewer, RenewalPolicy
-from clusterproxy_protocol.wire import ALPN_H2, ALPN_HTTP1, format_address
+from clusterproxy_protocol import (
+    ALPN_H2,
+    ALPN_HTTP1,
+    Authenticated,
+    CertFiles,
+    CertRenewer,
+    CertRole,
+    ReloadingContext,
+    RenewalPolicy,
+    SignerEndpoint,
+    close_cleanly,
+    format_address,
+    get_logger,
+    limit_reporter,
+    open_sink,
+    serve_admin,
+)
 from clusterproxy_server.admin import admin_routes, visibility
 from clusterproxy_server.agent_port import AgentPort
 from clusterproxy_server.agent_websocket import AgentWebSocketPort

@@ -37,9 +37,7 @@ from typing import Any
 
 from cryptography import x509
 
-from clusterproxy_protocol.config import ConfigError
-from clusterproxy_protocol.logs import get_logger
-from clusterproxy_protocol.pki import peer_identity
+from clusterproxy_protocol import ConfigError, get_logger, peer_identity
 
 __all__ = ["ClientIdentity", "ClientPolicy", "Decision", "PolicyFile", "Rule", "load_policy", "parse_policy"]
 

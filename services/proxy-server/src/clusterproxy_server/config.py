@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clusterproxy_protocol.settings import TunnelSettings
+from clusterproxy_protocol import TunnelSettings
 from clusterproxy_server.control import DEFAULT_CONTROL_CLIENTS
 from clusterproxy_server.ejection import EjectionPolicy
 from clusterproxy_server.quotas import QuotaSettings

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clusterproxy_protocol.agent_control import CONTROL_CLIENT_HEADER, CONTROL_HOST
-from clusterproxy_protocol.errors import Forbidden
-from clusterproxy_protocol.wire import MalformedAddress, parse_authority
+from clusterproxy_protocol import (
+    CONTROL_CLIENT_HEADER,
+    CONTROL_HOST,
+    Forbidden,
+    MalformedAddress,
+    parse_authority,
+)
 from clusterproxy_server.authz import ClientIdentity
 
 __all__ = ["DEFAULT_CONTROL_CLIENTS", "ControlAccess"]

@@ -11,7 +11,7 @@ import structlog
 import trio
 from cryptography import x509
 
-from clusterproxy_protocol.pki import CertRole, certificate_role, role_refusal
+from clusterproxy_protocol import CertRole, certificate_role, role_refusal
 from clusterproxy_server.metrics import ServerMetrics
 
 

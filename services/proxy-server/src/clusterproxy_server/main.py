@@ -13,15 +13,28 @@ from typing import NoReturn
 import structlog
 import trio
 
-from clusterproxy_protocol import allocator, certclient, workarounds
-from clusterproxy_protocol.audit import add_audit_flag, worker_spec
-from clusterproxy_protocol.certclient import CertFiles
-from clusterproxy_protocol.config import (
+from clusterproxy_protocol import (
+    CLUSTER_NAME,
+    LOG_FORMATS,
+    SIGNER_HELP,
+    CertFiles,
     ConfigError,
     InvalidValue,
+    SignerSettings,
+    TunnelSettings,
+    add_audit_flag,
+    add_certificate_flags,
+    add_log_flags,
+    add_signer_flags,
+    allocator,
+    certclient,
+    check_without_signer,
+    configure_logging,
     existing_file,
+    failure_on_stderr,
     flag_adder,
     format_size,
+    get_logger,
     parse_args_or_exit,
     parse_count,
     parse_duration,
@@ -31,20 +44,11 @@ from clusterproxy_protocol.config import (
     parse_positive_duration,
     parse_positive_int,
     parse_size,
-)
-from clusterproxy_protocol.logs import LOG_FORMATS, add_log_flags, configure_logging, get_logger
-from clusterproxy_protocol.service_runtime import (
-    SIGNER_HELP,
-    SignerSettings,
-    add_certificate_flags,
-    add_signer_flags,
-    check_without_signer,
-    failure_on_stderr,
     run_service,
     serve_until_signalled,
+    workarounds,
+    worker_spec,
 )
-from clusterproxy_protocol.settings import TunnelSettings
-from clusterproxy_protocol.wire import CLUSTER_NAME
 from clusterproxy_server.app import ProxyServer, ServerConfig
 from clusterproxy_server.authz import load_policy
 from clusterproxy_server.config import AGENT_TUNNEL, CLIENT_TUNNEL, FIRST_WINDOW

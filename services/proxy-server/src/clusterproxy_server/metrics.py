@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from clusterproxy_protocol.renewal_metrics import RenewerCollector, RenewerCounters
+from clusterproxy_protocol import RenewerCollector, RenewerCounters
 
 
 class ServerMetrics:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from clusterproxy_protocol.errors import TooManyRequests
+from clusterproxy_protocol import TooManyRequests
 
 
 @dataclass

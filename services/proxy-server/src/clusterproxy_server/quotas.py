@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 import structlog
 import trio
 
-from clusterproxy_protocol.errors import ConnectRefused, TooManyRequests
-from clusterproxy_protocol.windows import Budget, format_size
+from clusterproxy_protocol import Budget, ConnectRefused, TooManyRequests, format_size
 from clusterproxy_server.authz import ClientIdentity
 from clusterproxy_server.metrics import ServerMetrics
 

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from clusterproxy_protocol.driver import Mux
-from clusterproxy_protocol.errors import NoAgentConnected, UnknownCluster
+from clusterproxy_protocol import Mux, NoAgentConnected, UnknownCluster
 from clusterproxy_server.ejection import Ejection, EjectionPolicy, OutlierEjection, TunnelHealth
 
 

@@ -24,21 +24,24 @@ from typing import Protocol
 import structlog
 import trio
 
-from clusterproxy_protocol.audit import AuditRecord, AuditSink
-from clusterproxy_protocol.errors import (
+from clusterproxy_protocol import (
+    FAULT_HEADER,
+    FAULT_TARGET,
+    AuditRecord,
+    AuditSink,
+    Budget,
     ConnectRefused,
     DialTimeout,
     Forbidden,
     MalformedTarget,
     NoAgentConnected,
+    RelayResult,
     TargetUnreachable,
     TunnelClosed,
+    TunnelStream,
     UnknownCluster,
+    relay_streams,
 )
-from clusterproxy_protocol.relay import RelayResult, relay
-from clusterproxy_protocol.tunnel_stream import TunnelStream
-from clusterproxy_protocol.windows import Budget
-from clusterproxy_protocol.wire import FAULT_HEADER, FAULT_TARGET
 from clusterproxy_server.authz import ClientIdentity, PolicyFile
 from clusterproxy_server.control import ControlAccess
 from clusterproxy_server.metrics import ServerMetrics
@@ -239,7 +242,7 @@ class Relayer:
             if request.early_data:
                 await upstream.send_all(request.early_data)
             log.debug("stream_opened")
-            result = await relay(client=downstream, target=upstream)
+            result = await relay_streams(client=downstream, target=upstream)
             self.metrics.bytes.labels("to_target").inc(result.bytes_to_target)
             self.metrics.bytes.labels("to_client").inc(result.bytes_to_client)
             log.info(
@@ -252,7 +255,9 @@ class Relayer:
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             error = str(exc) or type(exc).__name__
             log.info("stream_failed", error=error)
-        except trio.Cancelled:  # the server is stopping (its drain timeout): relay() aborted both ends
+        except (
+            trio.Cancelled
+        ):  # the server is stopping (its drain timeout): relay_streams() aborted both ends
             error = "proxy-server shutting down"
             log.warning("stream_aborted", error=error)
             raise

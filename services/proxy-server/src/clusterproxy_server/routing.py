@@ -14,9 +14,14 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from clusterproxy_protocol.errors import MalformedTarget
-from clusterproxy_protocol.proxy_requests import cluster_from_proxy_authorization
-from clusterproxy_protocol.wire import CLUSTER_HEADER, CLUSTER_NAME, MalformedAddress, parse_authority
+from clusterproxy_protocol import (
+    CLUSTER_HEADER,
+    CLUSTER_NAME,
+    MalformedAddress,
+    MalformedTarget,
+    cluster_from_proxy_authorization,
+    parse_authority,
+)
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,7 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from clusterproxy_protocol.config import ConfigError
-from clusterproxy_protocol.logs import get_logger
-from clusterproxy_protocol.reloader import ReloadingContext
+from clusterproxy_protocol import ConfigError, ReloadingContext, get_logger
 
 __all__ = ["FILE_POLL", "follow_cert_files", "watch_parent"]
 

@@ -34,17 +34,26 @@ import trio
 from cryptography import x509
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from clusterproxy_protocol import http1client
-from clusterproxy_protocol.admin import Authenticated, PeerRoute, Response, Route, serve_admin
-from clusterproxy_protocol.certclient import CertFiles, SignerEndpoint
-from clusterproxy_protocol.logs import get_logger
-from clusterproxy_protocol.reloader import ReloadingContext
-from clusterproxy_protocol.renewal_metrics import RenewerCollector
-from clusterproxy_protocol.renewer import CertRenewer, RenewalPolicy
-from clusterproxy_protocol.restart_policy import RestartPolicy
-from clusterproxy_protocol.service_runtime import watch_signals
-from clusterproxy_protocol.steering import attach_steering
-from clusterproxy_protocol.wire import ALPN_HTTP1, format_address
+from clusterproxy_protocol import (
+    ALPN_HTTP1,
+    AdminRoute,
+    Authenticated,
+    CertFiles,
+    CertRenewer,
+    PeerRoute,
+    ReloadingContext,
+    RenewalPolicy,
+    RenewerCollector,
+    Response,
+    RestartPolicy,
+    SignerEndpoint,
+    attach_steering,
+    format_address,
+    get_logger,
+    http1client,
+    serve_admin,
+    watch_signals,
+)
 from clusterproxy_server.admin import metrics_routes, visibility
 from clusterproxy_server.authz import PolicyFile
 from clusterproxy_server.config import ServerConfig
@@ -392,7 +401,7 @@ class Supervisor:
                 nursery.start_soon(ask, index)
         return answers
 
-    def routes(self) -> tuple[dict[str, Route], dict[str, PeerRoute]]:
+    def routes(self) -> tuple[dict[str, AdminRoute], dict[str, PeerRoute]]:
         async def ready() -> Response:
             if self.stopping:
                 return Response.text("not ready: draining", 503)
@@ -471,7 +480,7 @@ class Supervisor:
                 )
             return Response.json(listing)
 
-        plain: dict[str, Route] = {
+        plain: dict[str, AdminRoute] = {
             "/healthz": lambda: Response.text("ok"),
             "/readyz": ready,
             "/metrics": metrics,

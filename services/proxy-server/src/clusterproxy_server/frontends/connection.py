@@ -8,10 +8,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from clusterproxy_protocol.closing import abort, close_cleanly
-from clusterproxy_protocol.core import CANCEL
-from clusterproxy_protocol.driver import LimitHandler, Mux
-from clusterproxy_protocol.settings import TunnelSettings
+from clusterproxy_protocol import CANCEL, LimitHandler, Mux, TunnelSettings, abort, close_cleanly
 from clusterproxy_server.authz import ClientIdentity
 from clusterproxy_server.quotas import ConnectionQuota
 from clusterproxy_server.relaying import ClientRequest

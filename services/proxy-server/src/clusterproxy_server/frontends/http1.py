@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import trio
 
-from clusterproxy_protocol.closing import close_cleanly, reset_if_process_dies
+from clusterproxy_protocol import close_cleanly, reset_if_process_dies
 from clusterproxy_server.authz import ClientIdentity
 from clusterproxy_server.frontends import http1_messages as messages
 from clusterproxy_server.frontends.connection import ClientConnection, send_and_close

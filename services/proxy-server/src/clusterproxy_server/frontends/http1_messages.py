@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import trio
 
-from clusterproxy_protocol.proxy_requests import (
+from clusterproxy_protocol import (
     HOP_BY_HOP,
     MAX_REQUEST_HEAD,
     BadRequest,

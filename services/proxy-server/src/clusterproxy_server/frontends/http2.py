@@ -17,9 +17,7 @@ from dataclasses import dataclass
 
 import trio
 
-from clusterproxy_protocol.core import ENHANCE_YOUR_CALM, Role
-from clusterproxy_protocol.driver import IncomingRequest, Mux, open_mux
-from clusterproxy_protocol.errors import TunnelError
+from clusterproxy_protocol import ENHANCE_YOUR_CALM, IncomingRequest, Mux, Role, TunnelError, open_mux
 from clusterproxy_server.authz import ClientIdentity
 from clusterproxy_server.frontends import konnectivity
 from clusterproxy_server.frontends.connection import ClientConnection

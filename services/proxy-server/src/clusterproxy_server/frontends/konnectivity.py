@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from clusterproxy_protocol.driver import IncomingRequest
-from clusterproxy_protocol.tunnel_stream import TunnelStream
+from clusterproxy_protocol import IncomingRequest, TunnelStream
 from clusterproxy_server.authz import ClientIdentity
 from clusterproxy_server.frontends import konnectivity_pb2 as pb
 from clusterproxy_server.frontends.connection import ClientConnection
