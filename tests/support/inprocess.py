@@ -9,8 +9,8 @@ from typing import Any
 
 import trio
 
-from clusterproxy_agent.egress import parse_rule
 from clusterproxy_agent.config import AgentSettings
+from clusterproxy_agent.egress import parse_rule
 from clusterproxy_protocol import tls
 from clusterproxy_protocol.core import Role
 from clusterproxy_protocol.driver import IncomingRequest, open_mux

@@ -50,6 +50,17 @@ assert allocator.tune()
 def rss_kib() -> int:
     return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0])
 
+# First the heap's holes are filled: a hole left by the imports (their layout varies from run to run
+# with the hash seed) would take the small objects below, the buffers would end up together at the
+# top and glibc would trim them at once, with nothing left for return_free_memory to do. Filled until
+# a small object is served by growing the heap, i.e. none of the free space left fits one.
+fillers = []
+previous = allocator.free_heap()
+for _ in range(100_000):
+    fillers.append(bytearray(2048))
+    if allocator.free_heap() > previous:
+        break
+    previous = allocator.free_heap()
 # a burst: 256 KiB buffers, each followed by a small object that outlives it, then the buffers freed
 burst = []
 for _ in range(200):
