@@ -15,8 +15,11 @@ __all__ = [
     "AGENT_NAMESPACE",
     "Endpoints",
     "EntrypointWaiting",
+    "AGENT_RESOURCES",
     "ProxyConfig",
     "ProxySettings",
+    "Resources",
+    "SERVER_RESOURCES",
     "agent_namespace",
     "deploy_config_ref",
     "parse_deploy_config",
@@ -55,6 +58,55 @@ def _strings(value: Any) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class Resources:
+    """A container's ``resources``: requests and limits as (resource, quantity) pairs. An MPC that
+    gives ``requests`` or ``limits`` replaces that half of the default whole (``limits: {}`` is no
+    limit at all), as the CRD's defaults do."""
+
+    requests: tuple[tuple[str, str], ...]
+    limits: tuple[tuple[str, str], ...]
+
+    def as_dict(self) -> dict[str, dict[str, str]]:
+        out: dict[str, dict[str, str]] = {}
+        if self.requests:
+            out["requests"] = dict(self.requests)
+        if self.limits:
+            out["limits"] = dict(self.limits)
+        return out
+
+
+# The defaults (the CRD's, repeated), from docs/benchmarks.md's RSS figures. The proxy-server: 51 MiB
+# per idle worker, ~100 KiB per agent tunnel per worker; its CPU limit is its worker count (the
+# render's downward API), so 2 workers, ~150 MiB idle with the parent, and 1 GiB holds ~4,000 clusters.
+# The agent: ~48 MiB with one idle tunnel, ~19 KiB per open stream; one process, at most one core.
+SERVER_RESOURCES = Resources(
+    requests=(("cpu", "200m"), ("memory", "192Mi")), limits=(("cpu", "2"), ("memory", "1Gi"))
+)
+AGENT_RESOURCES = Resources(
+    requests=(("cpu", "50m"), ("memory", "64Mi")), limits=(("cpu", "1"), ("memory", "512Mi"))
+)
+
+
+def _quantities(value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, Mapping):
+        return ()
+    return tuple(
+        sorted(
+            (str(k), str(v)) for k, v in value.items() if isinstance(v, str | int) and not isinstance(v, bool)
+        )
+    )
+
+
+def _resources(value: Any, default: Resources) -> Resources:
+    if not isinstance(value, Mapping):
+        return default
+    return Resources(
+        requests=_quantities(value["requests"]) if "requests" in value else default.requests,
+        limits=_quantities(value["limits"]) if "limits" in value else default.limits,
+    )
+
+
+@dataclass(frozen=True)
 class Entrypoint:
     type: str  # Hostname | LoadBalancerService | PortForward
     hostname: str
@@ -76,11 +128,13 @@ class ProxyConfig:
     in_cluster_service_name: str
     entrypoint: Entrypoint
     server_args: tuple[str, ...]
+    server_resources: Resources
     node_selector: tuple[tuple[str, str], ...]
     tolerations: tuple[Any, ...]
     agent_image: str
     agent_replicas: int
     agent_args: tuple[str, ...]
+    agent_resources: Resources
     image_pull_secrets: tuple[str, ...]
     client_port: int
     agent_port: int
@@ -120,6 +174,7 @@ def parse_mpc(obj: Mapping[str, Any], *, default_namespace: str) -> ProxyConfig:
             ),
         ),
         server_args=_strings(server.get("additionalArgs")),
+        server_resources=_resources(server.get("resources"), SERVER_RESOURCES),
         node_selector=tuple(
             sorted((str(k), str(v)) for k, v in (placement.get("nodeSelector") or {}).items())
         ),
@@ -127,6 +182,7 @@ def parse_mpc(obj: Mapping[str, Any], *, default_namespace: str) -> ProxyConfig:
         agent_image=_str(agent.get("image"), "cluster-proxy/proxy-agent:dev"),
         agent_replicas=_int(agent.get("replicas"), 1),
         agent_args=_strings(agent.get("additionalArgs")),
+        agent_resources=_resources(agent.get("resources"), AGENT_RESOURCES),
         image_pull_secrets=_strings(agent.get("imagePullSecrets")),
         client_port=_int(ports.get("proxyServer"), 8090),
         agent_port=_int(ports.get("agentServer"), 8091),
