@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "Resources",
     "SERVER_RESOURCES",
     "agent_namespace",
+    "canonical_quantity",
     "deploy_config_ref",
     "parse_deploy_config",
     "parse_mpc",
@@ -87,12 +90,58 @@ AGENT_RESOURCES = Resources(
 )
 
 
+_QUANTITY = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+))([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?")
+_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+
+
+def canonical_quantity(text: str) -> str:
+    """A quantity as the API server stores it (``1000m`` -> ``1``, ``0.5`` -> ``500m``, ``1024Mi`` ->
+    ``1Gi``), so that comparing a Deployment on the server with the one rendered sees no difference
+    where there is none; anything it cannot read is returned as given (the server's validation says
+    what is wrong with it). Binary suffixes stay binary for whole values of 1024 or more; everything
+    else is written with the largest decimal suffix that keeps it whole (nano at the least)."""
+    match = _QUANTITY.fullmatch(text.strip())
+    if match is None:
+        return text
+    number, suffix = match.group(1), match.group(2) or ""
+    try:
+        value = Decimal(number)
+        if suffix in _BINARY:
+            value *= Decimal(1024) ** _BINARY[suffix]
+        elif suffix[:1] in ("e", "E"):
+            value = value.scaleb(int(suffix[1:]))
+        else:
+            value = value.scaleb(_DECIMAL[suffix])
+    except (InvalidOperation, ValueError, KeyError):
+        return text
+    if suffix in _BINARY and value == value.to_integral_value() and abs(value) >= 1024:
+        whole, power = int(value), 0
+        while power < 6 and whole % 1024 == 0:
+            whole //= 1024
+            power += 1
+        return f"{whole}{['', 'Ki', 'Mi', 'Gi', 'Ti', 'Pi', 'Ei'][power]}"
+    nanos = (value.scaleb(9)).to_integral_value(rounding="ROUND_CEILING")  # the server rounds up
+    exponent = -9
+    while exponent < 18 and nanos != 0 and nanos % 1000 == 0:
+        nanos //= 1000
+        exponent += 3
+    if nanos == 0:
+        return "0"
+    if suffix[:1] in ("e", "E"):  # an exponent stays an exponent
+        return f"{int(nanos)}e{exponent}" if exponent else str(int(nanos))
+    names = {v: k for k, v in _DECIMAL.items()}
+    return f"{int(nanos)}{names[exponent]}"
+
+
 def _quantities(value: Any) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, Mapping):
         return ()
     return tuple(
         sorted(
-            (str(k), str(v)) for k, v in value.items() if isinstance(v, str | int) and not isinstance(v, bool)
+            (str(k), canonical_quantity(str(v)))
+            for k, v in value.items()
+            if isinstance(v, str | int) and not isinstance(v, bool)
         )
     )
 
