@@ -1,8 +1,9 @@
 """The status the manager reports, and its writes: the ManagedProxyConfiguration's conditions and
 the ManagedClusterAddOns' (``ManifestApplied``, ``Available``, the agent's namespace and
-``healthCheck.mode: Customized``), each written only when one of them changed; and the conditions read from what the manager sees (a
-Deployment's replicas, the signer's records of the proxy-server's certificate, the work agent's
-``Applied`` on a ManifestWork, the availability poll)."""
+``healthCheck.mode: Customized``), each written only when one of them changed; and the conditions
+read from what the manager sees (a Deployment's replicas, the signer's records of the
+proxy-server's certificate, the work agent's ``Applied`` on a ManifestWork, the availability
+poll)."""
 
 from __future__ import annotations
 
