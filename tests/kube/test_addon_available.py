@@ -7,11 +7,13 @@ with a hub client certificate the cert-signer issued it for a token it minted (t
 clusters to hub clients only), the proxy-server and cert-signer from their Deployments, the agent from
 its ManifestWork. The table is the real
 kubectl's, printed from the ManagedClusterAddOn CRD's printer columns, parsed by the header's column
-positions (a column may be empty: DEGRADED and PROGRESSING are not set by this addon).
+positions (a column may be empty: DEGRADED and PROGRESSING are not set by this addon). The addon's
+``status.healthCheck.mode`` is ``Customized``: the manager, not OCM's lease check, writes AVAILABLE.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -114,6 +116,13 @@ def test_available_follows_the_agent(stack: AddonStack) -> None:
     assert member.agent is not None
     hub = stack.hub
     connected = wait_available(hub, member.name, "True", timeout=60)
+    # the manager told OCM it judges the addon's health itself: OCM's registration agent, which
+    # otherwise writes Available from a lease the agent does not renew, leaves the condition alone
+    addon = json.loads(
+        hub.kubectl("get", "managedclusteraddon", ADDON_NAME, "-n", member.name, "-o", "json").stdout
+    )
+    assert addon["status"]["healthCheck"] == {"mode": "Customized"}, addon["status"]
+    assert addon["status"]["namespace"] == member.install_namespace
     # what it asked with: its own certificate, from the signer the manager deployed
     own = stack.wait_manager_event("cert_bootstrapped", name="addon-manager")
     assert stack.signer is not None

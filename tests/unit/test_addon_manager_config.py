@@ -16,6 +16,7 @@ from clusterproxy_addon_manager.config import (
     Endpoints,
     EntrypointWaiting,
     agent_namespace,
+    canonical_quantity,
     deploy_config_ref,
     parse_deploy_config,
     parse_mpc,
@@ -106,6 +107,56 @@ def test_mpc_fields() -> None:
     assert cfg.node_selector == (("a", "1"), ("b", "2"))
     assert cfg.image_pull_secrets == ("pull",)
     assert cfg.additional_sans == ("x.y",)
+
+
+def test_resources_default_and_replace_each_half() -> None:
+    default = parse_mpc({"metadata": {"name": "x"}, "spec": {}}, default_namespace="ns")
+    assert default.server_resources.as_dict() == {
+        "requests": {"cpu": "200m", "memory": "192Mi"},
+        "limits": {"cpu": "2", "memory": "1Gi"},
+    }
+    assert default.agent_resources.as_dict() == {
+        "requests": {"cpu": "50m", "memory": "64Mi"},
+        "limits": {"cpu": "1", "memory": "512Mi"},
+    }
+    cfg = parse_mpc(
+        {
+            "metadata": {"name": "x"},
+            "spec": {
+                "proxyServer": {"resources": {"limits": {"cpu": 4, "memory": "2048Mi"}}},
+                "proxyAgent": {"resources": {"requests": {"cpu": "0.1"}, "limits": {}}},
+            },
+        },
+        default_namespace="ns",
+    )
+    # written as the API server stores them, so the Deployment on the server compares equal
+    assert cfg.server_resources.as_dict() == {
+        "requests": {"cpu": "200m", "memory": "192Mi"},
+        "limits": {"cpu": "4", "memory": "2Gi"},
+    }
+    assert cfg.agent_resources.as_dict() == {"requests": {"cpu": "100m"}}
+
+
+@pytest.mark.parametrize(
+    ("given", "stored"),
+    [
+        ("1000m", "1"),
+        ("1500m", "1500m"),
+        ("0.5", "500m"),
+        ("2", "2"),
+        ("2000", "2k"),
+        ("2048", "2048"),
+        ("1024Mi", "1Gi"),
+        ("1.5Gi", "1536Mi"),
+        ("0.5Ki", "512"),
+        ("192Mi", "192Mi"),
+        ("1e3", "1e3"),
+        ("0", "0"),
+        ("not a quantity", "not a quantity"),
+    ],
+)
+def test_quantities_are_written_as_the_api_server_stores_them(given: str, stored: str) -> None:
+    assert canonical_quantity(given) == stored
 
 
 def lb_service(name: str, address: dict[str, str] | None) -> dict[str, Any]:

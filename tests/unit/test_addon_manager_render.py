@@ -6,6 +6,9 @@ temporary folder as a kubelet would mount them."""
 from __future__ import annotations
 
 import base64
+import math
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ from clusterproxy_protocol.config import parse_args_or_exit
 from clusterproxy_protocol.pki import DevCA
 from clusterproxy_server.main import build_parser as server_parser
 from clusterproxy_server.main import config_from_args
+from clusterproxy_server.workers import default_workers
 from tests.support.netpol import ANYWHERE, IN_CLUSTER, ingress_by_pod
 
 MPC_UID = "0b5e2c9e-1111-4aaa-8bbb-000000000001"
@@ -185,6 +189,7 @@ def test_hub_objects_names_labels_owner(ca_pem: str) -> None:
         ("Service", "cluster-proxy-admin"),
         ("NetworkPolicy", "cluster-proxy"),
         ("NetworkPolicy", "cluster-proxy-cert-signer"),
+        ("PodDisruptionBudget", "cluster-proxy"),
     }
     for obj in objects:
         meta = obj["metadata"]
@@ -451,3 +456,140 @@ def test_token_readers_tolerate_missing_or_broken_data() -> None:
     assert render.token_from_manifest_work({"spec": {}}) is None
     assert render.token_from_secret({"data": {"bootstrap-token": "not base64!"}}) is None
     assert render.token_from_secret({"data": {"bootstrap-token": base64.b64encode(b"abc").decode()}}) == "abc"
+
+
+# --- production settings a real node checks --------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def image_user() -> tuple[int, int]:
+    """The numeric user and group every project image runs as (its recipe's ``USER``)."""
+    users = re.findall(r"^USER\s+(\d+):(\d+)\s*$", (ROOT / "deploy/images/Dockerfile").read_text(), re.M)
+    assert len(users) == 1, users
+    return int(users[0][0]), int(users[0][1])
+
+
+def every_deployment(ca_pem: str) -> list[dict[str, Any]]:
+    rendered = hub(ca_pem) + work(ca_pem)["spec"]["workload"]["manifests"]
+    return [o for o in rendered if o["kind"] == "Deployment"]
+
+
+def cpu_cores(quantity: str) -> float:
+    return int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+def test_every_container_runs_as_the_image_user_locked_down(ca_pem: str) -> None:
+    """runAsNonRoot is checked by the kubelet against the numeric user; the image's USER is 65532, so
+    the pod says the same number (a name would be refused: the kubelet cannot verify it)."""
+    uid, gid = image_user()
+    for deployment in every_deployment(ca_pem):
+        where = deployment["metadata"]["name"]
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, where
+        assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]) == (uid, gid), (
+            where
+        )
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
+        writable = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+        for c in pod["containers"] + pod.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, (where, c["name"])
+            assert sc["readOnlyRootFilesystem"] is True, (where, c["name"])
+            assert sc["capabilities"] == {"drop": ["ALL"]}, (where, c["name"])
+            # every folder a program writes is a writable volume: its credentials, the signer's TLS
+            # folder and its tempfile scratch
+            for mount in c["volumeMounts"]:
+                if not mount.get("readOnly"):
+                    assert mount["name"] in writable, (where, c["name"], mount)
+            resources = c["resources"]
+            assert set(resources) == {"requests", "limits"}, (where, c["name"])
+            assert {"cpu", "memory"} <= set(resources["requests"]) and {"cpu", "memory"} <= set(
+                resources["limits"]
+            ), (where, c["name"])
+
+
+def test_every_program_container_is_probed_on_its_own_port(ca_pem: str) -> None:
+    for deployment in every_deployment(ca_pem):
+        for c in deployment["spec"]["template"]["spec"]["containers"]:
+            ports = {p["name"] for p in c["ports"]}
+            for probe in ("readinessProbe", "livenessProbe"):
+                assert probe in c, (c["name"], probe)
+                assert c[probe]["httpGet"]["port"] in ports, (c["name"], probe)
+    signer = container(find(hub(ca_pem), "Deployment", "cluster-proxy-cert-signer"))
+    # the signer's only port is HTTPS; the kubelet probes without verifying its certificate
+    assert signer["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    server = container(find(hub(ca_pem), "Deployment", "cluster-proxy"))
+    assert server["livenessProbe"]["httpGet"]["port"] == "admin"
+    assert {"name": "admin", "containerPort": 8092, "protocol": "TCP"} in server["ports"]
+
+
+def test_the_signer_has_a_writable_tmp_for_its_scratch_folder(ca_pem: str) -> None:
+    deployment = find(hub(ca_pem), "Deployment", "cluster-proxy-cert-signer")
+    mounts = {m["mountPath"]: m["name"] for m in container(deployment)["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+
+
+def test_resources_default_to_the_crds_and_follow_the_mpc(ca_pem: str) -> None:
+    server = find(hub(ca_pem), "Deployment", "cluster-proxy")["spec"]["template"]["spec"]
+    assert container({"spec": {"template": {"spec": server}}})["resources"] == {
+        "requests": {"cpu": "200m", "memory": "192Mi"},
+        "limits": {"cpu": "2", "memory": "1Gi"},
+    }
+    assert server["initContainers"][0]["resources"] == server["containers"][0]["resources"]
+    agent = find(work(ca_pem)["spec"]["workload"]["manifests"], "Deployment", "cluster-proxy-proxy-agent")
+    assert container(agent)["resources"] == {
+        "requests": {"cpu": "50m", "memory": "64Mi"},
+        "limits": {"cpu": "1", "memory": "512Mi"},
+    }
+    # given: each half replaces the default's (limits {} is no limit at all)
+    spec = {
+        "proxyServer": {
+            **HOSTNAME_SPEC["proxyServer"],
+            "resources": {"limits": {"cpu": "4", "memory": "8Gi"}},
+        },
+        "proxyAgent": {"resources": {"requests": {"memory": "128Mi"}, "limits": {}}},
+    }
+    server_c = container(find(hub(ca_pem, spec), "Deployment", "cluster-proxy"))
+    assert server_c["resources"] == {
+        "requests": {"cpu": "200m", "memory": "192Mi"},
+        "limits": {"cpu": "4", "memory": "8Gi"},
+    }
+    agent_c = container(
+        find(work(ca_pem, spec)["spec"]["workload"]["manifests"], "Deployment", "cluster-proxy-proxy-agent")
+    )
+    assert agent_c["resources"] == {"requests": {"memory": "128Mi"}}
+
+
+@pytest.mark.parametrize(("limit", "workers"), [("2", 2), ("1500m", 2), ("1", 1), ("250m", 1)])
+def test_server_workers_follow_its_cpu_limit(ca_pem: str, tmp_path: Path, limit: str, workers: int) -> None:
+    """No --workers on the command line: the server's default is its cgroup's CPU quota rounded up,
+    and the kubelet writes the container's CPU limit as that quota (cpu.max: quota and period, in
+    microseconds; runc's 100 ms period)."""
+    spec = {"proxyServer": {**HOSTNAME_SPEC["proxyServer"], "resources": {"limits": {"cpu": limit}}}}
+    c = container(find(hub(ca_pem, spec), "Deployment", "cluster-proxy"))
+    assert not any(a.startswith("--workers") for a in c["args"])
+    assert not any(e["name"] == "CLUSTER_PROXY_SERVER_WORKERS" for e in c["env"])
+    period = 100_000
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text(f"{math.ceil(cpu_cores(c['resources']['limits']['cpu']) * period)} {period}\n")
+    assert default_workers(cpu_max) == min(workers, len(os.sched_getaffinity(0)))
+
+
+def test_proxy_servers_are_spread_and_evicted_one_at_a_time(ca_pem: str) -> None:
+    spec = {"proxyServer": {**HOSTNAME_SPEC["proxyServer"], "replicas": 3}}
+    objects = hub(ca_pem, spec)
+    deployment = find(objects, "Deployment", "cluster-proxy")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    budget = find(objects, "PodDisruptionBudget", "cluster-proxy")
+    assert budget["apiVersion"] == "policy/v1"
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert budget["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    [spread] = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    # a single-node cluster still runs every replica
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert spread["maxSkew"] == 1
+    assert spread["labelSelector"]["matchLabels"].items() <= pod_labels.items()

@@ -615,3 +615,90 @@ def test_the_manager_creates_the_default_configuration_unless_a_patch_says_not_t
     assert settings_of(shipped, tmp_path / "shipped").create_default_configuration is True
     mine = render(own_overlay(tmp_path / "my-hub", "hub", NO_DEFAULT_CONFIGURATION, {}))
     assert settings_of(mine, tmp_path / "mine").create_default_configuration is False
+
+
+# --- production settings a real node checks ------------------------------------------------------------
+
+#: every overlay that runs a pod, the gateway's too
+POD_OVERLAYS = ("hub", "hub-gateway", "managed")
+
+
+def image_user() -> tuple[int, int]:
+    """The numeric user and group every project image runs as (its recipe's ``USER``)."""
+    recipe = (KUSTOMIZE.parents[1] / "deploy" / "images" / "Dockerfile").read_text()
+    users = re.findall(r"^USER\s+(\d+):(\d+)\s*$", recipe, re.M)
+    assert len(users) == 1, users
+    return int(users[0][0]), int(users[0][1])
+
+
+@pytest.mark.parametrize("name", POD_OVERLAYS)
+def test_every_container_has_resources_probes_and_a_locked_down_security_context(name: str) -> None:
+    """What a kubelet enforces and the emulation does not: runAsNonRoot against the image's numeric
+    user, a read-only root filesystem with a writable volume for every folder the program writes, no
+    privilege escalation or capability, the runtime's seccomp profile; requests and limits (a quota or
+    LimitRange finds them); probes on a port the container declares."""
+    uid, gid = image_user()
+    for deployment in deployments(render(KUSTOMIZE / "overlays" / name)):
+        where = f"{name}: {deployment['metadata']['name']}"
+        pod = deployment["spec"]["template"]["spec"]
+        security = pod["securityContext"]
+        assert security["runAsNonRoot"] is True, where
+        assert (security["runAsUser"], security["runAsGroup"]) == (uid, gid), where
+        assert security["seccompProfile"] == {"type": "RuntimeDefault"}, where
+        writable = {v["name"] for v in pod.get("volumes", []) if "emptyDir" in v}
+        for c in [*pod.get("initContainers", []), *pod["containers"]]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, (where, c["name"])
+            assert sc["readOnlyRootFilesystem"] is True, (where, c["name"])
+            assert sc["capabilities"] == {"drop": ["ALL"]}, (where, c["name"])
+            for mount in c.get("volumeMounts", []):
+                if not mount.get("readOnly"):
+                    assert mount["name"] in writable, (where, c["name"], mount)
+            for half in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][half]), (where, c["name"], half)
+        for c in pod["containers"]:
+            ports = {p["name"] for p in c["ports"]}
+            for probe in ("readinessProbe", "livenessProbe"):
+                assert c[probe]["httpGet"]["port"] in ports, (where, c["name"], probe)
+
+
+def test_resources_of_your_own_replace_the_overlays(tmp_path: Path) -> None:
+    """The overlay's resources.yaml is a patch like any: one of your own over it wins, field by field."""
+    patch = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "cluster-proxy-addon-manager", "namespace": "open-cluster-management-addon"},
+        "spec": {
+            "template": {
+                "spec": {
+                    "containers": [{"name": "addon-manager", "resources": {"limits": {"memory": "4Gi"}}}]
+                }
+            }
+        },
+    }
+    mine = own_overlay(tmp_path / "my-hub", "hub", {"patches": [{"patch": yaml.safe_dump(patch)}]}, {})
+    manager = next(
+        d for d in deployments(render(mine)) if d["metadata"]["name"] == "cluster-proxy-addon-manager"
+    )
+    (c,) = manager["spec"]["template"]["spec"]["containers"]
+    assert c["resources"] == {
+        "requests": {"cpu": "100m", "memory": "128Mi"},
+        "limits": {"cpu": "1", "memory": "4Gi"},
+    }
+
+
+def test_the_declared_configuration_states_the_crds_resources() -> None:
+    """overlays/hub-configuration spells out the CRD's defaults, so editing it starts from them."""
+    crd = only(
+        render(KUSTOMIZE / "overlays" / "hub"),
+        "CustomResourceDefinition",
+        "managedproxyconfigurations.proxy.open-cluster-management.io",
+    )
+    (version,) = crd["spec"]["versions"]
+    spec_schema = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    mpc = only(render(KUSTOMIZE / "overlays" / "hub-configuration"), "ManagedProxyConfiguration")
+    for part in ("proxyServer", "proxyAgent"):
+        halves = spec_schema[part]["properties"]["resources"]["properties"]
+        assert mpc["spec"][part]["resources"] == {h: halves[h]["default"] for h in ("requests", "limits")}, (
+            part
+        )

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 __all__ = [
@@ -15,9 +17,13 @@ __all__ = [
     "AGENT_NAMESPACE",
     "Endpoints",
     "EntrypointWaiting",
+    "AGENT_RESOURCES",
     "ProxyConfig",
     "ProxySettings",
+    "Resources",
+    "SERVER_RESOURCES",
     "agent_namespace",
+    "canonical_quantity",
     "deploy_config_ref",
     "parse_deploy_config",
     "parse_mpc",
@@ -55,6 +61,101 @@ def _strings(value: Any) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class Resources:
+    """A container's ``resources``: requests and limits as (resource, quantity) pairs. An MPC that
+    gives ``requests`` or ``limits`` replaces that half of the default whole (``limits: {}`` is no
+    limit at all), as the CRD's defaults do."""
+
+    requests: tuple[tuple[str, str], ...]
+    limits: tuple[tuple[str, str], ...]
+
+    def as_dict(self) -> dict[str, dict[str, str]]:
+        out: dict[str, dict[str, str]] = {}
+        if self.requests:
+            out["requests"] = dict(self.requests)
+        if self.limits:
+            out["limits"] = dict(self.limits)
+        return out
+
+
+# The defaults (the CRD's, repeated), from docs/benchmarks.md's RSS figures. The proxy-server: 51 MiB
+# per idle worker, ~100 KiB per agent tunnel per worker; its CPU limit is its worker count (the
+# render's downward API), so 2 workers, ~150 MiB idle with the parent, and 1 GiB holds ~4,000 clusters.
+# The agent: ~48 MiB with one idle tunnel, ~19 KiB per open stream; one process, at most one core.
+SERVER_RESOURCES = Resources(
+    requests=(("cpu", "200m"), ("memory", "192Mi")), limits=(("cpu", "2"), ("memory", "1Gi"))
+)
+AGENT_RESOURCES = Resources(
+    requests=(("cpu", "50m"), ("memory", "64Mi")), limits=(("cpu", "1"), ("memory", "512Mi"))
+)
+
+
+_QUANTITY = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+))([KMGTPE]i|[numkMGTPE]|[eE][+-]?\d+)?")
+_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+
+
+def canonical_quantity(text: str) -> str:
+    """A quantity as the API server stores it (``1000m`` -> ``1``, ``0.5`` -> ``500m``, ``1024Mi`` ->
+    ``1Gi``), so that comparing a Deployment on the server with the one rendered sees no difference
+    where there is none; anything it cannot read is returned as given (the server's validation says
+    what is wrong with it). Binary suffixes stay binary for whole values of 1024 or more; everything
+    else is written with the largest decimal suffix that keeps it whole (nano at the least)."""
+    match = _QUANTITY.fullmatch(text.strip())
+    if match is None:
+        return text
+    number, suffix = match.group(1), match.group(2) or ""
+    try:
+        value = Decimal(number)
+        if suffix in _BINARY:
+            value *= Decimal(1024) ** _BINARY[suffix]
+        elif suffix[:1] in ("e", "E"):
+            value = value.scaleb(int(suffix[1:]))
+        else:
+            value = value.scaleb(_DECIMAL[suffix])
+    except (InvalidOperation, ValueError, KeyError):
+        return text
+    if suffix in _BINARY and value == value.to_integral_value() and abs(value) >= 1024:
+        whole, power = int(value), 0
+        while power < 6 and whole % 1024 == 0:
+            whole //= 1024
+            power += 1
+        return f"{whole}{['', 'Ki', 'Mi', 'Gi', 'Ti', 'Pi', 'Ei'][power]}"
+    nanos = (value.scaleb(9)).to_integral_value(rounding="ROUND_CEILING")  # the server rounds up
+    exponent = -9
+    while exponent < 18 and nanos != 0 and nanos % 1000 == 0:
+        nanos //= 1000
+        exponent += 3
+    if nanos == 0:
+        return "0"
+    if suffix[:1] in ("e", "E"):  # an exponent stays an exponent
+        return f"{int(nanos)}e{exponent}" if exponent else str(int(nanos))
+    names = {v: k for k, v in _DECIMAL.items()}
+    return f"{int(nanos)}{names[exponent]}"
+
+
+def _quantities(value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, Mapping):
+        return ()
+    return tuple(
+        sorted(
+            (str(k), canonical_quantity(str(v)))
+            for k, v in value.items()
+            if isinstance(v, str | int) and not isinstance(v, bool)
+        )
+    )
+
+
+def _resources(value: Any, default: Resources) -> Resources:
+    if not isinstance(value, Mapping):
+        return default
+    return Resources(
+        requests=_quantities(value["requests"]) if "requests" in value else default.requests,
+        limits=_quantities(value["limits"]) if "limits" in value else default.limits,
+    )
+
+
+@dataclass(frozen=True)
 class Entrypoint:
     type: str  # Hostname | LoadBalancerService | PortForward
     hostname: str
@@ -76,11 +177,13 @@ class ProxyConfig:
     in_cluster_service_name: str
     entrypoint: Entrypoint
     server_args: tuple[str, ...]
+    server_resources: Resources
     node_selector: tuple[tuple[str, str], ...]
     tolerations: tuple[Any, ...]
     agent_image: str
     agent_replicas: int
     agent_args: tuple[str, ...]
+    agent_resources: Resources
     image_pull_secrets: tuple[str, ...]
     client_port: int
     agent_port: int
@@ -120,6 +223,7 @@ def parse_mpc(obj: Mapping[str, Any], *, default_namespace: str) -> ProxyConfig:
             ),
         ),
         server_args=_strings(server.get("additionalArgs")),
+        server_resources=_resources(server.get("resources"), SERVER_RESOURCES),
         node_selector=tuple(
             sorted((str(k), str(v)) for k, v in (placement.get("nodeSelector") or {}).items())
         ),
@@ -127,6 +231,7 @@ def parse_mpc(obj: Mapping[str, Any], *, default_namespace: str) -> ProxyConfig:
         agent_image=_str(agent.get("image"), "cluster-proxy/proxy-agent:dev"),
         agent_replicas=_int(agent.get("replicas"), 1),
         agent_args=_strings(agent.get("additionalArgs")),
+        agent_resources=_resources(agent.get("resources"), AGENT_RESOURCES),
         image_pull_secrets=_strings(agent.get("imagePullSecrets")),
         client_port=_int(ports.get("proxyServer"), 8090),
         agent_port=_int(ports.get("agentServer"), 8091),

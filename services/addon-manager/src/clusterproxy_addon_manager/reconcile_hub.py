@@ -48,8 +48,21 @@ if TYPE_CHECKING:
 
 __all__ = ["reconcile_hub"]
 
+#: the proxy-servers' disruption budget (a built-in kind the other modules do not use)
+POD_DISRUPTION_BUDGET = Resource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", True)
+
 RESOURCES_BY_KIND: dict[str, Resource] = {
-    r.kind: r for r in (SERVICE_ACCOUNT, ROLE, ROLE_BINDING, SECRET, DEPLOYMENT, SERVICE, NETWORK_POLICY)
+    r.kind: r
+    for r in (
+        SERVICE_ACCOUNT,
+        ROLE,
+        ROLE_BINDING,
+        SECRET,
+        DEPLOYMENT,
+        SERVICE,
+        NETWORK_POLICY,
+        POD_DISRUPTION_BUDGET,
+    )
 }
 
 
@@ -192,6 +205,7 @@ def _delete_hub_objects(
                 deleted += 1
     if not keep:
         for resource, name in (
+            (POD_DISRUPTION_BUDGET, SERVER_DEPLOYMENT),
             (NETWORK_POLICY, SERVER_DEPLOYMENT),
             (NETWORK_POLICY, SIGNER_DEPLOYMENT),
             (ROLE_BINDING, SIGNER_SERVICE_ACCOUNT),

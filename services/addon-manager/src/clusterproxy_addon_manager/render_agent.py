@@ -127,7 +127,7 @@ def agent_deployment(inputs: AgentInputs) -> dict[str, Any]:
         "automountServiceAccountToken": True,
         "terminationGracePeriodSeconds": 40,
         "securityContext": pod_security(),
-        "initContainers": [seed_ca_container(image)],
+        "initContainers": [seed_ca_container(image, cfg.agent_resources.as_dict())],
         "containers": [
             {
                 "name": "proxy-agent",
@@ -143,6 +143,7 @@ def agent_deployment(inputs: AgentInputs) -> dict[str, Any]:
                     "initialDelaySeconds": 10,
                     "periodSeconds": 10,
                 },
+                "resources": cfg.agent_resources.as_dict(),
                 "securityContext": restricted_container(),
                 "volumeMounts": mounts,
             }

@@ -14,7 +14,9 @@ Hub (namespace ``spec.proxyServer.namespace``), each owned by the ManagedProxyCo
   Service ``cluster-proxy-cert-signer`` and, for a LoadBalancerService entrypoint, the agents' way
   to it ``cluster-proxy-cert-signer-entrypoint``;
 - NetworkPolicies ``cluster-proxy`` and ``cluster-proxy-cert-signer``: each pod accepts its own ports
-  only (:func:`.render_workloads.network_policy`).
+  only (:func:`.render_workloads.network_policy`);
+- PodDisruptionBudget ``cluster-proxy``: the proxy-servers are evicted one at a time, and their
+  replicas are spread over nodes (:func:`.render_workloads.spread_over_nodes`).
 """
 
 from __future__ import annotations
@@ -51,10 +53,12 @@ from .render_workloads import (
     deployment,
     network_policy,
     placement,
+    pod_disruption_budget,
     pod_security,
     restricted_container,
     seed_ca_container,
     service,
+    spread_over_nodes,
     token_env,
 )
 
@@ -157,6 +161,7 @@ def hub_objects(inputs: HubInputs) -> list[dict[str, Any]]:
             [("https", cfg.signer_port, "https")],
         ),
         _server_deployment(inputs, meta),
+        pod_disruption_budget(meta(SERVER_DEPLOYMENT, "proxy-server"), "proxy-server"),
         service(
             meta(cfg.in_cluster_service_name, "proxy-server"),
             "ClusterIP",
@@ -221,6 +226,13 @@ def _signer_network_policy(meta: Any) -> dict[str, Any]:
 SERVER_SHUTDOWN_DELAY = 5
 SERVER_DRAIN = 30
 
+# The cert-signer's container: one Python process (cryptography, the Kubernetes client) that signs a
+# certificate per request; not in the MPC (nothing in it grows with the fleet but its request rate).
+SIGNER_RESOURCES: dict[str, Any] = {
+    "requests": {"cpu": "50m", "memory": "96Mi"},
+    "limits": {"cpu": "1", "memory": "256Mi"},
+}
+
 
 def _server_deployment(inputs: HubInputs, meta: Any) -> dict[str, Any]:
     cfg = inputs.cfg
@@ -243,7 +255,7 @@ def _server_deployment(inputs: HubInputs, meta: Any) -> dict[str, Any]:
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": SERVER_SHUTDOWN_DELAY + SERVER_DRAIN + 10,  # then 10 s to exit
         "securityContext": pod_security(),
-        "initContainers": [seed_ca_container(cfg.server_image)],
+        "initContainers": [seed_ca_container(cfg.server_image, cfg.server_resources.as_dict())],
         "containers": [
             {
                 "name": "proxy-server",
@@ -263,11 +275,15 @@ def _server_deployment(inputs: HubInputs, meta: Any) -> dict[str, Any]:
                     "initialDelaySeconds": 10,
                     "periodSeconds": 10,
                 },
+                # Its CPU limit is also its number of workers: --workers defaults to the cgroup's
+                # CPU quota rounded up (clusterproxy_server.workers.default_workers).
+                "resources": cfg.server_resources.as_dict(),
                 "securityContext": restricted_container(),
                 "volumeMounts": [{"name": "credentials", "mountPath": CREDENTIALS_DIR}],
             }
         ],
         "volumes": credential_volumes(SERVER_BOOTSTRAP_SECRET),
+        "topologySpreadConstraints": spread_over_nodes("proxy-server"),
         **placement(cfg.node_selector, cfg.tolerations),
     }
     return deployment(meta(SERVER_DEPLOYMENT, "proxy-server"), "proxy-server", cfg.server_replicas, pod_spec)
@@ -298,12 +314,26 @@ def _signer_deployment(inputs: HubInputs, meta: Any) -> dict[str, Any]:
                     "httpGet": {"path": "/healthz", "port": "https", "scheme": "HTTPS"},
                     "periodSeconds": 5,
                 },
+                "livenessProbe": {
+                    "httpGet": {"path": "/healthz", "port": "https", "scheme": "HTTPS"},
+                    "initialDelaySeconds": 10,
+                    "periodSeconds": 10,
+                },
+                "resources": {half: dict(values) for half, values in SIGNER_RESOURCES.items()},
                 "securityContext": restricted_container(),
-                "volumeMounts": [{"name": "signer-tls", "mountPath": "/var/run/cluster-proxy-signer"}],
+                "volumeMounts": [
+                    {"name": "signer-tls", "mountPath": "/var/run/cluster-proxy-signer"},
+                    {"name": "tmp", "mountPath": "/tmp"},
+                ],
             }
         ],
-        # its own serving certificate, issued at each start from the store's CA
-        "volumes": [{"name": "signer-tls", "emptyDir": {"medium": "Memory"}}],
+        "volumes": [
+            # its own serving certificate, issued at each start from the store's CA
+            {"name": "signer-tls", "emptyDir": {"medium": "Memory"}},
+            # `serve` makes a private scratch folder (tempfile) even with --tls-dir, and the root
+            # filesystem is read-only
+            {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
+        ],
         **placement(cfg.node_selector, cfg.tolerations),
     }
     return deployment(meta(SIGNER_DEPLOYMENT, "cert-signer"), "cert-signer", 1, pod_spec)

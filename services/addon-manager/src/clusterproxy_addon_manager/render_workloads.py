@@ -21,10 +21,12 @@ __all__ = [
     "deployment",
     "network_policy",
     "placement",
+    "pod_disruption_budget",
     "pod_security",
     "restricted_container",
     "seed_ca_container",
     "service",
+    "spread_over_nodes",
     "token_env",
 ]
 
@@ -47,9 +49,11 @@ def pod_security() -> dict[str, Any]:
     }
 
 
-def seed_ca_container(image: str) -> dict[str, Any]:
+def seed_ca_container(image: str, resources: Mapping[str, Any]) -> dict[str, Any]:
     """Copies the CA bundle into the writable credentials volume on a pod's first start only: after a
-    CA rotation the program's own copy is newer than the Secret's."""
+    CA rotation the program's own copy is newer than the Secret's. ``resources``: the main
+    container's, so a namespace quota or LimitRange finds them, and the pod's effective request (the
+    larger of its init and main containers') is the main container's."""
     return {
         "name": "seed-ca-bundle",
         "image": image,
@@ -59,6 +63,7 @@ def seed_ca_container(image: str) -> dict[str, Any]:
             "-c",
             f"test -s {CREDENTIALS_DIR}/{CA_KEY} || cp {BOOTSTRAP_DIR}/{CA_KEY} {CREDENTIALS_DIR}/{CA_KEY}",
         ],
+        "resources": dict(resources),
         "securityContext": restricted_container(),
         "volumeMounts": [
             {"name": "bootstrap", "mountPath": BOOTSTRAP_DIR, "readOnly": True},
@@ -88,6 +93,31 @@ def placement(node_selector: Sequence[tuple[str, str]], tolerations: Sequence[An
     if tolerations:
         spec["tolerations"] = [dict(t) for t in tolerations]
     return spec
+
+
+def spread_over_nodes(component: str) -> list[dict[str, Any]]:
+    """Replicas on different nodes where the scheduler can: a node lost or drained takes one, not
+    all. ``ScheduleAnyway``: a single-node cluster (or one full node) still runs every replica."""
+    return [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": pod_selector(component)},
+        }
+    ]
+
+
+def pod_disruption_budget(metadata: dict[str, Any], component: str) -> dict[str, Any]:
+    """A drain (or any eviction) takes one replica at a time: the next waits until the replaced one
+    is ready. ``maxUnavailable: 1`` rather than ``minAvailable``: it follows the replica count, and
+    a single replica can still be evicted (a drain never blocks on it)."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata,
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": pod_selector(component)}},
+    }
 
 
 def deployment(

@@ -1,8 +1,9 @@
 """The status the manager reports, and its writes: the ManagedProxyConfiguration's conditions and
-the ManagedClusterAddOns' (``ManifestApplied``, ``Available``, and the agent's namespace), each
-written only when a condition changed; and the conditions read from what the manager sees (a
-Deployment's replicas, the signer's records of the proxy-server's certificate, the work agent's
-``Applied`` on a ManifestWork, the availability poll)."""
+the ManagedClusterAddOns' (``ManifestApplied``, ``Available``, the agent's namespace and
+``healthCheck.mode: Customized``), each written only when one of them changed; and the conditions
+read from what the manager sees (a Deployment's replicas, the signer's records of the
+proxy-server's certificate, the work agent's ``Applied`` on a ManifestWork, the availability
+poll)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from .controller import Controller
 
 __all__ = [
+    "HEALTH_CHECK_MODE",
     "available",
     "deployment_condition",
     "manifest_applied",
@@ -32,6 +34,15 @@ __all__ = [
     "set_addon_status",
     "set_mpc_status",
 ]
+
+
+#: The ManagedClusterAddOn's ``status.healthCheck.mode``. OCM's registration agent judges an addon
+#: whose mode is anything else (``Lease``, or unset) by a Lease named after the addon in its install
+#: namespace on the managed cluster, and writes ``Available`` from it every 30 s; with ``Customized``
+#: it leaves ``Available`` to the addon's manager, as the addon-framework does for its health probers
+#: None, Work and DeploymentAvailability. Ours says whether a tunnel is up, which no lease can
+#: (docs/addon-manager.md, "Who judges the addon's health").
+HEALTH_CHECK_MODE = "Customized"
 
 
 def set_mpc_status(ctl: Controller, cfg: ProxyConfig, conditions: list[Condition]) -> None:
@@ -75,10 +86,16 @@ def set_addon_status(
         status = addon.get("status") or {}
         merged = merge_conditions(status.get("conditions"), conditions, now=ctl.now())
         same_namespace = namespace is None or status.get("namespace") == namespace
-        if same_conditions(merged, status.get("conditions")) and same_namespace:
+        health_check = status.get("healthCheck") or {}
+        same_mode = health_check.get("mode") == HEALTH_CHECK_MODE
+        if same_conditions(merged, status.get("conditions")) and same_namespace and same_mode:
             return
         body = copy.deepcopy(addon)
-        body["status"] = {**status, "conditions": merged}
+        body["status"] = {
+            **status,
+            "conditions": merged,
+            "healthCheck": {**health_check, "mode": HEALTH_CHECK_MODE},
+        }
         if namespace is not None:
             body["status"]["namespace"] = namespace
         try:
