@@ -24,8 +24,7 @@ from tests.support.clients import transfer
 from tests.support.nginx import Ingress, IngressRequest, missing, start_ingress
 from tests.support.pki import PkiFiles
 from tests.support.procs import Hub, Process, running_hub
-from tests.support.proxies import binary, start_tinyproxy
-from tests.support.proxies import missing as missing_proxy
+from tests.support.proxies import binary, missing as missing_proxy, start_tinyproxy
 from tests.support.targets import serve_digest
 
 pytestmark = pytest.mark.slow

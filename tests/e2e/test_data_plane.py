@@ -12,8 +12,13 @@ import trio
 from clusterproxy_sdk import open_tunnel
 from tests.support.pki import PkiFiles
 from tests.support.procs import Hub
-from tests.support.targets import digest_transfer as transfer
-from tests.support.targets import pattern, pattern_digest, serve_digest, serve_source
+from tests.support.targets import (
+    digest_transfer as transfer,
+    pattern,
+    pattern_digest,
+    serve_digest,
+    serve_source,
+)
 
 pytestmark = pytest.mark.slow
 MiB = 1 << 20

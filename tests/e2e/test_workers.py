@@ -21,8 +21,7 @@ from clusterproxy_sdk import open_tunnel
 from tests.support.certs import SignedHub, SignerProcess, count_events
 from tests.support.pki import PkiFiles
 from tests.support.procs import Hub, alive, http_get
-from tests.support.targets import Target, serve_digest
-from tests.support.targets import digest_transfer as transfer
+from tests.support.targets import Target, digest_transfer as transfer, serve_digest
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow

@@ -42,7 +42,7 @@ from clusterproxy_gateway.http import HTTPConnection
 from clusterproxy_gateway.inventory import ClusterToken
 from clusterproxy_gateway.proxy import ClusterProxy
 from clusterproxy_gateway.server import GatewayServer
-from clusterproxy_protocol.relay import relay
+from clusterproxy_protocol.relay import relay_streams
 from tests.support.fake_kubelet import running_fake_kubelet, serving_context
 from tests.support.gateway_rig import (
     CHUNK,
@@ -237,7 +237,7 @@ def test_exec_by_a_hub_user_without_rbac_on_the_proxy_is_the_hubs_403(rig: ExecR
 class Relayed:
     caller: trio.abc.Stream  # the aggregator's end
     cluster: trio.abc.Stream  # the managed kube-apiserver's end
-    done: trio.Event  # set when relay() returned
+    done: trio.Event  # set when relay_streams() returned
 
 
 async def _tls_pair(directory: Path) -> tuple[trio.SSLStream[Any], trio.SSLStream[Any]]:
@@ -255,7 +255,7 @@ async def _tls_pair(directory: Path) -> tuple[trio.SSLStream[Any], trio.SSLStrea
 
 @contextlib.asynccontextmanager
 async def _relayed(tmp_path: Path, tls: bool) -> AsyncIterator[Relayed]:
-    """relay() running between a caller and a cluster, as the gateway runs it: over TLS on both sides
+    """relay_streams() running between a caller and a cluster, as the gateway runs it: over TLS on both sides
     (what the gateway has) or over half-closeable streams."""
     if tls:
         caller, gateway_down = await _tls_pair(tmp_path / "down")
@@ -266,7 +266,7 @@ async def _relayed(tmp_path: Path, tls: bool) -> AsyncIterator[Relayed]:
     done = trio.Event()
 
     async def run() -> None:
-        await relay(gateway_down, gateway_up)
+        await relay_streams(gateway_down, gateway_up)
         done.set()
 
     with trio.fail_after(10):

@@ -14,7 +14,7 @@ from clusterproxy_agent.egress import parse_rule
 from clusterproxy_protocol import tls
 from clusterproxy_protocol.core import Role
 from clusterproxy_protocol.driver import IncomingRequest, open_mux
-from clusterproxy_protocol.relay import relay
+from clusterproxy_protocol.relay import relay_streams
 from clusterproxy_server.app import ProxyServer, ServerConfig
 from tests.support.pki import PkiFiles
 
@@ -59,7 +59,7 @@ async def run_wire_agent(
             return
         host, _, target_port = request.authority.rpartition(":")
         target = await trio.open_tcp_stream(host, int(target_port))
-        await relay(client=await request.accept(), target=target)
+        await relay_streams(client=await request.accept(), target=target)
 
     async with open_mux(stream, Role.ACCEPTOR, handler=handle) as mux:
         task_status.started(mux)

@@ -23,7 +23,7 @@ from clusterproxy_agent.tunnel import TunnelOptions, TunnelRunner, tls_opener
 from clusterproxy_protocol import tls
 from clusterproxy_protocol.core import Role
 from clusterproxy_protocol.driver import IncomingRequest, Mux, open_mux
-from clusterproxy_protocol.relay import relay
+from clusterproxy_protocol.relay import relay_streams
 from clusterproxy_protocol.wire import INFO_PATH
 from clusterproxy_sdk import TLSFiles
 from clusterproxy_server.app import ProxyServer
@@ -101,7 +101,7 @@ class RogueAgent:
         else:
             host, _, port = request.authority.rpartition(":")
             target = await trio.open_tcp_stream(host, int(port))
-            await relay(client=await request.accept(), target=target)
+            await relay_streams(client=await request.accept(), target=target)
 
     async def send_raw(self, data: bytes) -> None:
         """Bytes straight into the TLS stream, outside HTTP/2 framing."""

@@ -1651,8 +1651,7 @@ class AddonStack:
     def start(self, timeout: float = 90.0) -> AddonStack:
         from kubernetes import client
 
-        from tests.support.procs import BIN as VENV_BIN
-        from tests.support.procs import Process
+        from tests.support.procs import BIN as VENV_BIN, Process
 
         started = time.monotonic()
         install_mpc_crd(self.hub)

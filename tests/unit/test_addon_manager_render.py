@@ -20,8 +20,7 @@ from clusterproxy_agent.main import parse_settings as parse_agent
 from clusterproxy_certsigner.main import build_parser as signer_parser
 from clusterproxy_protocol.config import parse_args_or_exit
 from clusterproxy_protocol.pki import DevCA
-from clusterproxy_server.main import build_parser as server_parser
-from clusterproxy_server.main import config_from_args
+from clusterproxy_server.main import build_parser as server_parser, config_from_args
 from clusterproxy_server.workers import default_workers
 from tests.support.netpol import ANYWHERE, IN_CLUSTER, ingress_by_pod
 

@@ -6,8 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from clusterproxy_protocol.config import (
     ConfigError,

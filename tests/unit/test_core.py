@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from clusterproxy_protocol import events as ev
 from clusterproxy_protocol.core import Role, TunnelCore

@@ -11,8 +11,7 @@ import h2.config
 import h2.connection
 import h2.errors
 import hyperframe.frame
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from clusterproxy_protocol import events as ev
 from clusterproxy_protocol.core import Role, TunnelCore

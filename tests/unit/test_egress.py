@@ -6,8 +6,7 @@ import ipaddress
 import re
 
 import pytest
-from hypothesis import assume, given
-from hypothesis import strategies as st
+from hypothesis import assume, given, strategies as st
 
 from clusterproxy_agent.egress import (
     EgressPolicy,

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from clusterproxy_agent.main import parse_settings
 from clusterproxy_protocol.config import InvalidValue

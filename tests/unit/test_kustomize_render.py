@@ -469,8 +469,10 @@ def test_a_managed_overlay_of_your_own_replaces_settings_and_credentials(tmp_pat
 def test_the_hub_overlay_writes_nothing_the_addon_manager_writes() -> None:
     """The manager server-side applies its hub objects and the ClusterManagementAddOn with force: an
     object in the overlay too would flip between the two writers on every apply."""
-    from clusterproxy_addon_manager import render_hub as manager_render_hub
-    from clusterproxy_addon_manager import render_registration as manager_render_registration
+    from clusterproxy_addon_manager import (
+        render_hub as manager_render_hub,
+        render_registration as manager_render_registration,
+    )
     from clusterproxy_addon_manager.config import parse_mpc
     from clusterproxy_addon_manager.main import parse_settings as manager_settings
 
@@ -506,8 +508,7 @@ def test_the_manager_can_take_over_an_agent_installed_by_hand() -> None:
     """Same Deployment, namespace and selector as the agent the addon-manager writes into a
     ManifestWork: enabling the addon for a cluster installed by hand updates the agent in place (a
     Deployment's selector cannot change)."""
-    from clusterproxy_addon_manager import render as manager_render
-    from clusterproxy_addon_manager import render_agent as manager_render_agent
+    from clusterproxy_addon_manager import render as manager_render, render_agent as manager_render_agent
 
     objects = render(KUSTOMIZE / "overlays" / "managed")
     ours = only(objects, "Deployment")

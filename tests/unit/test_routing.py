@@ -5,8 +5,7 @@ from __future__ import annotations
 import base64
 
 import pytest
-from hypothesis import example, given
-from hypothesis import strategies as st
+from hypothesis import example, given, strategies as st
 
 from clusterproxy_protocol.errors import MalformedTarget
 from clusterproxy_protocol.wire import MalformedAddress, parse_authority

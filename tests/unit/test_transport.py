@@ -1,6 +1,6 @@
 """receive_batch and send_all: several TLS records per call, same bytes, same EOF and errors as trio,
 small messages without passing through the scheduler, fair to other tasks; read_in_bulk: a socket
-read 256 KiB at a time, that connection only, and by relay() on an end once it moves bulk."""
+read 256 KiB at a time, that connection only, and by relay_streams() on an end once it moves bulk."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import trio
 import trio.testing
 
 from clusterproxy_protocol import tls, transport, workarounds
-from clusterproxy_protocol.relay import relay
+from clusterproxy_protocol.relay import relay_streams
 from clusterproxy_protocol.transport import (
     BULK_SOCKET_READ,
     FAIR_EVERY,
@@ -142,7 +142,7 @@ async def test_a_relay_reads_its_tls_end_in_bulk(pki: PkiFiles) -> None:
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(send)
-        await relay(client=client, target=target)
+        await relay_streams(client=client, target=target)
     assert target.received.digest() == hashlib.sha256(payload).digest()
     assert max(target.sizes) > 64 << 10  # a 64 KiB socket read never yields more than 64 KiB at once
     assert client.transport_stream in transport._bulk_sockets
@@ -161,7 +161,7 @@ async def test_a_relay_of_small_messages_keeps_trios_reads(pki: PkiFiles) -> Non
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(send)
-        await relay(client=client, target=target)
+        await relay_streams(client=client, target=target)
     assert target.received.digest() == hashlib.sha256(b"".join(messages)).digest()
     assert client.transport_stream not in transport._bulk_sockets  # no big read, no 256 KiB buffer
 

@@ -30,12 +30,12 @@ __all__ = [
     "Authenticated",
     "PeerRoute",
     "Response",
-    "Route",
+    "AdminRoute",
     "metrics_response",
     "serve_admin",
 ]
 
-Route = Callable[[], Awaitable[Response] | Response]
+AdminRoute = Callable[[], Awaitable[Response] | Response]
 #: a route for an authenticated peer: it is handed the peer's verified certificate
 PeerRoute = Callable[[x509.Certificate], Awaitable[Response] | Response]
 
@@ -114,7 +114,7 @@ class Authenticated:
 
 async def serve_admin(
     listeners: list[trio.SocketListener],
-    routes: Mapping[str, Route],
+    routes: Mapping[str, AdminRoute],
     *,
     authenticated: Authenticated | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,

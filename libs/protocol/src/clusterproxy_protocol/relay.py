@@ -10,7 +10,7 @@ import trio
 from clusterproxy_protocol.closing import CLOSE_GRACE, abort, close_cleanly
 from clusterproxy_protocol.transport import read_in_bulk, receive_batch, send_all
 
-__all__ = ["CHUNK", "RelayResult", "relay"]
+__all__ = ["CHUNK", "RelayResult", "relay_streams"]
 
 CHUNK = 256 << 10
 # Toward a stream that says how much it takes now (``send_room``: a tunnel stream's flow-control
@@ -38,7 +38,7 @@ class RelayResult:
     error: str | None = None
 
 
-async def relay(client: trio.abc.Stream, target: trio.abc.Stream) -> RelayResult:
+async def relay_streams(client: trio.abc.Stream, target: trio.abc.Stream) -> RelayResult:
     """Relay between the stream toward the client and the stream toward the target until both
     directions ended, then close both streams.
 

@@ -27,10 +27,10 @@ from clusterproxy_protocol import (
     TunnelSettings,
     TunnelStream,
     client_context,
+    format_authority as wire_format_authority,
     open_mux,
     parse_hostport,
 )
-from clusterproxy_protocol import format_authority as wire_format_authority
 
 from ._reload import LoadedTLS, ReloadingTLSFiles
 

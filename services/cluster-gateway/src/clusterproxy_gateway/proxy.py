@@ -6,7 +6,7 @@ agent maps it to its own API server), TLS checked against the cluster's CA, the 
 bearer. The answer streams back as it comes (a watch, ``logs -f``), status and body unchanged: the managed
 cluster's own 403 reaches the caller as it was written there. An upgrade (``Connection: Upgrade``: a
 WebSocket or SPDY exec, attach, port-forward) goes the same way with its Upgrade header; a ``101`` goes
-back with its headers, then the shared :func:`~clusterproxy_protocol.relay.relay` carries bytes both ways; any other answer is an ordinary one.
+back with its headers, then the shared :func:`~clusterproxy_protocol.relay.relay_streams` carries bytes both ways; any other answer is an ordinary one.
 
 Whose identity the managed cluster sees: the cluster's service account (the token's, seed 004), or, in
 **caller** mode, the hub user the aggregator named, sent as ``Impersonate-User``/``-Group``/``-Extra-*``
