@@ -191,6 +191,7 @@ if TYPE_CHECKING:
         check_without_signer as check_without_signer,
         failure_in_log as failure_in_log,
         failure_on_stderr as failure_on_stderr,
+        listen_on as listen_on,
         run_service as run_service,
         serve_until_signalled as serve_until_signalled,
         signer_url as signer_url,

@@ -300,7 +300,10 @@ def _given_marker(dest: str) -> str:
     return f"_cluster_proxy_given_{dest}"
 
 
-class _Store(argparse._StoreAction):
+class _MarksGiven(argparse.Action):
+    """An action that marks its flag as given on the command line, so its environment twin does not
+    apply (:func:`parse_args_or_exit`); mixed in before argparse's own action."""
+
     def __call__(
         self,
         parser: argparse.ArgumentParser,
@@ -308,34 +311,26 @@ class _Store(argparse._StoreAction):
         values: Any,
         option_string: str | None = None,
     ) -> None:
+        self._first_use(namespace)
         super().__call__(parser, namespace, values, option_string)
         setattr(namespace, _given_marker(self.dest), True)
 
+    def _first_use(self, namespace: argparse.Namespace) -> None:
+        pass
 
-class _Append(argparse._AppendAction):
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
+
+class _Store(_MarksGiven, argparse._StoreAction):
+    pass
+
+
+class _Append(_MarksGiven, argparse._AppendAction):
+    def _first_use(self, namespace: argparse.Namespace) -> None:
         if not getattr(namespace, _given_marker(self.dest), False):
             setattr(namespace, self.dest, None)  # never append to the default list
-        super().__call__(parser, namespace, values, option_string)
-        setattr(namespace, _given_marker(self.dest), True)
 
 
-class _Switch(argparse.BooleanOptionalAction):
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        super().__call__(parser, namespace, values, option_string)
-        setattr(namespace, _given_marker(self.dest), True)
+class _Switch(_MarksGiven, argparse.BooleanOptionalAction):
+    pass
 
 
 def add_flag(

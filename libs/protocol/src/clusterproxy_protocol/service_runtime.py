@@ -41,6 +41,7 @@ from clusterproxy_protocol.certclient import CertFiles, Issued, SignerEndpoint
 from clusterproxy_protocol.config import ConfigError, InvalidValue, existing_file, parse_duration
 from clusterproxy_protocol.reloader import ReloadingContext
 from clusterproxy_protocol.renewer import CertRenewer, RenewalPolicy
+from clusterproxy_protocol.wire import format_authority
 
 __all__ = [
     "KNOWN_FAILURES",
@@ -52,6 +53,7 @@ __all__ = [
     "failure_in_log",
     "failure_on_stderr",
     "leaves",
+    "listen_on",
     "run_service",
     "serve_until_signalled",
     "signer_url",
@@ -71,6 +73,22 @@ SIGNER_HELP = (
     "bundle, all without "
 )
 DEFAULT_TRUST_REFRESH = 60.0  # RenewalPolicy's, and the flag's default "1m"
+
+# --- listening ----------------------------------------------------------------------------------------
+
+
+async def listen_on(flag: str, address: tuple[str, int]) -> tuple[list[trio.SocketListener], str]:
+    """trio's TCP listeners on ``address`` (host ``""``: every address) and the address they got, as
+    HOST:PORT (port 0 picks one); a port that cannot be had is a ConfigError naming ``flag``."""
+    host, port = address
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host or None)
+    except OSError as exc:
+        where = format_authority(host, port)
+        raise ConfigError(f"cannot listen on {flag} {where}: {exc.strerror or exc}") from None
+    bound = listeners[0].socket.getsockname()
+    return listeners, format_authority(str(bound[0]), int(bound[1]))
+
 
 # --- the certificate and signer flags ---------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from clusterproxy_protocol import (
     flag_adder,
     format_authority,
     get_logger,
+    listen_on,
     load_configuration,
     metrics_response,
     parse_args_or_exit,
@@ -479,14 +480,7 @@ class Manager:
                 return
 
     async def run(self, *, task_status: trio.TaskStatus[Manager] = trio.TASK_STATUS_IGNORED) -> None:
-        host, port = self.settings.admin_listen
-        try:
-            listeners = await trio.open_tcp_listeners(port, host=host or None)
-        except OSError as exc:
-            where = format_authority(*self.settings.admin_listen)
-            raise ConfigError(f"cannot listen on --admin-listen {where}: {exc.strerror or exc}") from None
-        sockname = listeners[0].socket.getsockname()
-        self.admin_address = format_authority(str(sockname[0]), int(sockname[1]))
+        listeners, self.admin_address = await listen_on("--admin-listen", self.settings.admin_listen)
         self.controller.enqueue = self._enqueue_from_any_thread(
             trio.lowlevel.current_trio_token(), threading.get_ident()
         )

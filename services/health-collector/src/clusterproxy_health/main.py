@@ -39,6 +39,7 @@ from clusterproxy_protocol import (
     flag_adder,
     format_authority,
     get_logger,
+    listen_on,
     metrics_response,
     parse_args_or_exit,
     parse_hostport,
@@ -260,15 +261,7 @@ async def serve(
     settings: CollectorSettings, *, task_status: trio.TaskStatus[Collector] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Listen, then run rounds until cancelled (SIGTERM or SIGINT in ``main``)."""
-    host, port = settings.listen
-    try:
-        listeners = await trio.open_tcp_listeners(port, host=host or None)
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot listen on --listen {format_authority(host, port)}: {exc.strerror or exc}"
-        ) from None
-    sockname = listeners[0].socket.getsockname()
-    address = format_authority(str(sockname[0]), int(sockname[1]))
+    listeners, address = await listen_on("--listen", settings.listen)
     read_addons = _addon_reader(settings)
 
     async def body(collector: Collector) -> None:

@@ -17,11 +17,10 @@ from clusterproxy_agent.replicas import ReplicaSet
 from clusterproxy_agent.tunnel import Opener, TunnelOptions, tls_opener, websocket_carrier
 from clusterproxy_protocol import (
     CertRenewer,
-    ConfigError,
     Response,
     certclient,
-    format_authority,
     get_logger,
+    listen_on,
     metrics_response,
     serve_admin,
     serve_until_signalled,
@@ -127,14 +126,7 @@ class Service:
         return Response.json(self.agent.describe_servers())
 
     async def run(self, *, task_status: trio.TaskStatus[Service] = trio.TASK_STATUS_IGNORED) -> None:
-        host, port = self.settings.admin_listen
-        try:
-            listeners = await trio.open_tcp_listeners(port, host=host or None)
-        except OSError as exc:
-            where = format_authority(*self.settings.admin_listen)
-            raise ConfigError(f"cannot listen on --admin-listen {where}: {exc.strerror or exc}") from None
-        sockname = listeners[0].socket.getsockname()
-        self.admin_address = format_authority(str(sockname[0]), int(sockname[1]))
+        listeners, self.admin_address = await listen_on("--admin-listen", self.settings.admin_listen)
         async with trio.open_nursery() as nursery:
             await nursery.start(
                 serve_admin,
