@@ -1,0 +1,311 @@
+"""The networks of the real nodes: a network namespace per node, joined to the machine by a veth pair,
+the rules that keep each node's pods to what the test lets them reach, and a snapshot of what a
+node's programs change on the machine (to check that teardown put it all back).
+
+Why a namespace per node: kube-proxy (iptables), kubelet and the CNI bridge each own machine-wide
+state (iptables chains named ``KUBE-SERVICES``, ports 10250/10256, a bridge). Three of them in one
+namespace would overwrite each other's rules; in its own namespace each node has its own, and
+deleting the namespace removes them all. The node's programs enter it with ``nsenter --net`` only
+(not ``ip netns exec``, which would also give each a mount namespace of its own: kubelet's volume
+mounts must be seen by containerd).
+
+Addresses: cluster ``i`` of a set gets ``10.250.<base+i>.0/24`` on its veth pair (``.1`` on the
+machine's side, where its kube-apiserver listens; ``.2`` the node's InternalIP), its pods
+``10.244.<base+i>.0/24`` on the node's bridge, its Services ``10.96.<base+i>.0/24``. Each node's
+namespace routes only to its own veth subnet, plus what :meth:`NodeNetworks.allow` adds: a managed
+cluster reaches the hub's veth subnet (the hub's API server, the hub node's NodePorts); one behind a
+forward proxy reaches only the proxy, which listens on its own veth address. Pods leave their node
+masqueraded as the node (the bridge plugin's ``ipMasq``), as pods leave a cloud VM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PREFIX = "cpn"  # every name we give a machine-wide object starts with it (netns, links, chains)
+SUBNETS = 60  # blocks of 4 /24s to choose a free one from, so two sessions never share addresses
+SYSCTLS = (
+    # kubelet sets the first three unless protectKernelDefaults (which would refuse to start instead)
+    "vm/overcommit_memory",
+    "kernel/panic",
+    "kernel/panic_on_oops",
+    "net/ipv4/ip_forward",
+    "net/bridge/bridge-nf-call-iptables",
+    "net/netfilter/nf_conntrack_max",
+)
+WATCHED_PATHS = (
+    "/var/lib/cni",
+    "/var/lib/kubelet",
+    "/var/log/containers",
+    "/var/log/pods",
+    "/run/containerd",
+    "/etc/cni",
+    "/opt/cni",
+)
+_CREATED = 0  # sets of nodes made by this process so far
+FOREIGN_LINKS = re.compile(r"^(veth|br-|docker)")  # Docker's, of other sessions of this machine
+FOREIGN_MOUNTS = re.compile(r"^(/var/lib/docker|/run/docker|/var/run/docker)")
+
+
+def run(*argv: str, check: bool = True, netns: str | None = None) -> subprocess.CompletedProcess[str]:
+    """A command on the machine (or in ``netns``); AssertionError with its output when it fails."""
+    command = [*in_netns(netns), *argv] if netns else list(argv)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if check:
+        assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}{done.stderr}"
+    return done
+
+
+def in_netns(netns: str) -> list[str]:
+    """The argv prefix that runs a program in the node's network namespace (and nothing else of it)."""
+    return ["nsenter", f"--net=/run/netns/{netns}", "--"]
+
+
+@dataclass
+class NodeNetwork:
+    """One node's namespace and addresses."""
+
+    cluster: str
+    netns: str
+    host_link: str
+    block: int
+
+    @property
+    def host_ip(self) -> str:
+        return f"10.250.{self.block}.1"
+
+    @property
+    def node_ip(self) -> str:
+        return f"10.250.{self.block}.2"
+
+    @property
+    def veth_subnet(self) -> str:
+        return f"10.250.{self.block}.0/24"
+
+    @property
+    def pod_subnet(self) -> str:
+        return f"10.244.{self.block}.0/24"
+
+    @property
+    def service_subnet(self) -> str:
+        return f"10.96.{self.block}.0/24"
+
+    @property
+    def kubernetes_service_ip(self) -> str:
+        return f"10.96.{self.block}.1"
+
+    @property
+    def dns_service_ip(self) -> str:
+        return f"10.96.{self.block}.10"
+
+
+def _used_blocks() -> set[int]:
+    shown = run("ip", "-o", "-4", "addr", "show").stdout
+    return {int(m) for m in re.findall(r"inet 10\.250\.(\d+)\.", shown)}
+
+
+@dataclass
+class NodeNetworks:
+    """The namespaces of a set of nodes (``clusters`` in order), their veths, and the machine's
+    forwarding rules between them; :meth:`remove` deletes all of it."""
+
+    tag: str
+    clusters: tuple[str, ...]
+    nodes: dict[str, NodeNetwork] = field(default_factory=dict)
+    chain: str = ""
+    _rules: list[list[str]] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, clusters: Iterable[str]) -> NodeNetworks:
+        names = tuple(clusters)
+        used = _used_blocks()
+        base = next(
+            (4 * b for b in range(SUBNETS) if not used & set(range(4 * b, 4 * b + 4))),
+            None,
+        )
+        assert base is not None, "no free 10.250.x.0/24 block for the nodes"
+        global _CREATED
+        _CREATED += 1
+        tag = f"{os.getpid() % 0xFFF:03x}{_CREATED % 16:x}"  # unique on the machine while we run
+        networks = cls(tag=tag, clusters=names, chain=f"{PREFIX.upper()}-{tag}")
+        try:
+            for index, name in enumerate(names):
+                networks._add_node(name, base + index, index)
+            networks._host_rules()
+        except BaseException:
+            networks.remove()
+            raise
+        return networks
+
+    def _add_node(self, cluster: str, block: int, index: int) -> None:
+        netns = f"{PREFIX}-{self.tag}-{cluster}"
+        host_link = f"{PREFIX}{self.tag}{index}"  # at most 15 characters
+        node = NodeNetwork(cluster=cluster, netns=netns, host_link=host_link, block=block)
+        self.nodes[cluster] = node
+        run("ip", "netns", "add", netns)
+        run("ip", "link", "add", host_link, "type", "veth", "peer", "name", host_link + "n")
+        run("ip", "link", "set", host_link + "n", "netns", netns)
+        run("ip", "addr", "add", f"{node.host_ip}/24", "dev", host_link)
+        run("ip", "link", "set", host_link, "up")
+        run("ip", "link", "set", host_link + "n", "name", "eth0", netns=netns)
+        run("ip", "addr", "add", f"{node.node_ip}/24", "dev", "eth0", netns=netns)
+        run("ip", "link", "set", "eth0", "up", netns=netns)
+        run("ip", "link", "set", "lo", "up", netns=netns)
+        # the node forwards its pods' traffic (its own copy of the sysctl: the machine's is untouched)
+        run("sysctl", "-qw", "net.ipv4.ip_forward=1", netns=netns)
+        run("sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1", netns=netns, check=False)
+
+    def _host_rules(self) -> None:
+        """Our chain, first in the machine's FORWARD: what :meth:`allow` allows between nodes, and
+        nothing else to or from our links (pods never reach the machine's uplink)."""
+        run("iptables", "-w", "-N", self.chain)
+        run("iptables", "-w", "-I", "FORWARD", "1", "-j", self.chain)
+        run("iptables", "-w", "-A", self.chain, "-i", f"{PREFIX}{self.tag}+", "-j", "DROP")
+        run("iptables", "-w", "-A", self.chain, "-o", f"{PREFIX}{self.tag}+", "-j", "DROP")
+
+    def allow(self, source: str, destination: str) -> None:
+        """Let ``source``'s node (and its pods, masqueraded as it) reach ``destination``'s veth subnet:
+        its kube-apiserver on the machine side and its node's NodePorts."""
+        src, dst = self.nodes[source], self.nodes[destination]
+        run("ip", "route", "add", dst.veth_subnet, "via", src.host_ip, netns=src.netns)
+        run("ip", "route", "add", src.veth_subnet, "via", dst.host_ip, netns=dst.netns)
+        replies = ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED"]
+        for rule in (
+            ["-i", src.host_link, "-o", dst.host_link, "-j", "ACCEPT"],
+            ["-i", dst.host_link, "-o", src.host_link, *replies, "-j", "ACCEPT"],
+        ):
+            run("iptables", "-w", "-I", self.chain, "1", *rule)
+
+    def remove(self) -> None:
+        """Delete the namespaces (their links, routes and iptables go with them) and our chain."""
+        for node in self.nodes.values():
+            run("ip", "netns", "del", node.netns, check=False)
+            run("ip", "link", "del", node.host_link, check=False)  # gone with its peer already
+        if self.chain:
+            run("iptables", "-w", "-D", "FORWARD", "-j", self.chain, check=False)
+            run("iptables", "-w", "-F", self.chain, check=False)
+            run("iptables", "-w", "-X", self.chain, check=False)
+
+
+def release_netns_folder(mounts_before: list[str], existed_before: bool) -> None:
+    """``ip netns add`` makes ``/run/netns`` a mount point (and the folder): undone once empty, if it
+    was not so before."""
+    folder = Path("/run/netns")
+    if not folder.exists() or any(folder.iterdir()):
+        return
+    if str(folder) not in mounts_before:
+        run("umount", str(folder), check=False)
+    if not existed_before:
+        folder.rmdir()
+
+
+# --- what the machine looks like ---------------------------------------------------------------------
+
+
+def read_sysctls() -> dict[str, str]:
+    values = {}
+    for name in SYSCTLS:
+        path = Path("/proc/sys") / name
+        values[name] = path.read_text().strip() if path.exists() else "(absent)"
+    return values
+
+
+def restore_sysctls(values: dict[str, str]) -> None:
+    for name, value in values.items():
+        path = Path("/proc/sys") / name
+        if value != "(absent)" and path.exists() and path.read_text().strip() != value:
+            path.write_text(value + "\n")
+
+
+def _listing(root: str) -> list[str]:
+    top = Path(root)
+    if not top.exists():
+        return []
+    return sorted([root, *(str(p) for p in top.rglob("*"))])
+
+
+def machine_state() -> dict[str, object]:
+    """What a node may change on the machine, without what other sessions' Docker changes meanwhile:
+    iptables rules, links, addresses, routes, network namespaces, mounts, top-level cgroups,
+    kubelet's sysctls and the paths kubelet, containerd and CNI write outside their folders."""
+    iptables = [
+        line
+        for table in ("filter", "nat", "mangle", "raw")
+        for line in run("iptables-save", "-t", table).stdout.splitlines()
+        if re.search(r"KUBE-|CNI-|cpn|CPN-|10\.250\.|10\.244\.|10\.96\.", line)
+    ]
+    links = sorted(
+        name
+        for name in re.findall(r"^\d+: ([^:@]+)", run("ip", "-o", "link").stdout, re.M)
+        if not FOREIGN_LINKS.match(name)
+    )
+    addresses = sorted(re.findall(r"inet6? (\S+)", run("ip", "-o", "addr").stdout))
+    routes = sorted(
+        line
+        for line in run("ip", "route").stdout.splitlines()
+        if not re.search(r"\b(docker\d*|br-\w+)\b", line)
+    )
+    mounts = sorted(
+        point
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if not FOREIGN_MOUNTS.match(point := line.split()[4])
+    )
+    cgroups = sorted(
+        str(child)
+        for hierarchy in Path("/sys/fs/cgroup").iterdir()
+        if hierarchy.is_dir()
+        for child in hierarchy.iterdir()
+        if child.is_dir()
+    )
+    netns_folder = Path("/run/netns")
+    netns = sorted(p.name for p in netns_folder.iterdir()) if netns_folder.exists() else ["(no folder)"]
+    return {
+        "iptables": iptables,
+        "links": links,
+        "addresses": addresses,
+        "routes": routes,
+        "mounts": mounts,
+        "cgroups": cgroups,
+        "netns": netns,
+        "sysctls": read_sysctls(),
+        "paths": {root: _listing(root) for root in WATCHED_PATHS},
+        "node state": sorted(str(p) for p in Path("/var/lib").glob(f"{PREFIX}-*")),
+    }
+
+
+def differences(before: dict[str, object], after: dict[str, object]) -> dict[str, object]:
+    """What changed between two :func:`machine_state` snapshots (empty when nothing did)."""
+    changed: dict[str, object] = {}
+    for key, old in before.items():
+        new = after[key]
+        if old == new:
+            continue
+        if isinstance(old, list) and isinstance(new, list):
+            changed[key] = {"added": sorted(set(new) - set(old)), "removed": sorted(set(old) - set(new))}
+        else:
+            changed[key] = {"before": old, "after": new}
+    return changed
+
+
+# --- a forward proxy in front of a node --------------------------------------------------------------
+
+
+def tinyproxy_config(path: Path, listen: str, port: int, connect_ports: Iterable[int]) -> Path:
+    """tinyproxy's configuration for a node behind a forward proxy: it listens on the node's veth
+    address on the machine's side, and CONNECTs only to ``connect_ports``."""
+    lines = [
+        f"Port {port}",
+        f"Listen {listen}",
+        "Timeout 600",
+        "LogLevel Info",
+        "MaxClients 100",
+        "DisableViaHeader Yes",
+        *(f"ConnectPort {p}" for p in connect_ports),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
