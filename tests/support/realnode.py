@@ -42,6 +42,7 @@ API_PORT = 6443  # each API server listens on its own veth address: the same por
 POLL = 0.1
 READY_TIMEOUT = 90.0
 TEARDOWN_TIMEOUT = 45.0
+NODE_PROGRAMS = ("kube-apiserver", "containerd", "kubelet", "kube-proxy")  # stopped last at teardown
 
 
 @dataclass
@@ -111,6 +112,13 @@ class RealCluster:
         argv = [*in_netns(self.network.netns), *argv] if in_node else argv
         process = ServerProcess(f"{self.name}-{name}", argv, self.directory)
         self.processes[name] = process
+        return process
+
+    def start_program(self, name: str, argv: list[str]) -> ServerProcess:
+        """Another program on the node (in its network namespace), logging to ``<name>.log``,
+        stopped before the node at teardown."""
+        process = self._process(name, argv)
+        process.start()
         return process
 
     def kubectl(
@@ -413,9 +421,9 @@ class RealCluster:
     def delete_pods(self, timeout: float = TEARDOWN_TIMEOUT) -> None:
         """Every pod deleted through kubelet (so that CNI DEL runs and the sandboxes stop), with the
         controllers stopped first (no replacement pods)."""
-        for name in ("kube-controller-manager", "kube-scheduler"):
-            if name in self.processes:
-                self.processes[name].stop()
+        for name, process in self.processes.items():
+            if name not in NODE_PROGRAMS:
+                process.stop()  # controllers and added programs: nothing makes new pods
         kubelet = self.processes.get("kubelet")
         if kubelet is None or not kubelet.running or not self.processes["kube-apiserver"].running:
             return
@@ -430,9 +438,9 @@ class RealCluster:
     def stop_node(self) -> None:
         """kube-proxy and kubelet, then containerd and the shims it leaves, then every mount under the
         cluster's folder and its cgroups."""
-        for name in ("kube-proxy", "kubelet", "kube-controller-manager", "kube-scheduler"):
-            if name in self.processes:
-                self.processes[name].stop()
+        for name, process in self.processes.items():
+            if name not in ("kube-apiserver", "containerd"):
+                process.stop()
         if "containerd" in self.processes:
             self.processes["containerd"].stop()
         self._kill_leftovers()
