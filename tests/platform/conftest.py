@@ -1,3 +1,3 @@
-"""Tests on real Kubernetes nodes (``-m platform``; see tests/support/platform.py)."""
+"""Tests on real Kubernetes nodes (``-m platform``; see tests/support/platform_layer.py)."""
 
-from tests.support.platform import *  # noqa: F403
+from tests.support.platform_layer import *  # noqa: F403

@@ -20,8 +20,11 @@ masqueraded as the node (the bridge plugin's ``ipMasq``), as pods leave a cloud 
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -38,15 +41,17 @@ SYSCTLS = (
     "net/bridge/bridge-nf-call-iptables",
     "net/netfilter/nf_conntrack_max",
 )
+# Not /run/containerd: every containerd 1.6 shim (Docker's too, of other sessions) keeps its socket
+# in /run/containerd/s and removes it when it exits; ours exit with their pods.
 WATCHED_PATHS = (
     "/var/lib/cni",
     "/var/lib/kubelet",
     "/var/log/containers",
     "/var/log/pods",
-    "/run/containerd",
     "/etc/cni",
     "/opt/cni",
 )
+BEFORE_FILE = "machine-before.json"  # in a set's state folder: the machine as it found it
 _CREATED = 0  # sets of nodes made by this process so far
 FOREIGN_LINKS = re.compile(r"^(veth|br-|docker)")  # Docker's, of other sessions of this machine
 FOREIGN_MOUNTS = re.compile(r"^(/var/lib/docker|/run/docker|/var/run/docker)")
@@ -222,6 +227,22 @@ def restore_sysctls(values: dict[str, str]) -> None:
             path.write_text(value + "\n")
 
 
+def restore_paths(before: dict[str, list[str]]) -> None:
+    """Remove what appeared under the watched paths since ``before`` (a :func:`machine_state`'s
+    ``paths``): what kubelet, containerd and the CNI plugins write outside the session's folders."""
+    for root, listing in before.items():
+        now = set(_listing(root))
+        new = now - set(listing)
+        for path in sorted(new, key=len):
+            if any(path.startswith(parent + "/") for parent in new):
+                continue  # goes with its new parent
+            target = Path(path)
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target, ignore_errors=True)
+            else:
+                target.unlink(missing_ok=True)
+
+
 def _listing(root: str) -> list[str]:
     top = Path(root)
     if not top.exists():
@@ -309,3 +330,85 @@ def tinyproxy_config(path: Path, listen: str, port: int, connect_ports: Iterable
     ]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+# --- after an interrupted run ---------------------------------------------------------------------
+
+
+def clean_leftovers() -> list[str]:
+    """Remove what a killed test session's nodes left (everything named with :data:`PREFIX`):
+    their processes (found by our paths on their command line or by our cgroups), mounts, cgroups,
+    namespaces (theirs and their pods'), links, FORWARD chains, state folders, CNI results and log
+    links; kubelet's sysctls and the folders it made outside (``/var/lib/kubelet``, ...) are put back
+    as the killed set's own record (:data:`BEFORE_FILE`) says the machine was. Returns what was
+    removed."""
+    removed: list[str] = []
+    state = "/var/lib/" + PREFIX + "-"
+    markers = (state.encode(), f"/run/netns/{PREFIX}-".encode())
+    pids: set[int] = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and any(m in (proc / "cmdline").read_bytes() for m in markers):
+                pids.add(int(proc.name))
+        except OSError:
+            continue
+    for procs in Path("/sys/fs/cgroup/memory").glob(f"{PREFIX}-*/**/cgroup.procs"):
+        pids.update(int(p) for p in procs.read_text().split())
+    pids.discard(os.getpid())
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            removed.append(f"process {pid}")
+        except ProcessLookupError:
+            pass
+    points = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    for point in sorted((p for p in points if p.startswith(state)), key=len, reverse=True):
+        run("umount", "-l", point, check=False)
+        removed.append(f"mount {point}")
+    for top in Path("/sys/fs/cgroup").glob(f"*/{PREFIX}-*"):
+        for folder in sorted(
+            (p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
+        ):
+            folder.rmdir()
+        top.rmdir()
+        removed.append(f"cgroup {top}")
+    netns_folder = Path("/run/netns")
+    for netns in sorted(netns_folder.glob(f"{PREFIX}-*")) if netns_folder.exists() else []:
+        run("ip", "netns", "del", netns.name, check=False)
+        removed.append(f"netns {netns.name}")
+    for link in re.findall(rf"^\d+: ({PREFIX}[^:@]+)", run("ip", "-o", "link").stdout, re.M):
+        run("ip", "link", "del", link, check=False)
+        removed.append(f"link {link}")
+    for chain in re.findall(rf"^:({PREFIX.upper()}-\S+)", run("iptables-save", "-t", "filter").stdout, re.M):
+        while run("iptables", "-w", "-D", "FORWARD", "-j", chain, check=False).returncode == 0:
+            pass
+        run("iptables", "-w", "-F", chain, check=False)
+        run("iptables", "-w", "-X", chain, check=False)
+        removed.append(f"chain {chain}")
+    for netns in sorted(netns_folder.glob("cni-*")) if netns_folder.exists() else []:
+        # a pod's namespace (only a CRI containerd makes cni-*): left with no process by a killed node
+        if not run("ip", "netns", "pids", netns.name, check=False).stdout.strip():
+            run("ip", "netns", "del", netns.name, check=False)
+            removed.append(f"netns {netns.name}")
+    results = Path("/var/lib/cni/results")
+    for result in sorted(results.glob(f"{PREFIX}-*")) if results.exists() else []:
+        container = result.name.rsplit("-", 1)[0].rsplit("-", 1)[-1]
+        for path in (result, *results.glob(f"cni-loopback-{container}-*")):
+            path.unlink(missing_ok=True)
+            removed.append(f"file {path}")
+    for log in Path("/var/log/containers").glob("*.log"):
+        if log.is_symlink() and os.readlink(log).startswith(state):
+            log.unlink()
+            removed.append(f"file {log}")
+    for before_file in sorted(
+        Path("/var/lib").glob(f"{PREFIX}-*/{BEFORE_FILE}"), key=lambda p: p.stat().st_mtime
+    ):
+        before = json.loads(before_file.read_text())
+        restore_sysctls(before["sysctls"])
+        restore_paths(before["paths"])
+        removed.append(f"sysctls and paths as {before_file} found them")
+        break  # the oldest set saw the machine before any of them
+    for folder in Path("/var/lib").glob(f"{PREFIX}-*"):
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(f"folder {folder}")
+    return removed

@@ -18,6 +18,7 @@ Try it by hand: ``python -m tests.support.realclusters up`` (runs until Ctrl-C).
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import signal
 import tempfile
@@ -90,6 +91,9 @@ class RealClusters:
         # unix sockets (containerd's, kubelet's) need paths under 104 bytes: a test's tmp folder is
         # longer, so the nodes keep their state here (logs and configs stay in ``directory``)
         self.state = Path("/var/lib") / f"{nodenet.PREFIX}-{self.network.tag}"
+        self.state.mkdir(parents=True)
+        # for `clean` after a killed session: what to put back
+        (self.state / nodenet.BEFORE_FILE).write_text(json.dumps(self.before))
         if HUB in self.names:
             for managed in (DIRECT,):
                 if managed in self.names:
@@ -170,25 +174,10 @@ class RealClusters:
         step(lambda: nodenet.restore_sysctls(self.before["sysctls"]))  # type: ignore[arg-type]
         if self.state is not None:
             step(lambda: shutil.rmtree(self.state, ignore_errors=True))  # type: ignore[arg-type]
-        step(self._restore_paths)
+        step(lambda: nodenet.restore_paths(self.before["paths"]))  # type: ignore[arg-type]
         self.timings["down"] = time.monotonic() - started
         if errors:
             raise errors[0]
-
-    def _restore_paths(self) -> None:
-        """Remove what kubelet and containerd created outside our folder (``/var/lib/cni``,
-        ``/var/log/containers``, ``/var/lib/kubelet/device-plugins``, ``/run/containerd``, ...)."""
-        before: dict[str, list[str]] = self.before["paths"]  # type: ignore[assignment]
-        for root, listing in before.items():
-            existed = set(listing)
-            now = nodenet._listing(root)
-            for path in sorted(set(now) - existed, key=len):
-                if not any(path.startswith(parent + "/") for parent in set(now) - existed if parent != path):
-                    target = Path(path)
-                    if target.is_dir() and not target.is_symlink():
-                        shutil.rmtree(target, ignore_errors=True)
-                    else:
-                        target.unlink(missing_ok=True)
 
     def __enter__(self) -> RealClusters:
         try:
@@ -231,8 +220,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="run the hub, cluster1 and cluster2 with real nodes until Ctrl-C")
     up.add_argument("--dir", type=Path, help="state directory (default: a new temporary one)")
+    commands.add_parser("clean", help="remove what an interrupted session's nodes left on the machine")
     args = parser.parse_args(argv)
-    _up_command(args.dir)
+    if args.command == "clean":
+        for line in nodenet.clean_leftovers() or ["nothing left"]:
+            print(line)
+    else:
+        _up_command(args.dir)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 ``real_clusters`` fixture, the build before the first test, and the ``platform`` marker's rule that
 keeps these tests out of every run that does not ask for them (``-m platform``).
 
-Use from a conftest: ``from tests.support.platform import *  # noqa: F403``.
+Use from a conftest: ``from tests.support.platform_layer import *  # noqa: F403``.
 """
 
 from __future__ import annotations
