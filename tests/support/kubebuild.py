@@ -267,7 +267,7 @@ def busybox() -> Path:
 
 
 def _everything() -> list[tuple[str, Callable[[], object]]]:
-    from tests.support import kubeapi, ocmbuild
+    from tests.support import kubeapi, nodeimages, ocmbuild
 
     return [
         (f"etcd {kubeapi.ETCD_VERSION}", kubeapi.etcd_binary),
@@ -278,6 +278,7 @@ def _everything() -> list[tuple[str, Callable[[], object]]]:
         ("pause", pause_binary),
         ("containerd, runc", container_runtime),
         ("busybox", busybox),
+        ("node images (pause, busybox, CoreDNS)", lambda: nodeimages.all_images()[0].parent),
         (f"OCM {ocmbuild.OCM_VERSION}", ocmbuild.ocm_binaries),
         (f"OCM {ocmbuild.OCM_VERSION} CRDs", lambda: ocmbuild.hub_crds()[0].parent),
     ]

@@ -12,10 +12,11 @@ mounts must be seen by containerd).
 Addresses: cluster ``i`` of a set gets ``10.250.<base+i>.0/24`` on its veth pair (``.1`` on the
 machine's side, where its kube-apiserver listens; ``.2`` the node's InternalIP), its pods
 ``10.244.<base+i>.0/24`` on the node's bridge, its Services ``10.96.<base+i>.0/24``. Each node's
-namespace routes only to its own veth subnet, plus what :meth:`NodeNetworks.allow` adds: a managed
-cluster reaches the hub's veth subnet (the hub's API server, the hub node's NodePorts); one behind a
-forward proxy reaches only the proxy, which listens on its own veth address. Pods leave their node
-masqueraded as the node (the bridge plugin's ``ipMasq``), as pods leave a cloud VM.
+namespace routes only to its own veth subnet, and our chains first in the machine's INPUT and
+FORWARD let it reach only its own API server, plus what :meth:`NodeNetworks.allow` adds (a managed
+cluster reaches the hub's API server and the hub node's NodePorts) and :meth:`NodeNetworks.open_port`
+(a node behind a forward proxy reaches the proxy, which listens on its own veth address). Pods leave
+their node masqueraded as the node (the bridge plugin's ``ipMasq``), as pods leave a cloud VM.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PREFIX = "cpn"  # every name we give a machine-wide object starts with it (netns, links, chains)
+API_PORT = 6443  # each API server listens on its own veth address: the same port for all
+NODE_PORTS = "30000:32767"
 SUBNETS = 60  # blocks of 4 /24s to choose a free one from, so two sessions never share addresses
 SYSCTLS = (
     # kubelet sets the first three unless protectKernelDefaults (which would refuse to start instead)
@@ -122,7 +125,8 @@ class NodeNetworks:
     tag: str
     clusters: tuple[str, ...]
     nodes: dict[str, NodeNetwork] = field(default_factory=dict)
-    chain: str = ""
+    chain: str = ""  # in FORWARD
+    input_chain: str = ""  # in INPUT
     _rules: list[list[str]] = field(default_factory=list)
 
     @classmethod
@@ -137,7 +141,9 @@ class NodeNetworks:
         global _CREATED
         _CREATED += 1
         tag = f"{os.getpid() % 0xFFF:03x}{_CREATED % 16:x}"  # unique on the machine while we run
-        networks = cls(tag=tag, clusters=names, chain=f"{PREFIX.upper()}-{tag}")
+        networks = cls(
+            tag=tag, clusters=names, chain=f"{PREFIX.upper()}-{tag}", input_chain=f"{PREFIX.upper()}-{tag}-IN"
+        )
         try:
             for index, name in enumerate(names):
                 networks._add_node(name, base + index, index)
@@ -166,22 +172,42 @@ class NodeNetworks:
         run("sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1", netns=netns, check=False)
 
     def _host_rules(self) -> None:
-        """Our chain, first in the machine's FORWARD: what :meth:`allow` allows between nodes, and
-        nothing else to or from our links (pods never reach the machine's uplink)."""
-        run("iptables", "-w", "-N", self.chain)
-        run("iptables", "-w", "-I", "FORWARD", "1", "-j", self.chain)
-        run("iptables", "-w", "-A", self.chain, "-i", f"{PREFIX}{self.tag}+", "-j", "DROP")
-        run("iptables", "-w", "-A", self.chain, "-o", f"{PREFIX}{self.tag}+", "-j", "DROP")
+        """Our two chains, first in the machine's FORWARD and INPUT: a node reaches its own API
+        server, and what :meth:`allow` and :meth:`open_port` add; nothing else from our links (no
+        other node, none of the machine's own services, never its uplink)."""
+        ours = f"{PREFIX}{self.tag}+"
+        for chain, hook in ((self.chain, "FORWARD"), (self.input_chain, "INPUT")):
+            run("iptables", "-w", "-N", chain)
+            run("iptables", "-w", "-I", hook, "1", "-j", chain)
+        run("iptables", "-w", "-A", self.chain, "-i", ours, "-j", "DROP")
+        run("iptables", "-w", "-A", self.chain, "-o", ours, "-j", "DROP")
+        replies = ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]
+        run("iptables", "-w", "-A", self.input_chain, "-i", ours, *replies)
+        for node in self.nodes.values():
+            self._accept_input(node, node.host_ip, API_PORT)
+        run("iptables", "-w", "-A", self.input_chain, "-i", ours, "-j", "DROP")
+
+    def _accept_input(self, source: NodeNetwork, address: str, port: int) -> None:
+        rule = ["-i", source.host_link, "-d", address, "-p", "tcp", "--dport", str(port), "-j", "ACCEPT"]
+        run("iptables", "-w", "-I", self.input_chain, "1", *rule)
+
+    def open_port(self, cluster: str, port: int) -> None:
+        """Let ``cluster``'s node reach TCP ``port`` on its own veth address on the machine's side
+        (where a forward proxy for it listens)."""
+        node = self.nodes[cluster]
+        self._accept_input(node, node.host_ip, port)
 
     def allow(self, source: str, destination: str) -> None:
-        """Let ``source``'s node (and its pods, masqueraded as it) reach ``destination``'s veth subnet:
-        its kube-apiserver on the machine side and its node's NodePorts."""
+        """Let ``source``'s node (and its pods, masqueraded as it) reach ``destination``'s API server
+        and its node's NodePorts, as a user's network exposes a hub to its managed clusters."""
         src, dst = self.nodes[source], self.nodes[destination]
         run("ip", "route", "add", dst.veth_subnet, "via", src.host_ip, netns=src.netns)
         run("ip", "route", "add", src.veth_subnet, "via", dst.host_ip, netns=dst.netns)
+        self._accept_input(src, dst.host_ip, API_PORT)
         replies = ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED"]
+        node_ports = ["-d", dst.node_ip, "-p", "tcp", "--dport", NODE_PORTS]
         for rule in (
-            ["-i", src.host_link, "-o", dst.host_link, "-j", "ACCEPT"],
+            ["-i", src.host_link, "-o", dst.host_link, *node_ports, "-j", "ACCEPT"],
             ["-i", dst.host_link, "-o", src.host_link, *replies, "-j", "ACCEPT"],
         ):
             run("iptables", "-w", "-I", self.chain, "1", *rule)
@@ -191,10 +217,11 @@ class NodeNetworks:
         for node in self.nodes.values():
             run("ip", "netns", "del", node.netns, check=False)
             run("ip", "link", "del", node.host_link, check=False)  # gone with its peer already
-        if self.chain:
-            run("iptables", "-w", "-D", "FORWARD", "-j", self.chain, check=False)
-            run("iptables", "-w", "-F", self.chain, check=False)
-            run("iptables", "-w", "-X", self.chain, check=False)
+        for chain, hook in ((self.chain, "FORWARD"), (self.input_chain, "INPUT")):
+            if chain:
+                run("iptables", "-w", "-D", hook, "-j", chain, check=False)
+                run("iptables", "-w", "-F", chain, check=False)
+                run("iptables", "-w", "-X", chain, check=False)
 
 
 def release_netns_folder(mounts_before: list[str], existed_before: bool) -> None:
@@ -380,7 +407,8 @@ def clean_leftovers() -> list[str]:
         run("ip", "link", "del", link, check=False)
         removed.append(f"link {link}")
     for chain in re.findall(rf"^:({PREFIX.upper()}-\S+)", run("iptables-save", "-t", "filter").stdout, re.M):
-        while run("iptables", "-w", "-D", "FORWARD", "-j", chain, check=False).returncode == 0:
+        hook = "INPUT" if chain.endswith("-IN") else "FORWARD"
+        while run("iptables", "-w", "-D", hook, "-j", chain, check=False).returncode == 0:
             pass
         run("iptables", "-w", "-F", chain, check=False)
         run("iptables", "-w", "-X", chain, check=False)

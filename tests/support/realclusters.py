@@ -1,9 +1,9 @@
 """Three real clusters at once for tests: a hub and two managed clusters (:mod:`tests.support.realnode`),
 each with its own node, over one etcd, with separate pod networks:
 
-- ``cluster1``'s node (and its pods, masqueraded as it) reaches the hub's veth subnet: the hub's
-  kube-apiserver and the hub node's NodePorts, as a user's load balancer would expose them; nothing
-  else of the hub (no pod or Service address);
+- ``cluster1``'s node (and its pods, masqueraded as it) reaches the hub's kube-apiserver and the
+  hub node's NodePorts, as a user's load balancer would expose them; nothing else of the hub (no
+  pod or Service address, not its kubelet);
 - ``cluster2``'s reaches nothing of the hub directly, only a forward proxy (tinyproxy) that listens on
   its own veth address on the machine's side and CONNECTs to the hub's API server and NodePorts.
 
@@ -30,7 +30,8 @@ from pathlib import Path
 
 from tests.support import kubeapi, kubebuild, nodeimages, nodenet
 from tests.support.kubeapi import Etcd, ServerProcess
-from tests.support.realnode import API_PORT, RealCluster
+from tests.support.nodenet import API_PORT
+from tests.support.realnode import RealCluster
 
 CLUSTERS = ("hub", "cluster1", "cluster2")
 HUB, DIRECT, PROXIED = CLUSTERS
@@ -140,6 +141,7 @@ class RealClusters:
             # the hub's API server; NodePorts are CONNECTed to by their number (30000-32767)
             connect_ports=(API_PORT, *range(30000, 30010)),
         )
+        self.network.open_port(PROXIED, PROXY_PORT)
         self.proxy = ServerProcess("tinyproxy", [tinyproxy, "-d", "-c", str(config)], self.directory)
         self.proxy.start()
 

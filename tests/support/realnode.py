@@ -36,9 +36,8 @@ from tests.support.kubeapi import (
     _service_account_keys,
     _write_key,
 )
-from tests.support.nodenet import NodeNetwork, in_netns
+from tests.support.nodenet import API_PORT, NodeNetwork, in_netns
 
-API_PORT = 6443  # each API server listens on its own veth address: the same port for all
 POLL = 0.1
 READY_TIMEOUT = 90.0
 TEARDOWN_TIMEOUT = 45.0
