@@ -2,7 +2,7 @@
 bootstrap kubeconfig, the CSR approved, the cluster accepted), cluster2 through its forward proxy;
 then OCM's own work agent applies a ManifestWork to cluster1's node.
 
-Run: ``.venv/bin/pytest -m platform tests/platform`` (as root; the first run builds OCM too).
+Run: ``.venv/bin/pytest -m platform tests/real_platform`` (as root; the first run builds OCM too).
 """
 
 from __future__ import annotations

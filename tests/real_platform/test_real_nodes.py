@@ -1,7 +1,7 @@
 """Real nodes under the three clusters: what a kubelet, kube-proxy, CoreDNS and the CNI bridge do that
 no emulator does, and a teardown that leaves the machine as it was.
 
-Run: ``.venv/bin/pytest -m platform tests/platform`` (as root; the first run builds the programs).
+Run: ``.venv/bin/pytest -m platform tests/real_platform`` (as root; the first run builds the programs).
 """
 
 from __future__ import annotations
