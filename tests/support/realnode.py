@@ -11,6 +11,9 @@ Traps of this machine handled here (``shared/infra-notes.md``, "A real Kubernete
   bundle's config.json first (memory limits are still enforced).
 - kubelet writes outside its root dir and sets kernel sysctls: :mod:`tests.support.realclusters`
   snapshots the machine first and puts back what changed.
+- Unix sockets need paths under 104 bytes: the node's runtime state (containerd's root and socket,
+  kubelet's root dir) lives under ``state`` (``/var/lib/cpn-<tag>/<cluster>``), its logs and
+  configuration under ``directory``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -193,14 +197,13 @@ class RealCluster:
         self._process("kube-apiserver", argv, in_node=False).start()
 
     def wait_apiserver(self) -> None:
-        context = self.ca_context()
+        context = self.admin_ssl_context()
         self.processes["kube-apiserver"].wait_ready(
             lambda: _http_probe(f"{self.url}/readyz", context), "ready (/readyz)", READY_TIMEOUT
         )
 
-    def ca_context(self):  # type: ignore[no-untyped-def]
-        import ssl
-
+    def admin_ssl_context(self) -> ssl.SSLContext:
+        """Trusts the cluster's CA and presents the admin client certificate."""
         context = ssl.create_default_context(cafile=str(self.ca.path))
         context.load_cert_chain(str(self.ids.admin.cert), str(self.ids.admin.key))
         return context
