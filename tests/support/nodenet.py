@@ -55,7 +55,6 @@ WATCHED_PATHS = (
     "/opt/cni",
 )
 BEFORE_FILE = "machine-before.json"  # in a set's state folder: the machine as it found it
-_CREATED = 0  # sets of nodes made by this process so far
 FOREIGN_LINKS = re.compile(r"^(veth|br-|docker)")  # Docker's, of other sessions of this machine
 FOREIGN_MOUNTS = re.compile(r"^(/var/lib/docker|/run/docker|/var/run/docker)")
 
@@ -112,6 +111,25 @@ class NodeNetwork:
         return f"10.96.{self.block}.10"
 
 
+def _free_tag() -> str:
+    """Four hex digits no namespace, link or chain of the machine is named with yet: teardown deletes
+    by name, so a set must never share names with another session's."""
+    links = run("ip", "-o", "link").stdout
+    chains = run("iptables-save", "-t", "filter").stdout
+    netns = [p.name for p in Path("/run/netns").iterdir()] if Path("/run/netns").exists() else []
+    for _ in range(100):
+        tag = os.urandom(2).hex()
+        taken = (
+            any(n.startswith(f"{PREFIX}-{tag}-") for n in netns)
+            or f": {PREFIX}{tag}" in links
+            or f":{PREFIX.upper()}-{tag}" in chains
+            or Path(f"/var/lib/{PREFIX}-{tag}").exists()
+        )
+        if not taken:
+            return tag
+    raise AssertionError("no free name for a set of nodes")
+
+
 def _used_blocks() -> set[int]:
     shown = run("ip", "-o", "-4", "addr", "show").stdout
     return {int(m) for m in re.findall(r"inet 10\.250\.(\d+)\.", shown)}
@@ -138,9 +156,7 @@ class NodeNetworks:
             None,
         )
         assert base is not None, "no free 10.250.x.0/24 block for the nodes"
-        global _CREATED
-        _CREATED += 1
-        tag = f"{os.getpid() % 0xFFF:03x}{_CREATED % 16:x}"  # unique on the machine while we run
+        tag = _free_tag()
         networks = cls(
             tag=tag, clusters=names, chain=f"{PREFIX.upper()}-{tag}", input_chain=f"{PREFIX.upper()}-{tag}-IN"
         )
