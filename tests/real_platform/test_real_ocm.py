@@ -85,6 +85,9 @@ def test_clusters_join_and_a_manifest_work_runs_on_a_real_node(
     for name in hub_dirs:
         realocm.wait_available(hub, name)
     joined = time.monotonic() - started
+    # cluster2's agent reached the hub through its forward proxy (its node has no other way there)
+    assert real_clusters.proxy is not None
+    assert f"CONNECT {hub.network.host_ip}:6443" in real_clusters.proxy.log_path.read_text()
 
     namespace = "ocm-applied"
     hub.apply([_work(DIRECT, namespace)])
