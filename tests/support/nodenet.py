@@ -308,7 +308,11 @@ def machine_state() -> dict[str, object]:
         for name in re.findall(r"^\d+: ([^:@]+)", run("ip", "-o", "link").stdout, re.M)
         if not FOREIGN_LINKS.match(name)
     )
-    addresses = sorted(re.findall(r"inet6? (\S+)", run("ip", "-o", "addr").stdout))
+    addresses = sorted(
+        f"{link} {address}"
+        for link, address in re.findall(r"^\d+: (\S+)\s+inet6? (\S+)", run("ip", "-o", "addr").stdout, re.M)
+        if not FOREIGN_LINKS.match(link)
+    )
     routes = sorted(
         line
         for line in run("ip", "route").stdout.splitlines()
