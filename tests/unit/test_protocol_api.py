@@ -47,7 +47,9 @@ def test_the_type_checking_imports_are_the_table_and_all() -> None:
     assert imported == api._WHERE
     assert api.__all__ == list(imported)
     renamed = {public: where for public, where in imported.items() if where[1] not in ("", public)}
-    assert not renamed, f"public under another name than its submodule's (mypy would not export it): {renamed}"
+    assert not renamed, (
+        f"public under another name than its submodule's (mypy would not export it): {renamed}"
+    )
 
 
 def test_the_table_names_existing_submodules_and_no_name_is_a_submodule() -> None:
