@@ -23,6 +23,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,7 +36,7 @@ pytestmark = [pytest.mark.platform, pytest.mark.slow, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
 OVERLAYS = REPO / "deploy" / "kustomize" / "overlays"
 ADDON_NAMESPACE = "open-cluster-management-addon"
-AGENT_NAMESPACE = "open-cluster-management-agent-addon"
+AGENT_NAMESPACE = "open-cluster-management-cluster-proxy"  # the manager's default (config.py)
 LB_SERVICES = ("proxy-agent-entrypoint", "cluster-proxy-cert-signer-entrypoint")
 PART_OF = "app.kubernetes.io/part-of=cluster-proxy"
 
@@ -133,6 +134,77 @@ def _ours(cluster: RealCluster, *kinds: str) -> str:
     return done.stdout.strip()
 
 
+def _enable(hub: RealCluster, cluster: str, https_proxy: str = "") -> None:
+    """The ManagedClusterAddOn (docs/kubernetes.md), with an AddOnDeploymentConfig naming the
+    forward proxy when the cluster needs one."""
+    addon: dict[str, object] = {
+        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+        "kind": "ManagedClusterAddOn",
+        "metadata": {"name": "cluster-proxy", "namespace": cluster},
+        "spec": {},
+    }
+    documents: list[dict[str, object]] = [addon]
+    if https_proxy:
+        documents.insert(
+            0,
+            {
+                "apiVersion": "addon.open-cluster-management.io/v1alpha1",
+                "kind": "AddOnDeploymentConfig",
+                "metadata": {"name": "cluster-proxy", "namespace": cluster},
+                "spec": {"proxyConfig": {"httpsProxy": https_proxy}},
+            },
+        )
+        addon["spec"] = {
+            "configs": [
+                {
+                    "group": "addon.open-cluster-management.io",
+                    "resource": "addondeploymentconfigs",
+                    "name": "cluster-proxy",
+                    "namespace": cluster,
+                }
+            ]
+        }
+    hub.apply(documents)
+
+
+def _agent_running(managed: RealCluster) -> None:
+    _wait(
+        f"the agent's Deployment on {managed.name}",
+        lambda: (
+            managed.kubectl("-n", AGENT_NAMESPACE, "get", "deployment", "-o", "name").stdout.strip() != ""
+        ),
+        120,
+        managed,
+    )
+    name = managed.kubectl_ok("-n", AGENT_NAMESPACE, "get", "deployment", "-o", "name").split()[0]
+    _rollout(managed, AGENT_NAMESPACE, name.split("/", 1)[1])
+
+
+def _available(hub: RealCluster, cluster: str) -> dict[str, Any]:
+    done = hub.kubectl(
+        "-n",
+        cluster,
+        "wait",
+        "--for=condition=Available",
+        "managedclusteraddon/cluster-proxy",
+        "--timeout=120s",
+        timeout=130,
+    )
+    addon = json.loads(
+        hub.kubectl_ok("-n", cluster, "get", "managedclusteraddon", "cluster-proxy", "-o", "json")
+    )
+    assert done.returncode == 0, (
+        f"{cluster}: the addon not Available: {json.dumps(addon.get('status'), indent=1)}"
+    )
+    return addon
+
+
+def _probed_healthy(hub: RealCluster, cluster: str) -> bool:
+    rows = _collector(hub).get("clusters") or []
+    row = next((r for r in rows if r.get("name") == cluster), None)  # type: ignore[union-attr]
+    return bool(row and row.get("probed") and row.get("state") == "healthy")
+
+
 def test_the_addon_installed_enabled_and_removed_as_a_user_does(
     real_clusters: RealClusters, tmp_path: Path
 ) -> None:
@@ -165,50 +237,23 @@ def test_the_addon_installed_enabled_and_removed_as_a_user_does(
     times["hub installed"] = time.monotonic() - started
 
     # enable for cluster1, as `clusteradm addon enable --names cluster-proxy --clusters cluster1`
-    hub.apply(
-        [
-            {
-                "apiVersion": "addon.open-cluster-management.io/v1alpha1",
-                "kind": "ManagedClusterAddOn",
-                "metadata": {"name": "cluster-proxy", "namespace": DIRECT},
-                "spec": {"installNamespace": AGENT_NAMESPACE},
-            }
-        ]
-    )
-    _wait(
-        "the agent's Deployment on cluster1",
-        lambda: (
-            managed.kubectl("-n", AGENT_NAMESPACE, "get", "deployment", "-o", "name").stdout.strip() != ""
-        ),
-        120,
-        managed,
-    )
-    agent_deployment = managed.kubectl_ok("-n", AGENT_NAMESPACE, "get", "deployment", "-o", "name").split()[0]
-    _rollout(managed, AGENT_NAMESPACE, agent_deployment.split("/", 1)[1])
-    hub.kubectl_ok(
-        "-n",
-        DIRECT,
-        "wait",
-        "--for=condition=Available",
-        "managedclusteraddon/cluster-proxy",
-        "--timeout=120s",
-        timeout=130,
-    )
-    addon = json.loads(
-        hub.kubectl_ok("-n", DIRECT, "get", "managedclusteraddon", "cluster-proxy", "-o", "json")
-    )
+    _enable(hub, DIRECT)
+    _agent_running(managed)
+    addon = _available(hub, DIRECT)
     assert addon["status"]["healthCheck"]["mode"] == "Customized", addon["status"]
-    times["available"] = time.monotonic() - started
-
+    times["cluster1 available"] = time.monotonic() - started
     # cluster1's real kube-apiserver probed through the tunnel by its bare name (the health-collector)
-    def probed() -> bool:
-        document = _collector(hub)
-        rows = document.get("clusters") or []
-        row = next((r for r in rows if r.get("name") == DIRECT), None)  # type: ignore[union-attr]
-        return bool(row and row.get("probed") and row.get("state") == "healthy")
+    _wait("cluster1 probed healthy through its tunnel", lambda: _probed_healthy(hub, DIRECT), 90, hub)
+    times["cluster1 probed"] = time.monotonic() - started
 
-    _wait("cluster1 probed healthy through its tunnel", probed, 90, hub)
-    times["probed"] = time.monotonic() - started
+    # cluster2: its agent reaches the hub only through the forward proxy (AddOnDeploymentConfig)
+    _enable(hub, PROXIED, https_proxy=real_clusters.proxy_url)
+    _agent_running(real_clusters[PROXIED])
+    _available(hub, PROXIED)
+    _wait("cluster2 probed healthy through its tunnel", lambda: _probed_healthy(hub, PROXIED), 90, hub)
+    assert real_clusters.proxy is not None
+    assert f"CONNECT {hub.network.node_ip}:8091" in real_clusters.proxy.log_path.read_text()
+    times["cluster2 probed"] = time.monotonic() - started
 
     # disable: nothing of ours left on cluster1
     hub.kubectl_ok(
