@@ -16,17 +16,23 @@ session (the clusters are joined once: :func:`realocm.join_all`).
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
+from clusterproxy_sdk import TLSFiles, open_tunnel
 from tests.support import nodeimages, realocm
 from tests.support.realclusters import DIRECT, HUB, PROXIED, RealClusters
 from tests.support.realnode import RealCluster
@@ -96,9 +102,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _collector(hub: RealCluster) -> dict[str, object]:
-    """The health-collector's document, through ``kubectl port-forward`` as docs/kubernetes.md shows."""
-    port = _free_port()
+@contextmanager
+def _port_forward(hub: RealCluster, service: str, port: int) -> Iterator[int]:
+    """``kubectl port-forward svc/<service>`` on a free local port (through the hub's real kubelet)."""
+    local = _free_port()
     forward = subprocess.Popen(
         [
             str(hub.kubectl_binary),
@@ -106,26 +113,120 @@ def _collector(hub: RealCluster) -> dict[str, object]:
             "-n",
             ADDON_NAMESPACE,
             "port-forward",
-            "svc/cluster-proxy-health-collector",
-            f"{port}:8080",
+            f"svc/{service}",
+            f"{local}:{port}",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
+        assert forward.stdout is not None
+        line = forward.stdout.readline()  # "Forwarding from 127.0.0.1:PORT -> PORT" once it listens
+        assert "Forwarding from" in line, f"port-forward: {line}{forward.stderr.read()}"  # type: ignore[union-attr]
+        yield local
+    finally:
+        forward.terminate()
+        forward.wait(10)
+
+
+def _enroll(hub: RealCluster, folder: Path) -> tuple[Path, Path, Path]:
+    """A hub client certificate as docs/kubernetes.md makes one: the operator's token from the
+    cert-signer (``kubectl exec``, through the real kubelet), the user's ``cluster-proxy enroll``
+    against the signer's load-balancer address. Returns the CA, certificate and key files."""
+    signer = json.loads(
+        hub.kubectl_ok("-n", ADDON_NAMESPACE, "get", "deployment", "cluster-proxy-cert-signer", "-o", "json")
+    )
+    args = signer["spec"]["template"]["spec"]["containers"][0].get("args", [])
+    store = next(a.split("=", 1)[1] for a in args if a.startswith("--store="))
+    token = (
+        hub.kubectl_ok(
+            "-n",
+            ADDON_NAMESPACE,
+            "exec",
+            "deployment/cluster-proxy-cert-signer",
+            "--",
+            "cluster-proxy-cert-signer",
+            "token",
+            "create",
+            f"--store={store}",
+            "--client=alice",
+            "--ttl=10m",
+        )
+        .strip()
+        .splitlines()[-1]
+    )
+    bundle = hub.kubectl_ok(
+        "-n",
+        ADDON_NAMESPACE,
+        "get",
+        "secret",
+        "cluster-proxy-server-bootstrap",
+        "-o",
+        "jsonpath={.data.ca\\.crt}",
+    )
+    ca = folder / "hub-ca.crt"
+    ca.write_bytes(base64.b64decode(bundle))
+    out = folder / "alice"
+    done = subprocess.run(
+        [
+            str(REPO / ".venv" / "bin" / "cluster-proxy"),
+            "enroll",
+            f"--signer=https://{hub.network.node_ip}:8443",
+            f"--ca={ca}",
+            "--name=alice",
+            f"--out={out}",
+        ],
+        env={**os.environ, "CLUSTER_PROXY_ENROLL_TOKEN": token},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, f"enroll: {done.stdout}{done.stderr}"
+    return out / "ca.crt", out / "client.crt", out / "client.key"
+
+
+def _kube_apiserver_through_the_tunnel(
+    hub: RealCluster, managed: RealCluster, client: tuple[Path, Path, Path]
+) -> tuple[int, str]:
+    """GET /version of ``managed``'s real kube-apiserver by its bare cluster name, with the SDK
+    through the proxy-server's client port (port-forwarded, as a user on the hub's side reaches it);
+    TLS to the API server end to end inside the stream. Returns the status and the body."""
+    ca, cert, key = client
+
+    async def request(port: int) -> tuple[int, str]:
+        tls = TLSFiles(ca=str(ca), cert=str(cert), key=str(key))
+        async with open_tunnel(
+            f"127.0.0.1:{port}", tls, server_hostname=f"proxy-entrypoint.{ADDON_NAMESPACE}.svc"
+        ) as tunnel:
+            stream = await tunnel.connect_kube_apiserver(managed.name)
+            kube = managed.admin_ssl_context()
+            wrapped = trio.SSLStream(stream, kube, server_hostname="kubernetes.default.svc")
+            await wrapped.send_all(b"GET /version HTTP/1.1\r\nHost: kubernetes\r\nConnection: close\r\n\r\n")
+            answer = b""
+            try:
+                while data := await wrapped.receive_some(65536):
+                    answer += data
+            except trio.BrokenResourceError:
+                pass  # a close without TLS close_notify after Connection: close
+            head, _, body = answer.partition(b"\r\n\r\n")
+            return int(head.split()[1]), body.decode(errors="replace")
+
+    with _port_forward(hub, "proxy-entrypoint", 8090) as port:
+        return trio.run(request, port)
+
+
+def _collector(hub: RealCluster) -> dict[str, object]:
+    """The health-collector's document, through ``kubectl port-forward`` as docs/kubernetes.md shows."""
+    with _port_forward(hub, "cluster-proxy-health-collector", 8080) as port:
         deadline = time.monotonic() + 30
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/clusters", timeout=5) as page:
                     return json.loads(page.read())
             except OSError:
-                assert forward.poll() is None, f"port-forward exited: {forward.stderr.read()}"  # type: ignore[union-attr]
                 assert time.monotonic() < deadline, "the health-collector did not answer"
                 time.sleep(0.5)
-    finally:
-        forward.terminate()
-        forward.wait(10)
 
 
 def _ours(cluster: RealCluster, *kinds: str) -> str:
@@ -241,10 +342,22 @@ def test_the_addon_installed_enabled_and_removed_as_a_user_does(
     _agent_running(managed)
     addon = _available(hub, DIRECT)
     assert addon["status"]["healthCheck"]["mode"] == "Customized", addon["status"]
+    # one writer of Available: our manager (OCM's registration agent leaves a Customized addon alone)
+    writers = {
+        m["manager"]
+        for m in addon["metadata"]["managedFields"]
+        if 'k:{\\"type\\":\\"Available\\"}' in json.dumps(m.get("fieldsV1", {}))
+    }
+    assert len(writers) == 1, writers
+    print(f"Available written by {writers}")
     times["cluster1 available"] = time.monotonic() - started
     # cluster1's real kube-apiserver probed through the tunnel by its bare name (the health-collector)
     _wait("cluster1 probed healthy through its tunnel", lambda: _probed_healthy(hub, DIRECT), 90, hub)
     times["cluster1 probed"] = time.monotonic() - started
+    client = _enroll(hub, tmp_path)
+    status, body = _kube_apiserver_through_the_tunnel(hub, managed, client)
+    assert status == 200 and '"gitVersion"' in body, (status, body)
+    times["cluster1 /version through the tunnel"] = time.monotonic() - started
 
     # cluster2: its agent reaches the hub only through the forward proxy (AddOnDeploymentConfig)
     _enable(hub, PROXIED, https_proxy=real_clusters.proxy_url)
