@@ -292,7 +292,16 @@ def _available(hub: RealCluster, cluster: str) -> dict[str, Any]:
         timeout=130,
     )
     addon = json.loads(
-        hub.kubectl_ok("-n", cluster, "get", "managedclusteraddon", "cluster-proxy", "-o", "json")
+        hub.kubectl_ok(
+            "-n",
+            cluster,
+            "get",
+            "managedclusteraddon",
+            "cluster-proxy",
+            "-o",
+            "json",
+            "--show-managed-fields",
+        )
     )
     assert done.returncode == 0, (
         f"{cluster}: the addon not Available: {json.dumps(addon.get('status'), indent=1)}"
