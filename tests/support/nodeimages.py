@@ -181,14 +181,14 @@ def project_images_archive(names: tuple[str, ...]) -> Path:
         f"the project's images are missing (build them: bash scripts/compose.sh images):\n{inspected.stderr}"
     )
     key = hashlib.sha256("\0".join([*refs, *inspected.stdout.split()]).encode()).hexdigest()[:16]
-    stem = "project-" + "-".join(n.split("-")[0] for n in names)
+    stem = "project-" + "+".join(names)  # whole names: one set's stem is no prefix of another's
     archive = kubebuild.kube_cache() / "images" / f"{stem}-{key}.tar"
     if archive.exists():
         return archive
     archive.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(archive):
         if not archive.exists():
-            for stale in archive.parent.glob(f"{stem}-*.tar"):
+            for stale in archive.parent.glob(f"{stem}-{'?' * len(key)}.tar"):
                 stale.unlink()  # an older build of the same images: hundreds of MB each
             partial = archive.with_suffix(".partial")
             saved = subprocess.run(
