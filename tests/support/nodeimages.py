@@ -17,6 +17,7 @@ import gzip
 import hashlib
 import io
 import json
+import subprocess
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,3 +152,48 @@ def coredns_image() -> Path:
 def all_images() -> list[Path]:
     """Every archive a node imports (built on first use)."""
     return [pause_image(), busybox_image(), coredns_image()]
+
+
+# --- the project's images ------------------------------------------------------------------------
+
+# What the compose layer builds (``scripts/compose.sh images``) and the overlays name, at the tag the
+# overlays set (deploy/kustomize/base/common): the hub runs all but the agent, a managed cluster only
+# the agent.
+PROJECT_TAG = "dev"
+HUB_IMAGES = ("proxy-server", "cert-signer", "addon-manager", "health-collector", "cluster-gateway")
+AGENT_IMAGES = ("proxy-agent",)
+
+
+def project_image(name: str) -> str:
+    return f"cluster-proxy/{name}:{PROJECT_TAG}"
+
+
+def project_images_archive(names: tuple[str, ...]) -> Path:
+    """One ``docker save`` archive of the project's images ``names`` (the layers they share stored
+    once), cached in the tool cache under the images' IDs: a rebuilt image gives a new archive.
+    containerd imports Docker's archive format and names each image as kubelet looks it up
+    (``docker.io/cluster-proxy/<name>:dev``), so the overlays' Deployments run them unchanged."""
+    refs = [project_image(n) for n in names]
+    inspected = subprocess.run(
+        ["docker", "image", "inspect", "--format", "{{.Id}}", *refs], capture_output=True, text=True
+    )
+    assert inspected.returncode == 0, (
+        f"the project's images are missing (build them: bash scripts/compose.sh images):\n{inspected.stderr}"
+    )
+    key = hashlib.sha256("\0".join([*refs, *inspected.stdout.split()]).encode()).hexdigest()[:16]
+    stem = "project-" + "+".join(names)  # whole names: one set's stem is no prefix of another's
+    archive = kubebuild.kube_cache() / "images" / f"{stem}-{key}.tar"
+    if archive.exists():
+        return archive
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(archive):
+        if not archive.exists():
+            for stale in archive.parent.glob(f"{stem}-{'?' * len(key)}.tar"):
+                stale.unlink()  # an older build of the same images: hundreds of MB each
+            partial = archive.with_suffix(".partial")
+            saved = subprocess.run(
+                ["docker", "save", "-o", str(partial), *refs], capture_output=True, text=True
+            )
+            assert saved.returncode == 0, f"docker save {' '.join(refs)}:\n{saved.stderr}"
+            partial.replace(archive)
+    return archive

@@ -213,17 +213,19 @@ class NodeNetworks:
         node = self.nodes[cluster]
         self._accept_input(node, node.host_ip, port)
 
-    def allow(self, source: str, destination: str) -> None:
+    def allow(self, source: str, destination: str, ports: Iterable[int] = ()) -> None:
         """Let ``source``'s node (and its pods, masqueraded as it) reach ``destination``'s API server
-        and its node's NodePorts, as a user's network exposes a hub to its managed clusters."""
+        and its node's NodePorts (and ``ports`` on it: a load balancer's addresses on the node), as a
+        user's network exposes a hub to its managed clusters."""
         src, dst = self.nodes[source], self.nodes[destination]
         run("ip", "route", "add", dst.veth_subnet, "via", src.host_ip, netns=src.netns)
         run("ip", "route", "add", src.veth_subnet, "via", dst.host_ip, netns=dst.netns)
         self._accept_input(src, dst.host_ip, API_PORT)
         replies = ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED"]
-        node_ports = ["-d", dst.node_ip, "-p", "tcp", "--dport", NODE_PORTS]
+        to_node = ["-i", src.host_link, "-o", dst.host_link, "-d", dst.node_ip, "-p", "tcp", "--dport"]
         for rule in (
-            ["-i", src.host_link, "-o", dst.host_link, *node_ports, "-j", "ACCEPT"],
+            *([*to_node, str(port), "-j", "ACCEPT"] for port in ports),
+            [*to_node, NODE_PORTS, "-j", "ACCEPT"],
             ["-i", dst.host_link, "-o", src.host_link, *replies, "-j", "ACCEPT"],
         ):
             run("iptables", "-w", "-I", self.chain, "1", *rule)

@@ -36,6 +36,10 @@ from tests.support.realnode import RealCluster
 CLUSTERS = ("hub", "cluster1", "cluster2")
 HUB, DIRECT, PROXIED = CLUSTERS
 PROXY_PORT = 3128
+# The hub's load balancer (as k3s's ServiceLB or MetalLB in L2 mode makes one): a LoadBalancer
+# Service's ingress address is the hub node's own, where kube-proxy forwards its port to the pods;
+# the managed clusters reach these ports there. The addon's agent and cert-signer entrypoints.
+HUB_LB_PORTS = (8091, 8443)
 
 
 def _parallel(action: Callable[[RealCluster], None], clusters: Sequence[RealCluster]) -> None:
@@ -98,7 +102,7 @@ class RealClusters:
         if HUB in self.names:
             for managed in (DIRECT,):
                 if managed in self.names:
-                    self.network.allow(managed, HUB)
+                    self.network.allow(managed, HUB, HUB_LB_PORTS)
         self.etcd = Etcd(binaries.etcd, self.directory)
         self.etcd.start()
         for name in self.names:
@@ -138,8 +142,9 @@ class RealClusters:
             self.directory / "tinyproxy.conf",
             self.network.nodes[PROXIED].host_ip,
             PROXY_PORT,
-            # the hub's API server; NodePorts are CONNECTed to by their number (30000-32767)
-            connect_ports=(API_PORT, *range(30000, 30010)),
+            # the hub's API server, its load balancer's ports; NodePorts are CONNECTed to by their
+            # number (30000-32767)
+            connect_ports=(API_PORT, *HUB_LB_PORTS, *range(30000, 30010)),
         )
         self.network.open_port(PROXIED, PROXY_PORT)
         self.proxy = ServerProcess("tinyproxy", [tinyproxy, "-d", "-c", str(config)], self.directory)

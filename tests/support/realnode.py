@@ -45,6 +45,10 @@ from tests.support.nodenet import API_PORT, NodeNetwork, in_netns
 POLL = 0.1
 READY_TIMEOUT = 90.0
 TEARDOWN_TIMEOUT = 45.0
+# Every kubelet binds /var/lib/kubelet/device-plugins/kubelet.sock (not under its --root-dir): each
+# removes the file and listens, so two starting at the same instant can find the other's socket
+# there and exit ("bind: address already in use"). Seen once in ~20 starts of three.
+DEVICE_PLUGIN_RACE = "device-plugins/kubelet.sock: bind: address already in use"
 NODE_PROGRAMS = ("kube-apiserver", "containerd", "kubelet", "kube-proxy")  # stopped last at teardown
 
 
@@ -295,7 +299,11 @@ class RealCluster:
             )
             assert time.monotonic() < deadline, "containerd did not create its socket"
             time.sleep(POLL)
-        for archive in nodeimages.all_images():
+        self.import_images(nodeimages.all_images())
+
+    def import_images(self, archives: list[Path]) -> None:
+        """OCI or Docker image archives into the node's containerd (where kubelet finds them)."""
+        for archive in archives:
             done = subprocess.run(
                 [
                     str(self.ctr_binary),
@@ -386,7 +394,12 @@ class RealCluster:
         """The node Ready and the ``default`` ServiceAccount there (bare Pods are refused until it is)."""
         deadline = time.monotonic() + timeout
         last = ""
+        restarted = False
         while time.monotonic() < deadline:
+            kubelet = self.processes["kubelet"]
+            if not kubelet.running and not restarted and DEVICE_PLUGIN_RACE in kubelet.tail(5):
+                kubelet.start()  # once: the other kubelets have their socket by now
+                restarted = True
             for name, process in self.processes.items():
                 assert process.running, f"{self.name}: {name} exited:\n{process.tail()}"
             done = self.kubectl(

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from tests.support import ocmbuild
+from tests.support.realclusters import DIRECT, HUB, PROXIED, RealClusters
 from tests.support.realnode import RealCluster
 
 HUB_NAMESPACE = "open-cluster-management-hub"
@@ -220,3 +221,21 @@ def wait_available(hub: RealCluster, cluster: str, timeout: float = 120.0) -> No
         f"managedcluster/{cluster}",
         timeout=timeout + 10,
     )
+
+
+def join_all(clusters: RealClusters, folder: Path) -> None:
+    """OCM's hub and both managed clusters joined (cluster2 through its forward proxy), each step done
+    only if an earlier test of the session has not done it; returns once both are available."""
+    hub = clusters[HUB]
+    if "ocm-registration" not in hub.processes:
+        start_hub(hub)
+    hub_dirs = {}
+    for name, proxy in ((DIRECT, ""), (PROXIED, clusters.proxy_url)):
+        if "ocm-registration-agent" not in clusters[name].processes:
+            bootstrap = bootstrap_kubeconfig(hub, folder / f"{name}-bootstrap.kubeconfig", proxy)
+            hub_dirs[name] = start_agents(clusters[name], bootstrap)
+    for name, hub_dir in hub_dirs.items():
+        accept(hub, name)
+        start_work_agent(clusters[name], hub_dir)
+    for name in (DIRECT, PROXIED):
+        wait_available(hub, name)
