@@ -4,11 +4,7 @@ the addon enabled for cluster1 as ``clusteradm addon enable`` does, OCM's own wo
 our ManifestWork, our agent on cluster1's node holding its tunnel to the proxy-server on the hub's
 node, the addon Available (written by our addon-manager, ``healthCheck.mode: Customized``), the
 health-collector's probe of cluster1's real kube-apiserver through the tunnel; then disabled and
-uninstalled, leaving nothing of ours.
-
-The hub's load balancer is played as k3s's ServiceLB plays it: the LoadBalancer Services' ingress
-address is the hub node's own (kube-proxy forwards the ports there; the managed nodes may reach
-them: ``realclusters.HUB_LB_PORTS``).
+uninstalled, leaving nothing of ours. The steps are :mod:`tests.support.realinstall`'s.
 
 Needs the project's images: ``bash scripts/compose.sh images``. Runs after ``test_real_ocm`` in a
 session (the clusters are joined once: :func:`realocm.join_all`).
@@ -16,303 +12,31 @@ session (the clusters are joined once: :func:`realocm.join_all`).
 
 from __future__ import annotations
 
-import base64
 import json
-import os
-import socket
-import subprocess
 import time
-import urllib.request
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
-import trio
 
-from clusterproxy_sdk import TLSFiles, open_tunnel
-from tests.support import nodeimages, realocm
+from tests.support import realocm
 from tests.support.realclusters import DIRECT, HUB, PROXIED, RealClusters
-from tests.support.realnode import RealCluster
+from tests.support.realinstall import (
+    ADDON_NAMESPACE,
+    AGENT_NAMESPACE,
+    OVERLAYS,
+    agent_running,
+    enable,
+    enroll,
+    import_images,
+    install_hub,
+    kube_apiserver_version,
+    ours,
+    probed_healthy,
+    wait_available,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.platform, pytest.mark.slow, pytest.mark.timeout(900)]
-
-REPO = Path(__file__).resolve().parents[2]
-OVERLAYS = REPO / "deploy" / "kustomize" / "overlays"
-ADDON_NAMESPACE = "open-cluster-management-addon"
-AGENT_NAMESPACE = "open-cluster-management-cluster-proxy"  # the manager's default (config.py)
-LB_SERVICES = ("proxy-agent-entrypoint", "cluster-proxy-cert-signer-entrypoint")
-PART_OF = "app.kubernetes.io/part-of=cluster-proxy"
-
-
-def _wait(what: str, check: object, timeout: float, cluster: RealCluster | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            detail = ""
-            if cluster is not None:
-                detail = cluster.kubectl("get", "pods", "-A", "-o", "wide").stdout
-            raise AssertionError(f"{what}: not after {timeout:g}s\n{detail}")
-        time.sleep(0.5)
-
-
-def _rollout(cluster: RealCluster, namespace: str, deployment: str, timeout: float = 120) -> None:
-    done = cluster.kubectl(
-        "-n",
-        namespace,
-        "rollout",
-        "status",
-        f"deployment/{deployment}",
-        f"--timeout={timeout:g}s",
-        timeout=timeout + 10,
-    )
-    if done.returncode != 0:
-        pods = cluster.kubectl("-n", namespace, "get", "pods", "-o", "wide").stdout
-        described = cluster.kubectl("-n", namespace, "describe", "pods").stdout[-6000:]
-        logs = cluster.kubectl(
-            "-n", namespace, "logs", f"deployment/{deployment}", "--all-containers", "--tail=40"
-        )
-        raise AssertionError(
-            f"{cluster.name}: {deployment} not rolled out:\n{done.stderr}\n{pods}\n{described}\n"
-            f"{logs.stdout}{logs.stderr}"
-        )
-
-
-def _play_load_balancer(hub: RealCluster) -> None:
-    """What a load-balancer provider does for the manager's LoadBalancer Services: an ingress
-    address (the hub node's, as k3s's ServiceLB gives)."""
-    status = json.dumps({"status": {"loadBalancer": {"ingress": [{"ip": hub.network.node_ip}]}}})
-    for name in LB_SERVICES:
-        _wait(
-            f"Service {name}",
-            lambda n=name: hub.kubectl("-n", ADDON_NAMESPACE, "get", "svc", n).returncode == 0,
-            60,
-            hub,
-        )
-        hub.kubectl_ok(
-            "-n", ADDON_NAMESPACE, "patch", "svc", name, "--subresource=status", "--type=merge", "-p", status
-        )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def _port_forward(hub: RealCluster, service: str, port: int) -> Iterator[int]:
-    """``kubectl port-forward svc/<service>`` on a free local port (through the hub's real kubelet)."""
-    local = _free_port()
-    forward = subprocess.Popen(
-        [
-            str(hub.kubectl_binary),
-            f"--kubeconfig={hub.kubeconfig}",
-            "-n",
-            ADDON_NAMESPACE,
-            "port-forward",
-            f"svc/{service}",
-            f"{local}:{port}",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert forward.stdout is not None
-        line = forward.stdout.readline()  # "Forwarding from 127.0.0.1:PORT -> PORT" once it listens
-        assert "Forwarding from" in line, f"port-forward: {line}{forward.stderr.read()}"  # type: ignore[union-attr]
-        yield local
-    finally:
-        forward.terminate()
-        forward.wait(10)
-
-
-def _enroll(hub: RealCluster, folder: Path) -> tuple[Path, Path, Path]:
-    """A hub client certificate as docs/kubernetes.md makes one: the operator's token from the
-    cert-signer (``kubectl exec``, through the real kubelet), the user's ``cluster-proxy enroll``
-    against the signer's load-balancer address. Returns the CA, certificate and key files."""
-    signer = json.loads(
-        hub.kubectl_ok("-n", ADDON_NAMESPACE, "get", "deployment", "cluster-proxy-cert-signer", "-o", "json")
-    )
-    args = signer["spec"]["template"]["spec"]["containers"][0].get("args", [])
-    store = next(a.split("=", 1)[1] for a in args if a.startswith("--store="))
-    token = (
-        hub.kubectl_ok(
-            "-n",
-            ADDON_NAMESPACE,
-            "exec",
-            "deployment/cluster-proxy-cert-signer",
-            "--",
-            "cluster-proxy-cert-signer",
-            "token",
-            "create",
-            f"--store={store}",
-            "--client=alice",
-            "--ttl=10m",
-        )
-        .strip()
-        .splitlines()[-1]
-    )
-    bundle = hub.kubectl_ok(
-        "-n",
-        ADDON_NAMESPACE,
-        "get",
-        "secret",
-        "cluster-proxy-server-bootstrap",
-        "-o",
-        "jsonpath={.data.ca\\.crt}",
-    )
-    ca = folder / "hub-ca.crt"
-    ca.write_bytes(base64.b64decode(bundle))
-    out = folder / "alice"
-    done = subprocess.run(
-        [
-            str(REPO / ".venv" / "bin" / "cluster-proxy"),
-            "enroll",
-            f"--signer=https://{hub.network.node_ip}:8443",
-            f"--ca={ca}",
-            "--name=alice",
-            f"--out={out}",
-        ],
-        env={**os.environ, "CLUSTER_PROXY_ENROLL_TOKEN": token},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, f"enroll: {done.stdout}{done.stderr}"
-    return out / "ca.crt", out / "client.crt", out / "client.key"
-
-
-def _kube_apiserver_through_the_tunnel(
-    hub: RealCluster, managed: RealCluster, client: tuple[Path, Path, Path]
-) -> tuple[int, str]:
-    """GET /version of ``managed``'s real kube-apiserver by its bare cluster name, with the SDK
-    through the proxy-server's client port (port-forwarded, as a user on the hub's side reaches it);
-    TLS to the API server end to end inside the stream. Returns the status and the body."""
-    ca, cert, key = client
-
-    async def request(port: int) -> tuple[int, str]:
-        tls = TLSFiles(ca=str(ca), cert=str(cert), key=str(key))
-        async with open_tunnel(
-            f"127.0.0.1:{port}", tls, server_hostname=f"proxy-entrypoint.{ADDON_NAMESPACE}.svc"
-        ) as tunnel:
-            stream = await tunnel.connect_kube_apiserver(managed.name)
-            kube = managed.admin_ssl_context()
-            wrapped = trio.SSLStream(stream, kube, server_hostname="kubernetes.default.svc")
-            await wrapped.send_all(b"GET /version HTTP/1.1\r\nHost: kubernetes\r\nConnection: close\r\n\r\n")
-            answer = b""
-            try:
-                while data := await wrapped.receive_some(65536):
-                    answer += data
-            except trio.BrokenResourceError:
-                pass  # a close without TLS close_notify after Connection: close
-            head, _, body = answer.partition(b"\r\n\r\n")
-            return int(head.split()[1]), body.decode(errors="replace")
-
-    with _port_forward(hub, "proxy-entrypoint", 8090) as port:
-        return trio.run(request, port)
-
-
-def _collector(hub: RealCluster) -> dict[str, object]:
-    """The health-collector's document, through ``kubectl port-forward`` as docs/kubernetes.md shows."""
-    with _port_forward(hub, "cluster-proxy-health-collector", 8080) as port:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/clusters", timeout=5) as page:
-                    return json.loads(page.read())
-            except OSError:
-                assert time.monotonic() < deadline, "the health-collector did not answer"
-                time.sleep(0.5)
-
-
-def _ours(cluster: RealCluster, *kinds: str) -> str:
-    """Every object of ours (the project's label) of ``kinds`` left on ``cluster``."""
-    done = cluster.kubectl("get", ",".join(kinds), "-A", "-l", PART_OF, "-o", "name")
-    return done.stdout.strip()
-
-
-def _enable(hub: RealCluster, cluster: str, https_proxy: str = "") -> None:
-    """The ManagedClusterAddOn (docs/kubernetes.md), with an AddOnDeploymentConfig naming the
-    forward proxy when the cluster needs one."""
-    addon: dict[str, object] = {
-        "apiVersion": "addon.open-cluster-management.io/v1alpha1",
-        "kind": "ManagedClusterAddOn",
-        "metadata": {"name": "cluster-proxy", "namespace": cluster},
-        "spec": {},
-    }
-    documents: list[dict[str, object]] = [addon]
-    if https_proxy:
-        documents.insert(
-            0,
-            {
-                "apiVersion": "addon.open-cluster-management.io/v1alpha1",
-                "kind": "AddOnDeploymentConfig",
-                "metadata": {"name": "cluster-proxy", "namespace": cluster},
-                "spec": {"proxyConfig": {"httpsProxy": https_proxy}},
-            },
-        )
-        addon["spec"] = {
-            "configs": [
-                {
-                    "group": "addon.open-cluster-management.io",
-                    "resource": "addondeploymentconfigs",
-                    "name": "cluster-proxy",
-                    "namespace": cluster,
-                }
-            ]
-        }
-    hub.apply(documents)
-
-
-def _agent_running(managed: RealCluster) -> None:
-    _wait(
-        f"the agent's Deployment on {managed.name}",
-        lambda: (
-            managed.kubectl("-n", AGENT_NAMESPACE, "get", "deployment", "-o", "name").stdout.strip() != ""
-        ),
-        120,
-        managed,
-    )
-    name = managed.kubectl_ok("-n", AGENT_NAMESPACE, "get", "deployment", "-o", "name").split()[0]
-    _rollout(managed, AGENT_NAMESPACE, name.split("/", 1)[1])
-
-
-def _available(hub: RealCluster, cluster: str) -> dict[str, Any]:
-    done = hub.kubectl(
-        "-n",
-        cluster,
-        "wait",
-        "--for=condition=Available",
-        "managedclusteraddon/cluster-proxy",
-        "--timeout=120s",
-        timeout=130,
-    )
-    addon = json.loads(
-        hub.kubectl_ok(
-            "-n",
-            cluster,
-            "get",
-            "managedclusteraddon",
-            "cluster-proxy",
-            "-o",
-            "json",
-            "--show-managed-fields",
-        )
-    )
-    assert done.returncode == 0, (
-        f"{cluster}: the addon not Available: {json.dumps(addon.get('status'), indent=1)}"
-    )
-    return addon
-
-
-def _probed_healthy(hub: RealCluster, cluster: str) -> bool:
-    rows = _collector(hub).get("clusters") or []
-    row = next((r for r in rows if r.get("name") == cluster), None)  # type: ignore[union-attr]
-    return bool(row and row.get("probed") and row.get("state") == "healthy")
 
 
 def test_the_addon_installed_enabled_and_removed_as_a_user_does(
@@ -324,32 +48,15 @@ def test_the_addon_installed_enabled_and_removed_as_a_user_does(
     realocm.join_all(real_clusters, tmp_path)
     times["joined"] = time.monotonic() - started
 
-    # the project's images in each node's containerd (docker save, cached by image ID)
-    with ThreadPoolExecutor(3) as pool:
-        hub_archive = pool.submit(nodeimages.project_images_archive, nodeimages.HUB_IMAGES)
-        agent_archive = pool.submit(nodeimages.project_images_archive, nodeimages.AGENT_IMAGES)
-        jobs = [pool.submit(hub.import_images, [hub_archive.result()])]
-        jobs += [
-            pool.submit(real_clusters[name].import_images, [agent_archive.result()])
-            for name in (DIRECT, PROXIED)
-        ]
-        for job in jobs:
-            job.result()
+    import_images(real_clusters)  # docker save, cached by image ID
     times["images"] = time.monotonic() - started
-
-    # the install: docs/kubernetes.md, "Installing the hub"
-    hub.kubectl_ok("apply", "-k", str(OVERLAYS / "hub"), timeout=120)
-    _rollout(hub, ADDON_NAMESPACE, "cluster-proxy-addon-manager")
-    hub.kubectl_ok("apply", "-k", str(OVERLAYS / "hub-configuration"), timeout=120)
-    _play_load_balancer(hub)
-    for deployment in ("cluster-proxy-cert-signer", "cluster-proxy", "cluster-proxy-health-collector"):
-        _rollout(hub, ADDON_NAMESPACE, deployment)
+    install_hub(hub)  # docs/kubernetes.md, "Installing the hub"
     times["hub installed"] = time.monotonic() - started
 
     # enable for cluster1, as `clusteradm addon enable --names cluster-proxy --clusters cluster1`
-    _enable(hub, DIRECT)
-    _agent_running(managed)
-    addon = _available(hub, DIRECT)
+    enable(hub, DIRECT)
+    agent_running(managed)
+    addon = wait_available(hub, DIRECT)
     assert addon["status"]["healthCheck"]["mode"] == "Customized", addon["status"]
     # Available is our manager's (its reason), not OCM's lease check ("ManagedClusterAddOnLeaseUpdated")
     available = next(c for c in addon["status"]["conditions"] if c["type"] == "Available")
@@ -362,18 +69,18 @@ def test_the_addon_installed_enabled_and_removed_as_a_user_does(
     print(f"the addon's conditions written by {writers}")
     times["cluster1 available"] = time.monotonic() - started
     # cluster1's real kube-apiserver probed through the tunnel by its bare name (the health-collector)
-    _wait("cluster1 probed healthy through its tunnel", lambda: _probed_healthy(hub, DIRECT), 90, hub)
+    wait_for("cluster1 probed healthy through its tunnel", lambda: probed_healthy(hub, DIRECT), 90, hub)
     times["cluster1 probed"] = time.monotonic() - started
-    client = _enroll(hub, tmp_path)
-    status, body = _kube_apiserver_through_the_tunnel(hub, managed, client)
+    client = enroll(hub, tmp_path)
+    status, body = kube_apiserver_version(hub, managed, client)
     assert status == 200 and '"gitVersion"' in body, (status, body)
     times["cluster1 /version through the tunnel"] = time.monotonic() - started
 
     # cluster2: its agent reaches the hub only through the forward proxy (AddOnDeploymentConfig)
-    _enable(hub, PROXIED, https_proxy=real_clusters.proxy_url)
-    _agent_running(real_clusters[PROXIED])
-    _available(hub, PROXIED)
-    _wait("cluster2 probed healthy through its tunnel", lambda: _probed_healthy(hub, PROXIED), 90, hub)
+    enable(hub, PROXIED, https_proxy=real_clusters.proxy_url)
+    agent_running(real_clusters[PROXIED])
+    wait_available(hub, PROXIED)
+    wait_for("cluster2 probed healthy through its tunnel", lambda: probed_healthy(hub, PROXIED), 90, hub)
     assert real_clusters.proxy is not None
     assert f"CONNECT {hub.network.node_ip}:8091" in real_clusters.proxy.log_path.read_text()
     times["cluster2 probed"] = time.monotonic() - started
@@ -382,11 +89,11 @@ def test_the_addon_installed_enabled_and_removed_as_a_user_does(
     hub.kubectl_ok(
         "-n", DIRECT, "delete", "managedclusteraddon", "cluster-proxy", "--timeout=120s", timeout=130
     )
-    _wait(
+    wait_for(
         "nothing of ours on cluster1",
         lambda: (
             managed.kubectl("get", "namespace", AGENT_NAMESPACE).returncode != 0
-            and not _ours(managed, "deployments", "serviceaccounts", "clusterroles", "clusterrolebindings")
+            and not ours(managed, "deployments", "serviceaccounts", "clusterroles", "clusterrolebindings")
         ),
         120,
         managed,
@@ -396,11 +103,11 @@ def test_the_addon_installed_enabled_and_removed_as_a_user_does(
     # uninstall: docs/kubernetes.md's order (configuration, then the hub overlay)
     hub.kubectl_ok("delete", "-k", str(OVERLAYS / "hub-configuration"), "--timeout=120s", timeout=130)
     hub.kubectl_ok("delete", "-k", str(OVERLAYS / "hub"), "--timeout=180s", timeout=190)
-    _wait(
+    wait_for(
         "nothing of ours on the hub",
         lambda: (
             hub.kubectl("get", "namespace", ADDON_NAMESPACE).returncode != 0
-            and not _ours(hub, "clusterroles", "clusterrolebindings", "crds")
+            and not ours(hub, "clusterroles", "clusterrolebindings", "crds")
         ),
         120,
         hub,
