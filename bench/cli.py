@@ -18,7 +18,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from bench import report
+from bench import image_runtime, report
 from bench.pki import BenchPKI
 from bench.procs import Proc, free_port, raise_nofile, wait_port
 from bench.systems import (
@@ -51,6 +51,16 @@ SYSTEMS: dict[str, Callable[[Env], System]] = {
     # bench/floor: the same stack (trio, ssl, h11, h2, ours' windows) with nothing of ours (issue 36)
     "floor": Floor,
 }
+# ours on the images' runtime (deploy/images/base.env's release), made before the run: main() names
+# its programs (bench/image_runtime.py)
+IMAGE_SYSTEM = image_runtime.system_name()
+
+
+def _image_runtime_not_prepared(env: Env) -> System:
+    raise Unavailable(f"{IMAGE_SYSTEM}: not prepared")
+
+
+SYSTEMS[IMAGE_SYSTEM] = _image_runtime_not_prepared
 
 
 def known_systems(ours_builds: list[str]) -> dict[str, Callable[[Env], System]]:
@@ -196,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"warning: the idle workload needs ~{need} open files per process; the limit is {nofile[0]}")
 
     loadgen = build_loadgen()
+    image_why = ""
+    if IMAGE_SYSTEM in wanted:
+        log(f"making {IMAGE_SYSTEM}: this commit in {image_runtime.root_dir()} (bench/python_root.sh)")
+        image_bin, image_why = image_runtime.prepare(build=not args.no_build)
+        if image_bin is not None:
+            known[IMAGE_SYSTEM] = partial(Ours, build=(image_runtime.image_suite(), image_bin))
     anp_bin, anp_why = (None, "not selected")
     if any(name.startswith("upstream") for name in wanted):
         log(f"building/locating apiserver-network-proxy {args.anp_version}")
@@ -231,10 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     systems: list[System] = []
     for name in wanted:
-        s = known[name](env)
         try:
             if name.startswith("upstream") and anp_bin is None:
                 raise Unavailable(f"{name}: apiserver-network-proxy unavailable: {anp_why}")
+            if name == IMAGE_SYSTEM and image_why:
+                raise Unavailable(f"{name}: {image_why}")
+            s = known[name](env)
             s.check()
             systems.append(s)
         except Unavailable as exc:
@@ -253,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in systems:
             s.stop()
         target.stop()
+        if IMAGE_SYSTEM in wanted:
+            image_runtime.release()
 
     results = {
         "meta": {

@@ -10,11 +10,11 @@
 #   scripts/compose.sh down     `docker compose down --volumes`: containers, networks, volumes
 #   scripts/compose.sh sizes    the size of every image
 #
-# No image registry is needed. The base image (a minimal Debian bookworm root filesystem with
-# python3) is made with mmdebstrap and `docker import`, its root filesystem kept in the tool cache
+# No image registry is needed. The base image (a minimal Debian trixie root filesystem with
+# python3, its mirror taken from this machine's apt sources) is made with mmdebstrap and `docker import`, its root filesystem kept in the tool cache
 # outside the repository (${XDG_CACHE_HOME:-~/.cache}/cluster-proxy/images/), named by a digest of
 # its recipe: a recipe change rebuilds it, nothing else does. Extra arguments of `up` and `down` go to
-# docker compose. Environment: PYTHON_BASE (another base image, e.g. python:3.11-slim-bookworm when
+# docker compose. Environment: PYTHON_BASE (another base image, e.g. python:3.13-slim-trixie when
 # it can be pulled; nothing is made then), CLUSTER_PROXY_TAG (image tag, default dev),
 # COMPOSE_PROJECT_NAME (default cluster-proxy), CLUSTER_PROXY_HEALTH_PORT (default 8099; empty: any
 # free port).
@@ -22,23 +22,26 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+# shellcheck source=scripts/apt-mirror.sh
+source "$ROOT/scripts/apt-mirror.sh"
 
 CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/cluster-proxy"
 IMAGE_CACHE="$CACHE/images"
 DOCKERD_LOG="$CACHE/docker/dockerd.log"
 VENV="$ROOT/.venv"
 TAG="${CLUSTER_PROXY_TAG:-dev}"
-LOCAL_BASE="cluster-proxy/python-base:bookworm"
+# shellcheck source=deploy/images/base.env
+source "$ROOT/deploy/images/base.env"  # BASE_SUITE
+LOCAL_BASE="cluster-proxy/python-base:$BASE_SUITE"
 BASE="${PYTHON_BASE:-$LOCAL_BASE}"
 DOCKERD_READY_SECONDS=60
 
 # The base image's recipe: any change here makes a new digest, so a new root filesystem. Debian's
-# python3 (3.11 in bookworm) with venv and pip (ensurepip), CA certificates for pip and apt, no
-# documentation; a policy-rc.d so that a package installed in a Dockerfile (haproxy, tinyproxy) does
-# not try to start its daemon. The CA certificates this machine added to its own trust store
+# python3 (3.13 with OpenSSL 3.5 in trixie: the runtime that measured fastest, docs/benchmarks.md)
+# with venv and pip (ensurepip), CA certificates for pip and apt, no documentation; a policy-rc.d so
+# that a package installed in a Dockerfile (haproxy, tinyproxy) does not try to start its daemon. The CA certificates this machine added to its own trust store
 # (HOST_CA_DIR, e.g. a TLS-intercepting egress proxy's) are added to the image's, so that pip in a
 # build reaches PyPI wherever the host's pip does; they are part of the digest.
-BASE_SUITE="bookworm"
 BASE_PACKAGES="python3,python3-venv,ca-certificates"
 BASE_RECIPE_VERSION="1"
 BASE_LABEL="io.cluster-proxy.base-recipe"
@@ -179,11 +182,11 @@ image_label() {
 
 make_rootfs() {
     # $1: the tarball to write. mmdebstrap as root (chroot mode): 15-50 s and ~170 MB of packages.
-    local out="$1" sources
+    local out="$1" sources=()
     PATH="$PATH:/usr/sbin:/sbin" command -v mmdebstrap >/dev/null 2>&1 || apt_install mmdebstrap
     as_root "mmdebstrap"
-    sources=/etc/apt/sources.list.d/debian.sources  # deb822 sources work as the mirror argument
-    [[ -f "$sources" ]] || sources="http://deb.debian.org/debian"
+    mapfile -t sources < <(debian_sources "$BASE_SUITE")
+    [[ ${#sources[@]} -gt 0 ]] || die "no Debian source in this machine's apt sources (/etc/apt/sources.list*): the base image takes its mirror from there"
     log "making the base root filesystem (mmdebstrap $BASE_SUITE + $BASE_PACKAGES)"
     local copy_cas="true" ca
     while read -r ca; do
@@ -199,7 +202,7 @@ make_rootfs() {
         --customize-hook="$copy_cas" \
         --customize-hook='chroot "$1" update-ca-certificates >/dev/null' \
         --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin "$1"/var/log/*.log' \
-        "$BASE_SUITE" "$out" "$sources"
+        "$BASE_SUITE" "$out" "${sources[@]}"
     $SUDO chown "$(id -u):$(id -g)" "$out"
 }
 

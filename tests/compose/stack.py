@@ -21,7 +21,7 @@ from tests.support.waiting import poll_until
 
 ROOT = Path(__file__).resolve().parents[2]
 TAG = os.environ.get("CLUSTER_PROXY_TAG", "dev")
-BASE_IMAGE = os.environ.get("PYTHON_BASE", "cluster-proxy/python-base:bookworm")
+BASE_IMAGE = os.environ.get("PYTHON_BASE", "cluster-proxy/python-base:trixie")
 SERVICE_IMAGES = (
     "proxy-server",
     "proxy-agent",
