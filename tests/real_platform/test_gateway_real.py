@@ -207,6 +207,23 @@ def test_kubectl_get_and_exec_on_cluster1_through_the_hub_gateway(
         120,
         managed,
     )
+    # the manager deleted the gateway's ManagedServiceAccounts with the addon; the gateway's finalizer
+    # lets them go (their ServiceAccounts deleted through the tunnel, or released once the agent is gone)
+    wait_for(
+        "cluster1's ManagedServiceAccounts gone",
+        lambda: hub.kubectl("-n", DIRECT, "get", "managedserviceaccounts", "-o", "name").stdout.strip() == "",
+        60,
+        hub,
+    )
+    gateway_log = hub.kubectl(
+        "-n", ADDON_NAMESPACE, "logs", "deployment/cluster-proxy-cluster-gateway"
+    ).stdout
+    finalized = [
+        f"{record['event']} {record.get('name')}"
+        for record in (json.loads(line) for line in gateway_log.splitlines() if line.startswith("{"))
+        if record.get("event") in ("managedserviceaccount_deleted", "managedserviceaccount_released")
+    ]
+    print(f"the gateway's finalizer: {finalized}")
     times["disabled"] = time.monotonic() - started
     for overlay in ("hub-gateway", "hub-configuration", "hub"):
         hub.kubectl_ok("delete", "-k", str(OVERLAYS / overlay), "--timeout=120s", timeout=130)
