@@ -10,12 +10,17 @@ from typing import Any
 import pytest
 import trio
 
-from clusterproxy_addon_manager import render, render_agent, render_serviceaccounts
+from clusterproxy_addon_manager import reconcile_cluster, render, render_agent, render_serviceaccounts
 from clusterproxy_addon_manager.config import Endpoints, ProxySettings, parse_mpc
 from clusterproxy_agent.control import ControlEndpoint, is_control_target
-from clusterproxy_gateway.serviceaccounts import parse_go_duration, renewal_due
+from clusterproxy_gateway.serviceaccounts import (
+    FINALIZER as GATEWAY_FINALIZER,
+    ManagedServiceAccounts,
+    parse_go_duration,
+    renewal_due,
+)
 from clusterproxy_protocol.agent_control import CONTROL_AUTHORITY, CONTROL_CLIENT_HEADER
-from clusterproxy_protocol.errors import Forbidden
+from clusterproxy_protocol.errors import Forbidden, NoAgentConnected
 from clusterproxy_server.authz import ClientIdentity
 from clusterproxy_server.control import ControlAccess
 
@@ -192,3 +197,108 @@ def test_the_service_proxy_gets_reviews_and_impersonation_only() -> None:
     )
     assert (msa["metadata"]["name"], msa["metadata"]["namespace"]) == ("cluster-proxy-service-proxy", "c1")
     assert render.GATEWAY_SERVICEACCOUNTS == ("cluster-gateway", "cluster-proxy-service-proxy")
+
+
+# --- uninstall: nobody leaves an MSA held by the gateway's finalizer ----------------------------------
+
+
+class _NoTunnel:
+    async def connect(self, cluster: str, host: str, port: int) -> Any:
+        raise NoAgentConnected("no agent of that cluster")
+
+
+class _Hub(ManagedServiceAccounts):
+    """The gateway's controller with the hub played in memory: ``gone`` is what
+    :meth:`_agent_gone_for_good` answers."""
+
+    def __init__(self, gone: str | None) -> None:
+        super().__init__(api=None, tunnel=_NoTunnel())
+        self.gone = gone
+        self.patched: list[dict[str, Any]] = []
+        self.secrets_deleted: list[str] = []
+
+    def _agent_gone_for_good(self, cluster: str) -> str | None:
+        return self.gone
+
+    def _patch(self, namespace: str, name: str, body: Any) -> None:
+        self.patched.append(body)
+
+    def _delete_secret(self, namespace: str, name: str) -> None:
+        self.secrets_deleted.append(name)
+
+
+def _deleting_msa() -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": "cluster-gateway",
+            "namespace": "cluster1",
+            "resourceVersion": "7",
+            "deletionTimestamp": "2026-01-01T00:00:00Z",
+            "finalizers": ["other/keep", GATEWAY_FINALIZER],
+        }
+    }
+
+
+@pytest.mark.parametrize("reason", ["the addon is disabled on the cluster", "the managed cluster is gone"])
+def test_the_gateway_lets_its_finalizer_go_when_no_agent_will_come_back(reason: str) -> None:
+    hub = _Hub(gone=reason)
+    trio.run(hub.reconcile, _deleting_msa())
+    assert hub.patched == [{"metadata": {"finalizers": ["other/keep"], "resourceVersion": "7"}}]
+    assert hub.secrets_deleted == ["cluster-gateway"]
+
+
+def test_the_gateway_keeps_its_finalizer_while_the_agent_is_only_disconnected() -> None:
+    hub = _Hub(gone=None)
+    trio.run(hub.reconcile, _deleting_msa())
+    assert hub.patched == [] and hub.secrets_deleted == []
+
+
+class _ManagerKube:
+    def __init__(self, finalizers: list[str], gateway: bool) -> None:
+        self.msa = {"metadata": {"resourceVersion": "3", "finalizers": finalizers}}
+        self.gateway = gateway
+        self.patches: list[tuple[str, Any, str | None]] = []
+
+    def delete(self, resource: Any, name: str, namespace: str | None = None) -> bool:
+        return True
+
+    def get_or_none(self, resource: Any, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        if resource is reconcile_cluster.GATEWAY_APISERVICE:
+            return {"metadata": {"name": name}} if self.gateway else None
+        return self.msa
+
+    def request(self, method: str, resource: Any, **kwargs: Any) -> dict[str, Any]:
+        self.patches.append((kwargs["name"], kwargs["body"], kwargs.get("content_type")))
+        return {}
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def info(self, event: str, **_: Any) -> None:
+        self.events.append(event)
+
+    warning = info
+
+
+def _manager(kube: _ManagerKube) -> Any:
+    return type("Ctl", (), {"kube": kube, "log": _Log()})()
+
+
+def test_the_manager_takes_the_gateways_finalizer_off_when_no_gateway_is_installed() -> None:
+    assert reconcile_cluster.GATEWAY_FINALIZER == GATEWAY_FINALIZER  # one finalizer, named twice
+    kube = _ManagerKube([GATEWAY_FINALIZER], gateway=False)
+    reconcile_cluster._delete_gateway_serviceaccounts(_manager(kube), "cluster1")
+    assert [name for name, _, _ in kube.patches] == list(render.GATEWAY_SERVICEACCOUNTS)
+    assert all(
+        body == {"metadata": {"finalizers": [], "resourceVersion": "3"}}
+        and kind == "application/merge-patch+json"
+        for _, body, kind in kube.patches
+    )
+
+
+def test_the_manager_leaves_the_finalizer_to_an_installed_gateway() -> None:
+    kube = _ManagerKube([GATEWAY_FINALIZER], gateway=True)
+    reconcile_cluster._delete_gateway_serviceaccounts(_manager(kube), "cluster1")
+    assert kube.patches == []

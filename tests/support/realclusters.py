@@ -49,6 +49,15 @@ def _parallel(action: Callable[[RealCluster], None], clusters: Sequence[RealClus
             future.result()
 
 
+def route_services_through_node(cluster: RealCluster) -> None:
+    """The machine routes the cluster's Service range through its node, as a control plane on a node
+    with kube-proxy reaches Services: the API server runs outside the node's namespace, and its
+    aggregator dials an APIService's Service IP (and an admission webhook's), which only the node's
+    kube-proxy rules translate. The route goes with the node's veth at teardown."""
+    node = cluster.network
+    nodenet.run("ip", "route", "add", node.service_subnet, "via", node.node_ip, "dev", node.host_link)
+
+
 def build_everything() -> None:
     """Every program and image of the clusters, built into the tool cache when missing."""
     kubeapi.binaries()
@@ -128,6 +137,8 @@ class RealClusters:
             cluster.start_kube_proxy(node_binaries)
         _parallel(lambda c: c.wait_node_ready(), clusters)
         self.timings["nodes ready"] = time.monotonic() - started
+        for cluster in clusters:
+            route_services_through_node(cluster)
         for cluster in clusters:
             cluster.install_coredns()
         if HUB in self.names and PROXIED in self.names:

@@ -35,6 +35,11 @@ MANAGED_SERVICE_ACCOUNT = Resource(
     "deploy/kustomize/base/crds",
 )
 
+# the cluster-gateway's finalizer on them, and the APIService that says the gateway is installed
+GATEWAY_FINALIZER = "authentication.open-cluster-management.io/managed-serviceaccount"
+GATEWAY_APISERVICE = Resource("apiregistration.k8s.io", "v1", "apiservices", "APIService", False)
+GATEWAY_APISERVICE_NAME = "v1alpha1.cluster.core.oam.dev"
+
 
 def reconcile_cluster(ctl: Controller, name: str) -> None:
     cluster = ctl.clusters.get(name)
@@ -161,8 +166,47 @@ def _ensure_gateway_serviceaccounts(ctl: Controller, cluster: str, addon_uid: st
 
 
 def _delete_gateway_serviceaccounts(ctl: Controller, cluster: str) -> None:
+    """Delete them with the addon. Their finalizer is the cluster-gateway's (it deletes the
+    ServiceAccount in the cluster, or lets go once the addon is gone); with no gateway installed
+    (its APIService gone: removed before the addon was disabled) nobody would ever take it off and
+    the hub's uninstall would wait on the CRD for good, so the manager takes it off itself."""
     for name in GATEWAY_SERVICEACCOUNTS:
         try:
-            ctl.kube.delete(MANAGED_SERVICE_ACCOUNT, name, cluster)
+            if not ctl.kube.delete(MANAGED_SERVICE_ACCOUNT, name, cluster):
+                continue
+            left = ctl.kube.get_or_none(MANAGED_SERVICE_ACCOUNT, name, cluster)
+            if left is None:
+                continue
+            finalizers = list((left.get("metadata") or {}).get("finalizers") or [])
+            if GATEWAY_FINALIZER not in finalizers or _gateway_installed(ctl):
+                continue
+            ctl.kube.request(
+                "PATCH",
+                MANAGED_SERVICE_ACCOUNT,
+                namespace=cluster,
+                name=name,
+                body={
+                    "metadata": {
+                        "finalizers": [f for f in finalizers if f != GATEWAY_FINALIZER],
+                        "resourceVersion": left["metadata"].get("resourceVersion"),
+                    }
+                },
+                content_type="application/merge-patch+json",
+            )
+            ctl.log.info(
+                "gateway_serviceaccount_released",
+                cluster=cluster,
+                name=name,
+                reason="no cluster-gateway installed to finalize it",
+            )
         except KubeError as exc:
             ctl.log.warning("gateway_serviceaccount_failed", cluster=cluster, name=name, error=str(exc))
+
+
+def _gateway_installed(ctl: Controller) -> bool:
+    """The gateway's APIService exists (a refused read counts as installed: never drop a finalizer
+    that someone may still be about to honour)."""
+    try:
+        return ctl.kube.get_or_none(GATEWAY_APISERVICE, GATEWAY_APISERVICE_NAME) is not None
+    except KubeError:
+        return True

@@ -67,6 +67,7 @@ MIN_VALIDITY = 600.0  # TokenRequest's minimum
 CONTROL_TIMEOUT = 30.0
 MAX_ANSWER = 256 * 1024
 RETRY_AFTER_FAILURE = 5.0
+ADDON_NAME = "cluster-proxy"  # the ManagedClusterAddOn whose agent holds the tunnel
 SECRET_LABEL = "authentication.open-cluster-management.io/is-managed-serviceaccount"
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
@@ -478,13 +479,25 @@ class ManagedServiceAccounts:
         try:
             deleted = await delete_serviceaccount(self.tunnel, cluster, name)
         except TokenFetchError as exc:
-            if not await trio.to_thread.run_sync(self._cluster_gone, cluster):
+            gone = await trio.to_thread.run_sync(self._agent_gone_for_good, cluster)
+            if gone is None:
                 self._failures[(cluster, name)] = _Failure(trio.current_time(), str(exc))
                 self.log.warning(
                     "managedserviceaccount_delete_failed", cluster=cluster, name=name, error=str(exc)
                 )
                 return  # the finalizer stays; asked again after RETRY_AFTER_FAILURE
-            deleted = False  # no such managed cluster any more: nothing left to delete there
+            # No agent will come back to delete it: holding the finalizer would only hold the hub's
+            # uninstall (the CRD's deletion waits for every MSA). The addon's ManifestWork took the
+            # ServiceAccount's grants with it; the ServiceAccount itself is left in its namespace.
+            self.log.warning(
+                "managedserviceaccount_released",
+                cluster=cluster,
+                name=name,
+                reason=gone,
+                serviceaccount_left=name,
+                error=str(exc),
+            )
+            deleted = False
         await trio.to_thread.run_sync(self._delete_secret, cluster, name)
         remaining = [f for f in finalizers if f != FINALIZER]
         body = {"metadata": {"finalizers": remaining, "resourceVersion": meta.get("resourceVersion")}}
@@ -494,16 +507,35 @@ class ManagedServiceAccounts:
             "managedserviceaccount_deleted", cluster=cluster, name=name, serviceaccount_deleted=deleted
         )
 
-    def _cluster_gone(self, cluster: str) -> bool:
+    def _agent_gone_for_good(self, cluster: str) -> str | None:
+        """Why no agent of ``cluster`` will ever answer again (the cluster is gone, or its addon is
+        gone or being deleted: disabled), or None when one may (the agent is only disconnected)."""
         from kubernetes.client.exceptions import ApiException
 
+        custom = self._custom()
         try:
-            self._custom().get_cluster_custom_object(
+            custom.get_cluster_custom_object(
                 "cluster.open-cluster-management.io", "v1", "managedclusters", cluster
             )
         except ApiException as exc:
-            return exc.status == 404
-        return False
+            if exc.status == 404:
+                return "the managed cluster is gone"
+            return None
+        try:
+            addon = custom.get_namespaced_custom_object(
+                "addon.open-cluster-management.io",
+                "v1alpha1",
+                cluster,
+                "managedclusteraddons",
+                ADDON_NAME,
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return "the addon is disabled on the cluster"
+            return None
+        if (addon.get("metadata") or {}).get("deletionTimestamp"):
+            return "the addon is being disabled on the cluster"
+        return None
 
 
 def _set_condition(
