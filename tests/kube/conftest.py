@@ -18,8 +18,9 @@ Usage (the fixture is session-scoped: one etcd and three API servers for the who
         hub.restart()                    # same port and data; returns once /readyz answers
         hub.stop(); hub.start()          # the same, with the server down in between
 
-The OCM CRDs (tests/kube/crds/ocm) are installed and Established on the hub. Every test shares the
-clusters: name what you create uniquely (a namespace per test) and delete it (a namespace stays
+OCM's own hub CRDs (those the addon-manager reads, from the OCM module the real platform runs:
+``tests.support.ocmbuild.crds_for_test_hubs``) are installed and Established on the hub. Every test
+shares the clusters: name what you create uniquely (a namespace per test) and delete it (a namespace stays
 Terminating forever: no controller-manager runs). No pod ever runs (no kubelet/scheduler), and no
 ``default`` ServiceAccount appears by itself. ``tests.support.kubeapi.install_crds(cluster, dir)``
 installs other CRDs. Binaries missing from the tool cache are built before the first test runs (about
@@ -36,7 +37,7 @@ from collections.abc import Generator, Iterator
 
 import pytest
 
-from tests.support import kubeapi, require
+from tests.support import kubeapi, ocmbuild, require
 from tests.support.kubeapi import KubeClusters, install_crds
 
 FIXTURE = "kube_clusters"
@@ -72,13 +73,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Build missing binaries before the first test, outside any test's timeout (a cold build takes
-    minutes). Without Go nothing happens here: the fixture then skips, or fails under CI=true."""
+    """Build missing binaries and fetch OCM's CRDs before the first test, outside any test's timeout (a
+    cold build takes minutes). Without Go nothing happens here: the fixture then skips, or fails under
+    CI=true."""
     if not any(_uses_clusters(item) for item in session.items) or shutil.which("go") is None:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     started = time.monotonic()
     built = kubeapi.binaries()
+    ocmbuild.crds_for_test_hubs()
     if reporter is not None and time.monotonic() - started > 5:
         reporter.write_line(
             f"kube: built etcd and kube-apiserver in {time.monotonic() - started:.0f}s ({built.etcd.parent})"

@@ -1,7 +1,7 @@
 """``kubectl get managedclusteraddon -A`` shows AVAILABLE as the seeds do: True while the cluster's
 agent holds a tunnel, False within 30 s of its agent being SIGKILLed, True again once it is back.
 
-Everything runs from what the addon-manager wrote (tests.support.workagent.AddonStack): the manager
+Everything runs from what the addon-manager wrote (tests.support.addonstack.AddonStack): the manager
 with its default ``--availability-poll`` (10 s) asking the proxy-server's admin API over mutual TLS,
 with a hub client certificate the cert-signer issued it for a token it minted (the admin port lists
 clusters to hub clients only), the proxy-server and cert-signer from their Deployments, the agent from
@@ -20,8 +20,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support.addonstack import ADDON_NAME, AddonStack, Member
 from tests.support.kubeapi import KubeCluster, KubeClusters
-from tests.support.workagent import ADDON_NAME, AddonStack, Member, poll_until
+from tests.support.waiting import poll_until
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ The overlay is applied through an overlay of one's own that changes only what th
 ports (the stack's free ports instead of the configuration's defaults, and a free port to listen on:
 pods share the machine's loopback here), the namespace of the stack's proxy-server and cert-signer
 Services, and the Service as an ``ExternalName`` to localhost (the only route the aggregator takes
-without kube-proxy). The pod runs from the stored Deployment (tests.support.workagent.Kubelet) as its
+without kube-proxy). The pod runs from the stored Deployment (tests.support.localpods.Kubelet) as its
 ServiceAccount with only the overlay's RBAC: it reads the requestheader ConfigMap, patches the
 APIService's caBundle, bootstraps its hub client certificate with the token of the Secret
 ``cluster-gateway-bootstrap`` (kept by the addon-manager: ``--hub-client``, as the hub overlay runs it;
@@ -27,10 +27,12 @@ import pytest
 import yaml
 from kubernetes import client
 
+from tests.support.addonstack import AddonStack
 from tests.support.kubeapi import KubeClusters, free_port
 from tests.support.kustomize import KUSTOMIZE, own_overlay, render
+from tests.support.localpods import Pod
 from tests.support.procs import BIN
-from tests.support.workagent import AddonStack, Pod, poll_until
+from tests.support.waiting import poll_until
 
 pytestmark = pytest.mark.slow
 

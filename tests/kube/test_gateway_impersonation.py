@@ -42,7 +42,7 @@ from tests.support.gateway_rig import (
     running_gateway,
 )
 from tests.support.kubeapi import KubeClusters
-from tests.support.workagent import poll_until
+from tests.support.waiting import poll_until
 
 pytestmark = pytest.mark.slow
 

@@ -56,7 +56,7 @@ from tests.support.gateway_rig import (
     running_gateway,
 )
 from tests.support.kubeapi import KubeClusters
-from tests.support.workagent import poll_until
+from tests.support.waiting import poll_until
 
 STDIN_BYTES = 1 << 20
 

@@ -1,7 +1,7 @@
 """The health-collector in Kubernetes mode against real API servers: ``cluster-proxy health`` as a hub
 admin reads it.
 
-Everything but the collector runs from what the addon-manager wrote (tests.support.workagent.AddonStack):
+Everything but the collector runs from what the addon-manager wrote (tests.support.addonstack.AddonStack):
 the manager on the hub API server (availability polled every 2 s), the cert-signer and proxy-server
 from their Deployments, and ``<tag>-cluster1`` and ``<tag>-cluster2`` joined with their agents run
 from the ManifestWork applied to the cluster1 and cluster2 API servers. The collector is a process
@@ -33,10 +33,11 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
+from tests.support.addonstack import ADDON_NAME, AddonStack, Member
 from tests.support.health import CollectorProcess
 from tests.support.kubeapi import KubeClusters
 from tests.support.procs import BIN
-from tests.support.workagent import ADDON_NAME, AddonStack, Member, poll_until
+from tests.support.waiting import poll_until
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@
   on loopback, as the addon-manager would run them), the admin's steps with the real CLI (the trust
   bundle, a bootstrap token for cluster1), an overlay of the admin's own applied to cluster1, and the
   agent's pod run from the Deployment, ConfigMap and Secret stored on cluster1 (the tests play the
-  kubelet: tests.support.workagent.Kubelet): it bootstraps, its tunnel reaches the proxy-server and
+  kubelet: tests.support.localpods.Kubelet): it bootstraps, its tunnel reaches the proxy-server and
   the Deployment reports READY 1/1.
 - The health-collector the hub overlay installs: its ServiceAccount may list and watch the addons and
   the clusters and get its own bootstrap Secret, nothing else; its pod, run from the stored Deployment
@@ -67,9 +67,9 @@ from tests.support.kustomize import (
     own_overlay,
     render,
 )
+from tests.support.localpods import Container, Kubelet, Pod, WorkApplier
 from tests.support.procs import json_records
-from tests.support.waiting import wait_until
-from tests.support.workagent import Container, Kubelet, Pod, WorkAgent, poll_until
+from tests.support.waiting import poll_until, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -292,7 +292,7 @@ def assert_configuration_applies_unchanged(hub: KubeCluster, overlay: Path) -> N
 def test_the_addon_manager_runs_as_the_overlay_installs_it(
     hub_installed: KubeCluster, tmp_path: Path
 ) -> None:
-    """The manager's pod run from the hub's stored Deployment (tests.support.workagent.Kubelet: its
+    """The manager's pod run from the hub's stored Deployment (tests.support.localpods.Kubelet: its
     command, args and environment, its ServiceAccount's token through $KUBECONFIG, with only the
     overlay's RBAC) creates the default ManagedProxyConfiguration with the CRD's defaults, registers the
     addon and deploys the hub side from it. Then the declared configuration: ``overlays/hub-configuration``
@@ -657,7 +657,7 @@ def test_the_health_collector_runs_as_the_overlay_installs_it(
         kubectl_ok(hub, "create", "namespace", "cluster1")
         with hub.api_client() as api:
             enable_the_addon(client.CustomObjectsApi(api))
-        work_agent = WorkAgent(hub, cluster1, "cluster1").start()
+        work_agent = WorkApplier(hub, cluster1, "cluster1").start()
         applied = work_agent.wait_applied("addon-cluster-proxy-deploy", timeout=60)
         assert applied.ok, applied.errors()
         # the agent's NetworkPolicy from the ManifestWork, taken by cluster1's API server

@@ -47,10 +47,11 @@ from clusterproxy_protocol.agent_control import CONTROL_HOST, CONTROL_PORT
 from clusterproxy_protocol.errors import ConnectRefused
 from clusterproxy_sdk import TLSFiles, open_shared_tunnel
 from tests.support import require
+from tests.support.addonstack import AddonStack
 from tests.support.gateway_rig import GROUP_PATH, SA_NAMESPACE, running_gateway
 from tests.support.kubeapi import KubeCluster, KubeClusters, install_crds
 from tests.support.procs import BIN, Process
-from tests.support.workagent import AddonStack, poll_until
+from tests.support.waiting import poll_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.kube_early]
 

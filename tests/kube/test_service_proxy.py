@@ -41,11 +41,12 @@ from tests.support.gateway_rig import (
     _bind,
     _exec,
     _kubectl,
+    _managed_cluster,
     _user,
     running_gateway,
 )
 from tests.support.kubeapi import KubeClusters
-from tests.support.workagent import poll_until
+from tests.support.waiting import poll_until
 
 pytestmark = pytest.mark.slow
 
@@ -308,32 +309,9 @@ def test_what_the_endpoint_refuses_it_says_why(rig: Rig) -> None:
     assert status == 404 and "no ManagedCluster 'no-such-cluster'" in body["message"], body
     # a cluster with the addon but no agent: first its credential is missing, then its tunnel
     ghost = f"ghost-{rig.gateway.stack.tag}"
+    _managed_cluster(rig.gateway, ghost)
     with rig.gateway.hub.api_client() as admin:
-        core, custom = client.CoreV1Api(admin), client.CustomObjectsApi(admin)
-        core.create_namespace({"metadata": {"name": ghost}})
-        custom.create_cluster_custom_object(
-            "cluster.open-cluster-management.io",
-            "v1",
-            "managedclusters",
-            {
-                "apiVersion": "cluster.open-cluster-management.io/v1",
-                "kind": "ManagedCluster",
-                "metadata": {"name": ghost},
-                "spec": {"hubAcceptsClient": True},
-            },
-        )
-        custom.create_namespaced_custom_object(
-            "addon.open-cluster-management.io",
-            "v1alpha1",
-            ghost,
-            "managedclusteraddons",
-            {
-                "apiVersion": "addon.open-cluster-management.io/v1alpha1",
-                "kind": "ManagedClusterAddOn",
-                "metadata": {"name": "cluster-proxy"},
-                "spec": {"installNamespace": "ghost"},
-            },
-        )
+        core = client.CoreV1Api(admin)
         status, _, body = poll_until(
             lambda: (
                 (answer := rig.call(f"/{ghost}/api/v1/namespaces", rig.reader_token))[0] == 503 and answer

@@ -32,7 +32,7 @@ from kubernetes import client
 
 from tests.support.gateway_rig import Gateway, _bind, _user, running_gateway
 from tests.support.kubeapi import KubeCluster, KubeClusters
-from tests.support.workagent import poll_until
+from tests.support.waiting import poll_until
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ The addon-manager runs on the hub API server with a ManagedProxyConfiguration wh
 ManagedClusters ``<tag>-cluster1`` and ``<tag>-cluster2`` get their ManifestWork applied to the
 cluster1 and cluster2 API servers and their agents run from the Deployment in it, with the agent's
 in-cluster default ``--kube-apiserver`` (``kubernetes.default.svc:443``, which a pod resolves to its own
-API server: tests.support.workagent's pod network). Then, on the hub, a user with a hub client
+API server: tests.support.localpods' names under .svc). Then, on the hub, a user with a hub client
 certificate reaches each cluster's API server by naming only the cluster:
 
 - the Python ``kubernetes`` client: ``host = https://<cluster>`` (the bare cluster name, upstream's
@@ -39,9 +39,10 @@ import yaml
 from kubernetes import client
 
 from tests.support import require
+from tests.support.addonstack import AddonStack
 from tests.support.kubeapi import KubeCluster, KubeClusters
 from tests.support.procs import BIN, Process
-from tests.support.workagent import AddonStack, poll_until
+from tests.support.waiting import poll_until
 
 pytestmark = pytest.mark.slow
 

@@ -27,17 +27,11 @@ from kubernetes import client
 from kubernetes.stream import stream
 
 from tests.support import require
+from tests.support.addonstack import MANIFEST_WORK, WORK_GROUP, WORK_PLURAL, WORK_VERSION, AddonStack
 from tests.support.fake_kubelet import FakeKubelet
 from tests.support.kubeapi import KubeCluster, KubeClusters, free_port
 from tests.support.procs import BIN, Process
-from tests.support.workagent import (
-    MANIFEST_WORK,
-    WORK_GROUP,
-    WORK_PLURAL,
-    WORK_VERSION,
-    AddonStack,
-    poll_until,
-)
+from tests.support.waiting import poll_until
 
 __all__ = [
     "APISERVICE",

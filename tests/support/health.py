@@ -134,7 +134,7 @@ class CollectorProcess:
         """The collector with ``flags`` (it listens on a free loopback port and logs JSON), waited for
         without trio (the tests on real API servers are synchronous): its ``collector_started`` line,
         then its first round."""
-        from tests.support.workagent import poll_until
+        from tests.support.waiting import poll_until
 
         argv = [
             str(BIN / "cluster-proxy-health-collector"),

@@ -54,7 +54,6 @@ if TYPE_CHECKING:
 ETCD_VERSION = "v3.5.35"
 KUBE_VERSION = "v1.32.13"
 CLUSTER_NAMES = ("hub", "cluster1", "cluster2")
-OCM_CRDS = Path(__file__).resolve().parents[1] / "kube" / "crds" / "ocm"
 
 START_TIMEOUT = 60.0
 PORT_ATTEMPTS = 3
@@ -696,9 +695,14 @@ class KubeClusters:
         return {p.name: p.tail(lines) for p in processes}
 
 
-def install_crds(cluster: KubeCluster, directory: Path = OCM_CRDS, timeout: float = 60.0) -> list[str]:
+def install_crds(cluster: KubeCluster, directory: Path | None = None, timeout: float = 60.0) -> list[str]:
     """Apply every ``*.yaml`` CRD of ``directory`` (server-side: the big OCM CRDs exceed the
-    last-applied annotation's size) and wait until each is Established; returns their names."""
+    last-applied annotation's size) and wait until each is Established; returns their names. Without
+    ``directory``: OCM's own hub CRDs at the real platform's version (:func:`ocmbuild.crds_for_test_hubs`)."""
+    if directory is None:
+        from tests.support.ocmbuild import crds_for_test_hubs  # it imports this module
+
+        directory = crds_for_test_hubs()
     files = sorted(directory.glob("*.yaml"))
     assert files, f"no CRD manifests in {directory}"
     names = [yaml.safe_load(f.read_text())["metadata"]["name"] for f in files]

@@ -11,7 +11,9 @@ built: its Kubernetes libraries (0.32) match our kube-apiserver (1.32). One ``go
 - ``placement``: the hub's placement controller (``controller``).
 
 The CRDs come from the same module's ``manifests/`` (the hub's under ``cluster-manager/hub``, a managed
-cluster's under ``klusterlet/managed``), so they always match the programs.
+cluster's under ``klusterlet/managed``), so they always match the programs. :func:`crds_for_test_hubs` is
+the part of them the tests on bare API servers (tests/kube) install on their hub, copied into the tool
+cache once.
 """
 
 from __future__ import annotations
@@ -87,6 +89,32 @@ def hub_crds() -> list[Path]:
     """OCM's CRDs of a hub (ManagedCluster, ManifestWork, ClusterManagementAddOn, ...), in their
     install order."""
     return sorted((ocm_source() / "manifests" / "cluster-manager" / "hub").glob("*.crd.yaml"))
+
+
+#: What the addon-manager reads and writes on a hub (tests/kube installs these on theirs): not every hub
+#: CRD, since OCM's ClusterProfile CRD would stand in the way of the one tests/kube/test_cluster_profile.py
+#: installs from deploy/kustomize/base/crds, and the rest has no reader in this project.
+CRDS_FOR_TEST_HUBS = (
+    "0000_00_addon.open-cluster-management.io_clustermanagementaddons.crd.yaml",
+    "0000_00_clusters.open-cluster-management.io_managedclusters.crd.yaml",
+    "0000_00_work.open-cluster-management.io_manifestworks.crd.yaml",
+    "0000_01_addon.open-cluster-management.io_managedclusteraddons.crd.yaml",
+    "0000_02_addon.open-cluster-management.io_addondeploymentconfigs.crd.yaml",
+)
+
+
+def crds_for_test_hubs() -> Path:
+    """A folder of the tool cache holding :data:`CRDS_FOR_TEST_HUBS` from the module's hub manifests at
+    ``OCM_VERSION`` (the real platform's OCM). Cold, the module is downloaded first (``go mod download``:
+    without Go the caller skips, and fails under CI=true; a failed download fails); warm, nothing runs."""
+
+    def fill(out: Path) -> None:
+        hub = ocm_source() / "manifests" / "cluster-manager" / "hub"
+        for name in CRDS_FOR_TEST_HUBS:
+            shutil.copyfile(hub / name, out / name)  # the module cache's files are read-only
+            (out / name).chmod(0o644)
+
+    return _cached_folder("ocm-crds", _digest(OCM_MODULE_PATH, OCM_VERSION, *CRDS_FOR_TEST_HUBS), fill)
 
 
 def managed_crds() -> list[Path]:
