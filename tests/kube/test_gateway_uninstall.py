@@ -24,7 +24,7 @@ from kubernetes import client
 
 from tests.support.gateway_rig import APISERVICE, Gateway, _managed_cluster, running_gateway
 from tests.support.kubeapi import KubeClusters, install_crds
-from tests.support.workagent import poll_until
+from tests.support.waiting import poll_until
 
 pytestmark = [pytest.mark.slow]
 
