@@ -632,6 +632,7 @@ class FleetRun:
             "ok": res["ok"],
             "all_s": res["time_all_s"] if res["ok"] == res["targets"] else None,
             "wall_s": round(time.monotonic() - t0, 2),
+            "ok_times": res.get("ok_times"),
             "failed_attempts": errors if isinstance(errors, dict) else {"errors": errors},
         }
 
@@ -881,10 +882,12 @@ def flag_notes(opts: Options, limits: dict) -> list[str]:
         f"with at most {opts.probe_parallel} connections at once; a 429 from its stream rate "
         "(500/s by default) is retried by the probe and counted under client_refusals.",
         "The agent port has no count limit; what bears on a storm is --handshake-timeout (10 s: the "
-        "TLS handshake and the registration must fit, or the agent redials) and the kernel's listen "
-        f"queue (trio asks for 65,535, capped by net.core.somaxconn = {limits['somaxconn']}).",
-        "--keepalive-interval 10s (default): every tunnel is PINGed every 10 s, so 10,000 agents x "
-        "workers tunnels mean 1,000 x workers PINGs a second; that is what the idle CPU pays.",
+        "TLS handshake and the registration must fit, or the agent redials), the server's handshake "
+        "gate (256 agent handshakes at once per worker, the rest wait their turn) and the kernel's "
+        f"listen queue (the server asks for 65,535, capped by net.core.somaxconn = {limits['somaxconn']}).",
+        "--keepalive-interval 30s (default since issue 36; 10 s before): every tunnel is PINGed every "
+        "30 s, so 10,000 agents x workers tunnels mean 333 x workers PINGs a second; that is what the "
+        "idle CPU pays.",
         "The server does not raise its own RLIMIT_NOFILE: it runs with what it inherits. A worker holds "
         "a socket per agent, so a 10,000-cluster hub needs a limit above 10,000 plus its clients "
         "(containers usually get 1,048,576; a systemd unit's default soft limit of 1,024 is too low). "
