@@ -54,7 +54,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.procs import cpu_seconds, free_port, rss_kib, wait_port, with_descendants
+from bench.procs import cpu_seconds, free_port, rss_kib, start_logged, wait_port, with_descendants
+from bench.report import results_folder, write_results
 from bench.systems import Ours, tool_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -281,19 +282,7 @@ class Child:
 
     def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.name, self.argv, self.log = name, argv, log
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self._logf = open(log, "ab")  # noqa: SIM115 - closed in kill()
-        self._logf.write(f"\n### {shlex.join(argv)}\n".encode())
-        self._logf.flush()
-        self.popen = subprocess.Popen(
-            argv,
-            stdout=self._logf,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
+        self.popen, self._logf = start_logged(argv, log, env, _die_with_parent)  # _logf closed in kill()
         self.seen: set[int] = {self.popen.pid}  # every descendant seen: the server's workers
 
     @property
@@ -1099,7 +1088,7 @@ def _alarm(_signum: int, _frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
-    opts.out.mkdir(parents=True, exist_ok=True)
+    results_folder(opts.out)
     processes = agent_processes(opts.agents, opts.processes)
     need = descriptors_needed(opts.agents, processes, max(opts.workers), opts.probe_parallel)
     nofile = raise_descriptor_limit(max(need.values()) + FD_MARGIN)
@@ -1185,8 +1174,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(out: Path, results: dict) -> None:
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    (out / "results.md").write_text(markdown(results))
+    write_results(out, results, markdown(results))
 
 
 if __name__ == "__main__":
