@@ -66,6 +66,28 @@ async def test_a_stalled_handshake_gives_its_place_up_after_hold(
     assert gate.busy == 0
 
 
+async def test_a_connection_that_waits_too_long_for_a_place_is_not_served(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    gate = HandshakeGate(limit=1, hold=100.0, wait=2.0)
+    outcomes: list[str] = []
+
+    async def handshake(seconds: float) -> None:
+        try:
+            async with gate.place():
+                await trio.sleep(seconds)
+                outcomes.append("served")
+        except trio.TooSlowError:
+            outcomes.append(f"waited too long at {trio.current_time():g}")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(handshake, 10.0)
+        await trio.sleep(0.01)
+        nursery.start_soon(handshake, 0.0)
+    assert outcomes == ["waited too long at 2.01", "served"]
+    assert gate.busy == 0 and gate.waiting == 0
+
+
 def test_peer_gone_reads_the_connection_state() -> None:
     with socket.create_server(("127.0.0.1", 0)) as listener:
         client = socket.create_connection(listener.getsockname())

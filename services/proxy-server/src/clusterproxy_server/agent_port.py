@@ -91,20 +91,24 @@ class AgentPort:
     async def serve_transport(self, transport: trio.abc.Stream, peer: str, port: str) -> None:
         """An agent's tunnel on ``transport`` (TCP, or a WebSocket's byte stream from
         :mod:`.agent_websocket`, whose ``port`` label its refusals are counted under)."""
-        async with self.handshakes.place():
-            if isinstance(transport, trio.SocketStream) and peer_gone(transport.socket):
-                self.metrics.rejected.labels(port, "gone before the handshake").inc()
-                return
-            peer_tls = await accept_tls(
-                transport,
-                self._context(),
-                port,
-                self.handshake_timeout,
-                self.metrics,
-                self.log,
-                accepted=CertRole.AGENT,
-                peer=peer,
-            )
+        try:
+            async with self.handshakes.place():
+                if isinstance(transport, trio.SocketStream) and peer_gone(transport.socket):
+                    self.metrics.rejected.labels(port, "gone before the handshake").inc()
+                    return
+                peer_tls = await accept_tls(
+                    transport,
+                    self._context(),
+                    port,
+                    self.handshake_timeout,
+                    self.metrics,
+                    self.log,
+                    accepted=CertRole.AGENT,
+                    peer=peer,
+                )
+        except trio.TooSlowError:  # no place in time: its agent redials after its backoff
+            self.metrics.rejected.labels(port, "handshake queue").inc()
+            return
         if peer_tls is None:
             return
         stream = peer_tls.stream

@@ -35,6 +35,11 @@ HANDSHAKES_AT_ONCE = 256
 # A handshake holds its place this long at most: a peer that sends a ClientHello and then stalls
 # (or one far away) cannot keep the gate shut; past this it goes on outside the bound.
 HANDSHAKE_PLACE_HOLD = 1.0
+# A connection waits this long for a place at most, then is closed unserved: half an agent's connect
+# timeout (10 s), so that the handshake of one that got a place has time to finish before its agent
+# gives up. Without this bound, a server whose core cannot keep up serves its queue in order while
+# every connection in it is older than its agent's patience: all work, no tunnel.
+HANDSHAKE_PLACE_WAIT = 5.0
 
 
 def peer_gone(sock: socket.socket | trio.socket.SocketType) -> bool:
@@ -50,11 +55,17 @@ def peer_gone(sock: socket.socket | trio.socket.SocketType) -> bool:
 
 class HandshakeGate:
     """At most ``limit`` handshakes at once, served in arrival order; each holds its place for at
-    most ``hold`` seconds (see the module)."""
+    most ``hold`` seconds, and waits for one at most ``wait`` seconds (see the module)."""
 
-    def __init__(self, limit: int = HANDSHAKES_AT_ONCE, hold: float = HANDSHAKE_PLACE_HOLD) -> None:
+    def __init__(
+        self,
+        limit: int = HANDSHAKES_AT_ONCE,
+        hold: float = HANDSHAKE_PLACE_HOLD,
+        wait: float = HANDSHAKE_PLACE_WAIT,
+    ) -> None:
         self._places = trio.CapacityLimiter(limit)
         self.hold = hold
+        self.wait = wait
 
     @property
     def busy(self) -> int:
@@ -66,8 +77,10 @@ class HandshakeGate:
 
     @asynccontextmanager
     async def place(self) -> AsyncIterator[None]:
+        """A place for one handshake; ``trio.TooSlowError`` when none came within ``wait``."""
         token = object()
-        await self._places.acquire_on_behalf_of(token)
+        with trio.fail_after(self.wait):
+            await self._places.acquire_on_behalf_of(token)
         released = False
 
         def release() -> None:
