@@ -54,7 +54,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.procs import cpu_seconds, free_port, rss_kib, wait_port, with_descendants
+from bench.procs import cpu_seconds, free_port, rss_kib, start_logged, wait_port, with_descendants
+from bench.report import results_folder, write_results
 from bench.systems import Ours, tool_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -281,19 +282,7 @@ class Child:
 
     def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.name, self.argv, self.log = name, argv, log
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self._logf = open(log, "ab")  # noqa: SIM115 - closed in kill()
-        self._logf.write(f"\n### {shlex.join(argv)}\n".encode())
-        self._logf.flush()
-        self.popen = subprocess.Popen(
-            argv,
-            stdout=self._logf,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
+        self.popen, self._logf = start_logged(argv, log, env, _die_with_parent)  # _logf closed in kill()
         self.seen: set[int] = {self.popen.pid}  # every descendant seen: the server's workers
 
     @property
@@ -632,6 +621,7 @@ class FleetRun:
             "ok": res["ok"],
             "all_s": res["time_all_s"] if res["ok"] == res["targets"] else None,
             "wall_s": round(time.monotonic() - t0, 2),
+            "ok_times": res.get("ok_times"),
             "failed_attempts": errors if isinstance(errors, dict) else {"errors": errors},
         }
 
@@ -881,10 +871,12 @@ def flag_notes(opts: Options, limits: dict) -> list[str]:
         f"with at most {opts.probe_parallel} connections at once; a 429 from its stream rate "
         "(500/s by default) is retried by the probe and counted under client_refusals.",
         "The agent port has no count limit; what bears on a storm is --handshake-timeout (10 s: the "
-        "TLS handshake and the registration must fit, or the agent redials) and the kernel's listen "
-        f"queue (trio asks for 65,535, capped by net.core.somaxconn = {limits['somaxconn']}).",
-        "--keepalive-interval 10s (default): every tunnel is PINGed every 10 s, so 10,000 agents x "
-        "workers tunnels mean 1,000 x workers PINGs a second; that is what the idle CPU pays.",
+        "TLS handshake and the registration must fit, or the agent redials), the server's handshake "
+        "gate (256 agent handshakes at once per worker, the rest wait their turn) and the kernel's "
+        f"listen queue (the server asks for 65,535, capped by net.core.somaxconn = {limits['somaxconn']}).",
+        "--keepalive-interval 30s (default since issue 36; 10 s before): every tunnel is PINGed every "
+        "30 s, so 10,000 agents x workers tunnels mean 333 x workers PINGs a second; that is what the "
+        "idle CPU pays.",
         "The server does not raise its own RLIMIT_NOFILE: it runs with what it inherits. A worker holds "
         "a socket per agent, so a 10,000-cluster hub needs a limit above 10,000 plus its clients "
         "(containers usually get 1,048,576; a systemd unit's default soft limit of 1,024 is too low). "
@@ -1096,7 +1088,7 @@ def _alarm(_signum: int, _frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
-    opts.out.mkdir(parents=True, exist_ok=True)
+    results_folder(opts.out)
     processes = agent_processes(opts.agents, opts.processes)
     need = descriptors_needed(opts.agents, processes, max(opts.workers), opts.probe_parallel)
     nofile = raise_descriptor_limit(max(need.values()) + FD_MARGIN)
@@ -1182,8 +1174,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(out: Path, results: dict) -> None:
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    (out / "results.md").write_text(markdown(results))
+    write_results(out, results, markdown(results))
 
 
 if __name__ == "__main__":

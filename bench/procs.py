@@ -6,11 +6,14 @@ import contextlib
 import os
 import random
 import resource
+import shlex
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -103,6 +106,30 @@ def with_descendants(pid: int) -> list[int]:
     return found
 
 
+def start_logged(
+    argv: list[str],
+    log: Path,
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+) -> tuple[subprocess.Popen[bytes], BinaryIO]:
+    """``argv`` started in a session of its own, its output appended to ``log`` after a ``###`` line
+    with the command; returns the process and the open log file (the caller closes it)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    logf = open(log, "ab")  # noqa: SIM115 - the caller closes it
+    logf.write(f"\n### {shlex.join(argv)}\n".encode())
+    logf.flush()
+    popen = subprocess.Popen(
+        argv,
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+        preexec_fn=preexec_fn,
+    )
+    return popen, logf
+
+
 class Proc:
     """One child process with its log file."""
 
@@ -110,18 +137,7 @@ class Proc:
         self.name = name
         self.argv = argv
         self.log = log
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self._logf = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self._logf.write(f"\n### {' '.join(argv)}\n".encode())
-        self._logf.flush()
-        self.popen = subprocess.Popen(
-            argv,
-            stdout=self._logf,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
+        self.popen, self._logf = start_logged(argv, log, env)  # _logf closed in stop()
 
     @property
     def pid(self) -> int:

@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
 from bench import efficiency
+
+
+def results_folder(out: Path, *, fresh: bool = False) -> str | None:
+    """Make the folder a tool writes its results into; with ``fresh``, one that already holds
+    anything is refused (the reason is returned), so that no run's files mix with another's."""
+    out.mkdir(parents=True, exist_ok=True)
+    if fresh and any(out.iterdir()):
+        return f"{out} is not empty; give a new folder"
+    return None
+
+
+def write_results(out: Path, results: dict, markdown_text: str) -> None:
+    """``results.json`` (what is not JSON written as its ``str``) and ``results.md`` in ``out``."""
+    results_folder(out)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "results.md").write_text(markdown_text if markdown_text.endswith("\n") else markdown_text + "\n")
+
 
 SYSTEM_ORDER = ("direct", "ours", "upstream", "ours-websocket", "ours-grpc", "upstream-grpc", "floor")
 # Quotients shown where both systems ran: (numerator, denominator). The first is this project against

@@ -59,6 +59,7 @@ import trio
 
 from bench import soak_report
 from bench.procs import cpu_seconds, raise_nofile, rss_kib, with_descendants
+from bench.report import results_folder
 from bench.soak_report import Restart, Transfer
 from clusterproxy_protocol import (
     WEBSOCKET_PATH,
@@ -661,9 +662,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    if any(args.out.iterdir()):
-        print(f"bench.soak: {args.out} is not empty; give a new folder", file=sys.stderr)
+    refused = results_folder(args.out, fresh=True)
+    if refused:
+        print(f"bench.soak: {refused}", file=sys.stderr)
         return 2
     raise_nofile()
     return trio.run(Soak(args).run)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import socket
+import struct
 
 import pytest
 import trio
@@ -182,3 +184,20 @@ async def test_client_silent_after_handshake_gets_408(nursery: trio.Nursery, pki
         except trio.BrokenResourceError:
             pass
     assert answer.startswith(b"HTTP/1.1 408 "), answer
+
+
+async def test_a_client_connection_reset_before_it_is_served_is_counted_not_a_failure(
+    nursery: trio.Nursery, pki: PkiFiles
+) -> None:
+    server, _bound = await start_server(nursery, pki)
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    async with listener:
+        client = socket.create_connection(listener.socket.getsockname())
+        accepted = await listener.accept()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()  # RST: getpeername() of the accepted socket fails with ENOTCONN
+        await trio.sleep(0.05)
+        async with accepted:
+            with trio.fail_after(5):
+                await server.handle_client(accepted)
+    assert server.metrics.rejected.labels("client", "gone before the handshake")._value.get() == 1

@@ -45,7 +45,7 @@ def test_defaults(certs: dict[str, Path]) -> None:
     assert s.dial_timeout == 10.0
     assert s.admin_listen == ("0.0.0.0", 8093)
     assert (s.backoff_initial, s.backoff_max) == (0.5, 30.0)
-    assert (s.keepalive_interval, s.keepalive_timeout) == (10.0, 20.0)
+    assert (s.keepalive_interval, s.keepalive_timeout) == (30.0, 20.0)
     assert s.drain_timeout == 30.0
     assert (s.log_level, s.log_format) == ("info", "auto")
     policy = s.policy()

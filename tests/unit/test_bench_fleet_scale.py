@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from bench import fleet_scale as fs
@@ -241,3 +244,15 @@ def test_a_descendant_is_killed_only_while_it_runs_the_same_arguments() -> None:
 def test_an_agent_listens_where_its_spec_says_or_on_any_free_port() -> None:
     assert admin_address({"cluster": "c"}) == ("127.0.0.1", 0)  # the fan-in workload's specs
     assert admin_address({"admin": "127.3.0.1:24001"}) == ("127.3.0.1", 24001)
+
+
+def test_the_results_folder_is_written_by_the_helper_soak_shares(tmp_path: Path) -> None:
+    from bench.report import results_folder, write_results
+
+    out = tmp_path / "run"
+    write_results(out, {"started": Path("/x"), "runs": []}, "# title")
+    assert json.loads((out / "results.json").read_text()) == {"started": "/x", "runs": []}
+    assert (out / "results.md").read_text() == "# title\n"
+    assert results_folder(out) is None  # a tool that rewrites its own results as it goes
+    assert "not empty" in (results_folder(out, fresh=True) or "")  # soak: a new folder per run
+    assert results_folder(tmp_path / "new", fresh=True) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from bench.procs import with_descendants
 
@@ -45,3 +46,15 @@ def test_children_started_from_any_thread_are_found() -> None:
         assert sorted(with_descendants(parent.pid)) == sorted([parent.pid, *children])
     finally:
         parent.communicate(timeout=10)  # its stdin closes: it kills its children and ends
+
+
+def test_start_logged_appends_the_command_and_its_output_to_the_log(tmp_path: Path) -> None:
+    from bench.procs import start_logged
+
+    log = tmp_path / "logs" / "x.log"
+    popen, logf = start_logged(["sh", "-c", "echo hello; echo oops >&2"], log)
+    try:
+        assert popen.wait(timeout=10) == 0
+    finally:
+        logf.close()
+    assert log.read_text().splitlines()[-3:] == ["### sh -c 'echo hello; echo oops >&2'", "hello", "oops"]

@@ -148,7 +148,7 @@ class AgentSettings:
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
     replica_search_backoff_max: float = 2.0
-    keepalive_interval: float = 10.0
+    keepalive_interval: float = 30.0  # as the server's: ours PINGs after 45 s of its silence only
     keepalive_timeout: float = 20.0
     drain_timeout: float = 30.0
     log_level: str = "info"

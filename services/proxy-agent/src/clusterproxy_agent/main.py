@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--keepalive-interval",
         metavar="DURATION",
         type=parse_positive_duration,
-        default="10s",
+        default="30s",
         help="PING the hub after 1.5 times this without hearing from it (its own PINGs, every "
         "--keepalive-interval of the server, or data keep a live tunnel from needing ours)",
     )

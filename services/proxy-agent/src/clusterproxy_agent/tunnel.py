@@ -66,7 +66,7 @@ class HandshakeError(Exception):
 class TunnelOptions:
     server: tuple[str, int]
     connect_timeout: float = 10.0
-    keepalive: tuple[float, float] | None = (10.0, 20.0)
+    keepalive: tuple[float, float] | None = (30.0, 20.0)
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
     # A dial that reached a replica this agent already holds (a replica is missing, or its successor not

@@ -35,7 +35,7 @@ from clusterproxy_protocol import (
     limit_reporter,
     open_mux,
 )
-from clusterproxy_server.handshake import accept_tls
+from clusterproxy_server.handshake import HandshakeGate, accept_tls, peer_gone
 from clusterproxy_server.metrics import ServerMetrics
 from clusterproxy_server.registry import AgentTunnel, Registry
 
@@ -57,6 +57,7 @@ class AgentPort:
         keepalive: tuple[float, float],
         tunnel_settings: TunnelSettings,
         draining: trio.Event | None = None,
+        handshakes: HandshakeGate | None = None,
     ) -> None:
         self._context = context
         self.registry = registry
@@ -69,23 +70,45 @@ class AgentPort:
         self.keepalive = keepalive
         self.tunnel_settings = tunnel_settings
         self.draining = draining if draining is not None else trio.Event()  # set on SIGTERM
+        self.handshakes = handshakes or HandshakeGate()
 
     async def serve(self, tcp: trio.SocketStream) -> None:
-        await self.serve_transport(tcp, format_address(tcp.socket.getpeername()), "agent")
+        try:
+            peer = format_address(tcp.socket.getpeername())
+        except OSError:  # reset before we got to it (an agent that stopped waiting): nothing to serve
+            self.metrics.rejected.labels("agent", "gone before the handshake").inc()
+            return
+        # Its place at the gate once its ClientHello is here: a connection that sends nothing holds
+        # no place (it ends at the handshake timeout, as before).
+        with trio.move_on_after(self.handshake_timeout) as silent:
+            await trio.lowlevel.wait_readable(tcp.socket)
+        if silent.cancelled_caught:  # as accept_tls counts and logs a handshake that does not finish
+            self.metrics.rejected.labels("agent", "handshake timeout").inc()
+            self.log.info("tls_handshake_failed", port="agent", peer=peer, error="handshake timeout")
+            return
+        await self.serve_transport(tcp, peer, "agent")
 
     async def serve_transport(self, transport: trio.abc.Stream, peer: str, port: str) -> None:
         """An agent's tunnel on ``transport`` (TCP, or a WebSocket's byte stream from
         :mod:`.agent_websocket`, whose ``port`` label its refusals are counted under)."""
-        peer_tls = await accept_tls(
-            transport,
-            self._context(),
-            port,
-            self.handshake_timeout,
-            self.metrics,
-            self.log,
-            accepted=CertRole.AGENT,
-            peer=peer,
-        )
+        try:
+            async with self.handshakes.place():
+                if isinstance(transport, trio.SocketStream) and peer_gone(transport.socket):
+                    self.metrics.rejected.labels(port, "gone before the handshake").inc()
+                    return
+                peer_tls = await accept_tls(
+                    transport,
+                    self._context(),
+                    port,
+                    self.handshake_timeout,
+                    self.metrics,
+                    self.log,
+                    accepted=CertRole.AGENT,
+                    peer=peer,
+                )
+        except trio.TooSlowError:  # no place in time: its agent redials after its backoff
+            self.metrics.rejected.labels(port, "handshake queue").inc()
+            return
         if peer_tls is None:
             return
         stream = peer_tls.stream

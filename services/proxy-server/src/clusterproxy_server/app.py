@@ -365,7 +365,11 @@ class ProxyServer:
 
     async def _serve_client(self, tcp: trio.SocketStream) -> None:
         cfg = self.config
-        peer = format_address(tcp.socket.getpeername())
+        try:
+            peer = format_address(tcp.socket.getpeername())
+        except OSError:  # reset before we got to it: nothing to serve (not a handler failure)
+            self.metrics.rejected.labels("client", "gone before the handshake").inc()
+            return
         peer_tls = await accept_tls(
             tcp,
             self._client_tls.context,

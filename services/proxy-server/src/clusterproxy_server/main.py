@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="10s",
         help="longest TLS handshake / request head / agent registration",
     )
-    flag("--keepalive-interval", type=parse_duration, default="10s", help="PING interval on agent tunnels")
+    flag("--keepalive-interval", type=parse_duration, default="30s", help="PING interval on agent tunnels")
     flag(
         "--keepalive-timeout",
         type=parse_duration,
