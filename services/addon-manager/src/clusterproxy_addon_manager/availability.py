@@ -18,8 +18,8 @@ certificate names), or the URL's host for an ``--admin-url``.
 
 Why the admin API and not a lease the agent renews: the tunnel *is* what users need; a lease says the
 agent runs, not that it reaches the hub. A killed agent's tunnel ends when its TCP connection does
-(at once for a process that dies; within the server's --keepalive-timeout, 20 s, for a peer that
-vanishes), so False shows within that plus one poll period.
+(at once for a process that dies; within the server's --keepalive-interval plus --keepalive-timeout,
+30 + 20 s, for a peer that vanishes), so False shows within that plus one poll period.
 """
 
 from __future__ import annotations
