@@ -78,6 +78,20 @@ class Inbound:
         self._room.unpark()
         return data
 
+    def take_more(self, data: bytes, limit: int) -> bytes:
+        """``data`` and the packets queued behind it, as one, while they fit in ``limit`` bytes: a
+        relay that fell behind catches up in one send toward the target rather than one per packet."""
+        packets = self._packets
+        if not packets or len(data) + len(packets[0]) > limit:
+            return data
+        parts = [data]
+        size = len(data)
+        while packets and size + len(packets[0]) <= limit:
+            size += len(packets[0])
+            parts.append(packets.popleft())
+        self._room.unpark_all()
+        return b"".join(parts)
+
     def close(self) -> None:
         self._closed = True
         self._readers.unpark_all()
@@ -165,6 +179,8 @@ class DialStream(trio.abc.Stream):
         else:
             await trio.lowlevel.checkpoint_if_cancelled()
         size = len(self._pending) if max_bytes is None else max_bytes
+        if len(self._pending) < size:
+            self._pending = self._dial.inbound.take_more(self._pending, size)
         data, self._pending = self._pending[:size], self._pending[size:]
         return data
 
