@@ -13,8 +13,8 @@ connection's other streams. The stream ends with ``grpc-status`` trailers.
 
 from __future__ import annotations
 
+import collections
 import itertools
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -24,54 +24,78 @@ from clusterproxy_protocol import IncomingRequest, TunnelStream
 from clusterproxy_server.authz import ClientIdentity
 from clusterproxy_server.frontends import konnectivity_pb2 as pb
 from clusterproxy_server.frontends.connection import ClientConnection
+from clusterproxy_server.frontends.konnectivity_wire import (
+    GRPC_INVALID_ARGUMENT,
+    GRPC_OK,
+    GrpcError,
+    MessageReader,
+    frame,
+    frame_data,
+    parse,
+    parse_data,
+)
+
+__all__ = ["CONTENT_TYPE", "PATH", "GrpcError", "MessageReader", "frame", "matches", "serve"]
 
 PATH = "/ProxyService/Proxy"
 CONTENT_TYPE = "application/grpc"
-MAX_MESSAGE = 4 << 20  # gRPC's default receive limit
-DATA_CHUNK = 64 << 10  # bytes of target data per DATA packet
+# Bytes of target data per DATA packet: what one relay read brings (relay.CHUNK), so a read is one
+# packet, one copy and one send, however the client's window slices it into HTTP/2 frames.
+DATA_CHUNK = 256 << 10
 INBOUND_PACKETS = 16  # DATA packets queued per dial before the stream's reader waits
-GRPC_OK, GRPC_INVALID_ARGUMENT, GRPC_UNIMPLEMENTED, GRPC_RESOURCE_EXHAUSTED = 0, 3, 12, 8
-_PREFIX = struct.Struct(">BI")  # compressed flag, message length
 
 
-class GrpcError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+class Inbound:
+    """A dial's DATA packets from the stream's reader to the dial's relay: a bounded queue that, unlike
+    a memory channel, hands a packet over without a pass through the scheduler when there is room
+    (the reader goes on with the next packet of the same read) and gives it to a waiting relay at once."""
 
-
-class MessageReader:
-    """gRPC's length-prefixed messages out of a byte stream (sans-IO: :meth:`feed`, then :meth:`next`)."""
+    __slots__ = ("_closed", "_packets", "_readers", "_room")
 
     def __init__(self) -> None:
-        self._buffer = bytearray()
+        self._packets: collections.deque[bytes] = collections.deque()
+        self._closed = False
+        self._readers = trio.lowlevel.ParkingLot()
+        self._room = trio.lowlevel.ParkingLot()
 
-    def feed(self, data: bytes) -> None:
-        self._buffer += data
+    async def put(self, data: bytes) -> None:
+        """Queue ``data``, waiting while the queue is full; dropped once the queue is closed (the dial
+        ended, or its client closed it: nobody will read it)."""
+        while len(self._packets) >= INBOUND_PACKETS and not self._closed:
+            await self._room.park()
+        if not self._closed:
+            self._packets.append(data)
+            self._readers.unpark()
 
-    def next(self) -> bytes | None:
-        if len(self._buffer) < _PREFIX.size:
-            return None
-        compressed, length = _PREFIX.unpack_from(self._buffer)
-        if compressed:
-            raise GrpcError(GRPC_UNIMPLEMENTED, "compressed messages are not supported")
-        if length > MAX_MESSAGE:
-            raise GrpcError(GRPC_RESOURCE_EXHAUSTED, f"message of {length} bytes exceeds {MAX_MESSAGE}")
-        end = _PREFIX.size + length
-        if len(self._buffer) < end:
-            return None
-        message = bytes(self._buffer[_PREFIX.size : end])
-        del self._buffer[:end]
-        return message
+    async def get(self) -> bytes:
+        """The next packet, waiting for one; b"" once the queue is closed and empty."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while not self._packets:
+            if self._closed:
+                return b""
+            await self._readers.park()
+        data = self._packets.popleft()
+        self._room.unpark()
+        return data
 
-    @property
-    def partial(self) -> bool:
-        return bool(self._buffer)
+    def take_more(self, data: bytes, limit: int) -> bytes:
+        """``data`` and the packets queued behind it, as one, while they fit in ``limit`` bytes: a
+        relay that fell behind catches up in one send toward the target rather than one per packet."""
+        packets = self._packets
+        if not packets or len(data) + len(packets[0]) > limit:
+            return data
+        parts = [data]
+        size = len(data)
+        while packets and size + len(packets[0]) <= limit:
+            size += len(packets[0])
+            parts.append(packets.popleft())
+        self._room.unpark_all()
+        return b"".join(parts)
 
-
-def frame(packet: pb.Packet) -> bytes:
-    body = packet.SerializeToString()
-    return _PREFIX.pack(0, len(body)) + body
+    def close(self) -> None:
+        self._closed = True
+        self._readers.unpark_all()
+        self._room.unpark_all()
 
 
 def matches(request: IncomingRequest) -> bool:
@@ -101,9 +125,7 @@ class KonnectivityDial:
     early_data: bytes = b""
     connect_id: int = 0
     client_closed: bool = False  # CLOSE_REQ came: the client reads nothing more of this connection
-    inbound: tuple[trio.MemorySendChannel[bytes], trio.MemoryReceiveChannel[bytes]] = field(
-        default_factory=lambda: trio.open_memory_channel[bytes](INBOUND_PACKETS)
-    )
+    inbound: Inbound = field(default_factory=Inbound)
 
     async def accept(self) -> trio.abc.Stream:
         self.connect_id = self.session.register(self)
@@ -139,24 +161,26 @@ class DialStream(trio.abc.Stream):
             await trio.lowlevel.checkpoint()
             return
         view = memoryview(data)
-        for start in range(0, len(view), DATA_CHUNK):
-            chunk = bytes(view[start : start + DATA_CHUNK])
-            await self._dial.session.send(
-                pb.Packet(type=pb.DATA, data=pb.Data(connectID=self._dial.connect_id, data=chunk))
-            )
         if not view:
             await trio.lowlevel.checkpoint()
+        for start in range(0, len(view), DATA_CHUNK):
+            await self._dial.session.send_framed(
+                frame_data(self._dial.connect_id, view[start : start + DATA_CHUNK])
+            )
 
     async def wait_send_all_might_not_block(self) -> None:
         await trio.lowlevel.checkpoint()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if not self._pending:
-            try:
-                self._pending = await self._dial.inbound[1].receive()
-            except (trio.EndOfChannel, trio.ClosedResourceError):
+            self._pending = await self._dial.inbound.get()
+            if not self._pending:
                 return b""  # CLOSE_REQ: the client is done with this connection
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
         size = len(self._pending) if max_bytes is None else max_bytes
+        if len(self._pending) < size:
+            self._pending = self._dial.inbound.take_more(self._pending, size)
         data, self._pending = self._pending[:size], self._pending[size:]
         return data
 
@@ -195,18 +219,31 @@ class Session:
         connect_id = next(self._ids)
         self.dials[connect_id] = dial
         if self._client_done:
-            dial.inbound[0].close()
+            dial.inbound.close()
         return connect_id
 
     async def send(self, packet: pb.Packet) -> None:
-        async with self._send_lock:
-            await self.stream.send_all(frame(packet))
+        await self.send_framed(frame(packet))
+
+    async def send_framed(self, message: bytes) -> None:
+        """Send one whole gRPC message, after any other sender's (a message is never split by another).
+        The stream's ``send_all`` is the checkpoint: the lock adds no pass through the scheduler of its
+        own unless another sender holds it."""
+        lock = self._send_lock
+        try:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
+            await self.stream.send_all(message)
+        finally:
+            lock.release()
 
     def finish(self, dial: KonnectivityDial, error: str) -> None:
         """The relay ended this dial: tell the client with ``CLOSE_RSP`` (sent in order, from a task)."""
         if self.dials.pop(dial.connect_id, None) is None:
             return
-        dial.inbound[0].close()
+        dial.inbound.close()
         packet = pb.Packet(
             type=pb.CLOSE_RSP, closeResponse=pb.CloseResponse(connectID=dial.connect_id, error=error)
         )
@@ -235,7 +272,7 @@ class Session:
                 # The client ended its side (gRPC's half-close): it sends nothing more to any of its
                 # connections, while dials still get their answers and targets their say.
                 for dial in list(self.dials.values()):
-                    dial.inbound[0].close()
+                    dial.inbound.close()
                 self._client_done = True
         trailers = [("grpc-status", str(status))]
         if message:
@@ -248,15 +285,17 @@ class Session:
 
     async def _read_packets(self, tasks: trio.Nursery) -> None:
         reader = MessageReader()
+        dials = self.dials
         while data := await self.stream.receive_some():
             reader.feed(data)
-            while (message := reader.next()) is not None:
-                packet = pb.Packet()
-                try:
-                    packet.ParseFromString(message)
-                except Exception as exc:  # protobuf's DecodeError, or worse: either way not a packet
-                    raise GrpcError(GRPC_INVALID_ARGUMENT, f"not a konnectivity packet: {exc}") from None
-                await self._handle(packet, tasks)
+            while (message := reader.next_view()) is not None:
+                fast = parse_data(message)  # DATA, the packet of every byte, without protobuf's objects
+                if fast is None:
+                    await self._handle(parse(message), tasks)
+                    continue
+                open_dial = dials.get(fast[0])
+                if open_dial is not None and fast[1]:
+                    await open_dial.inbound.put(fast[1])
         if reader.partial:
             raise GrpcError(GRPC_INVALID_ARGUMENT, "the stream ended inside a message")
 
@@ -281,15 +320,12 @@ class Session:
         elif kind == pb.DATA:
             open_dial = self.dials.get(packet.data.connectID)
             if open_dial is not None and packet.data.data:
-                try:
-                    await open_dial.inbound[0].send(packet.data.data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass  # the dial ended meanwhile: its data has nowhere to go
+                await open_dial.inbound.put(packet.data.data)  # dropped if the dial ended meanwhile
         elif kind == pb.CLOSE_REQ:
             open_dial = self.dials.get(packet.closeRequest.connectID)
             if open_dial is not None:
                 open_dial.client_closed = True
-                open_dial.inbound[0].close()
+                open_dial.inbound.close()
         elif kind == pb.DIAL_CLS:
             pending = self._pending.pop(packet.closeDial.random, None)
             if pending is not None:

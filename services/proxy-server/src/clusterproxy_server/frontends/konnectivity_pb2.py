@@ -4,51 +4,48 @@
 # source: konnectivity_client.proto
 # Protobuf Python Version: 6.31.1
 """Generated protocol buffer code."""
+
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
+
 _runtime_version.ValidateProtobufRuntimeVersion(
-    _runtime_version.Domain.PUBLIC,
-    6,
-    31,
-    1,
-    '',
-    'konnectivity_client.proto'
+    _runtime_version.Domain.PUBLIC, 6, 31, 1, "", "konnectivity_client.proto"
 )
 # @@protoc_insertion_point(imports)
 
 _sym_db = _symbol_database.Default()
 
 
-
-
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19konnectivity_client.proto\"\x9b\x02\n\x06Packet\x12\x19\n\x04type\x18\x01 \x01(\x0e\x32\x0b.PacketType\x12#\n\x0b\x64ialRequest\x18\x02 \x01(\x0b\x32\x0c.DialRequestH\x00\x12%\n\x0c\x64ialResponse\x18\x03 \x01(\x0b\x32\r.DialResponseH\x00\x12\x15\n\x04\x64\x61ta\x18\x04 \x01(\x0b\x32\x05.DataH\x00\x12%\n\x0c\x63loseRequest\x18\x05 \x01(\x0b\x32\r.CloseRequestH\x00\x12\'\n\rcloseResponse\x18\x06 \x01(\x0b\x32\x0e.CloseResponseH\x00\x12\x1f\n\tcloseDial\x18\x07 \x01(\x0b\x32\n.CloseDialH\x00\x12\x17\n\x05\x64rain\x18\x08 \x01(\x0b\x32\x06.DrainH\x00\x42\t\n\x07payload\"@\n\x0b\x44ialRequest\x12\x10\n\x08protocol\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06random\x18\x03 \x01(\x03\"@\n\x0c\x44ialResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x11\n\tconnectID\x18\x02 \x01(\x03\x12\x0e\n\x06random\x18\x03 \x01(\x03\"!\n\x0c\x43loseRequest\x12\x11\n\tconnectID\x18\x01 \x01(\x03\"1\n\rCloseResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x11\n\tconnectID\x18\x02 \x01(\x03\"\x1b\n\tCloseDial\x12\x0e\n\x06random\x18\x01 \x01(\x03\"\x07\n\x05\x44rain\"6\n\x04\x44\x61ta\x12\x11\n\tconnectID\x18\x01 \x01(\x03\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*i\n\nPacketType\x12\x0c\n\x08\x44IAL_REQ\x10\x00\x12\x0c\n\x08\x44IAL_RSP\x10\x01\x12\r\n\tCLOSE_REQ\x10\x02\x12\r\n\tCLOSE_RSP\x10\x03\x12\x08\n\x04\x44\x41TA\x10\x04\x12\x0c\n\x08\x44IAL_CLS\x10\x05\x12\t\n\x05\x44RAIN\x10\x06\x32/\n\x0cProxyService\x12\x1f\n\x05Proxy\x12\x07.Packet\x1a\x07.Packet\"\x00(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
+    b'\n\x19konnectivity_client.proto"\x9b\x02\n\x06Packet\x12\x19\n\x04type\x18\x01 \x01(\x0e\x32\x0b.PacketType\x12#\n\x0b\x64ialRequest\x18\x02 \x01(\x0b\x32\x0c.DialRequestH\x00\x12%\n\x0c\x64ialResponse\x18\x03 \x01(\x0b\x32\r.DialResponseH\x00\x12\x15\n\x04\x64\x61ta\x18\x04 \x01(\x0b\x32\x05.DataH\x00\x12%\n\x0c\x63loseRequest\x18\x05 \x01(\x0b\x32\r.CloseRequestH\x00\x12\'\n\rcloseResponse\x18\x06 \x01(\x0b\x32\x0e.CloseResponseH\x00\x12\x1f\n\tcloseDial\x18\x07 \x01(\x0b\x32\n.CloseDialH\x00\x12\x17\n\x05\x64rain\x18\x08 \x01(\x0b\x32\x06.DrainH\x00\x42\t\n\x07payload"@\n\x0b\x44ialRequest\x12\x10\n\x08protocol\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06random\x18\x03 \x01(\x03"@\n\x0c\x44ialResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x11\n\tconnectID\x18\x02 \x01(\x03\x12\x0e\n\x06random\x18\x03 \x01(\x03"!\n\x0c\x43loseRequest\x12\x11\n\tconnectID\x18\x01 \x01(\x03"1\n\rCloseResponse\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x11\n\tconnectID\x18\x02 \x01(\x03"\x1b\n\tCloseDial\x12\x0e\n\x06random\x18\x01 \x01(\x03"\x07\n\x05\x44rain"6\n\x04\x44\x61ta\x12\x11\n\tconnectID\x18\x01 \x01(\x03\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*i\n\nPacketType\x12\x0c\n\x08\x44IAL_REQ\x10\x00\x12\x0c\n\x08\x44IAL_RSP\x10\x01\x12\r\n\tCLOSE_REQ\x10\x02\x12\r\n\tCLOSE_RSP\x10\x03\x12\x08\n\x04\x44\x41TA\x10\x04\x12\x0c\n\x08\x44IAL_CLS\x10\x05\x12\t\n\x05\x44RAIN\x10\x06\x32/\n\x0cProxyService\x12\x1f\n\x05Proxy\x12\x07.Packet\x1a\x07.Packet"\x00(\x01\x30\x01\x62\x06proto3'
+)
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'konnectivity_client_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "konnectivity_client_pb2", _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
-  _globals['_PACKETTYPE']._serialized_start=627
-  _globals['_PACKETTYPE']._serialized_end=732
-  _globals['_PACKET']._serialized_start=30
-  _globals['_PACKET']._serialized_end=313
-  _globals['_DIALREQUEST']._serialized_start=315
-  _globals['_DIALREQUEST']._serialized_end=379
-  _globals['_DIALRESPONSE']._serialized_start=381
-  _globals['_DIALRESPONSE']._serialized_end=445
-  _globals['_CLOSEREQUEST']._serialized_start=447
-  _globals['_CLOSEREQUEST']._serialized_end=480
-  _globals['_CLOSERESPONSE']._serialized_start=482
-  _globals['_CLOSERESPONSE']._serialized_end=531
-  _globals['_CLOSEDIAL']._serialized_start=533
-  _globals['_CLOSEDIAL']._serialized_end=560
-  _globals['_DRAIN']._serialized_start=562
-  _globals['_DRAIN']._serialized_end=569
-  _globals['_DATA']._serialized_start=571
-  _globals['_DATA']._serialized_end=625
-  _globals['_PROXYSERVICE']._serialized_start=734
-  _globals['_PROXYSERVICE']._serialized_end=781
+    DESCRIPTOR._loaded_options = None
+    _globals["_PACKETTYPE"]._serialized_start = 627
+    _globals["_PACKETTYPE"]._serialized_end = 732
+    _globals["_PACKET"]._serialized_start = 30
+    _globals["_PACKET"]._serialized_end = 313
+    _globals["_DIALREQUEST"]._serialized_start = 315
+    _globals["_DIALREQUEST"]._serialized_end = 379
+    _globals["_DIALRESPONSE"]._serialized_start = 381
+    _globals["_DIALRESPONSE"]._serialized_end = 445
+    _globals["_CLOSEREQUEST"]._serialized_start = 447
+    _globals["_CLOSEREQUEST"]._serialized_end = 480
+    _globals["_CLOSERESPONSE"]._serialized_start = 482
+    _globals["_CLOSERESPONSE"]._serialized_end = 531
+    _globals["_CLOSEDIAL"]._serialized_start = 533
+    _globals["_CLOSEDIAL"]._serialized_end = 560
+    _globals["_DRAIN"]._serialized_start = 562
+    _globals["_DRAIN"]._serialized_end = 569
+    _globals["_DATA"]._serialized_start = 571
+    _globals["_DATA"]._serialized_end = 625
+    _globals["_PROXYSERVICE"]._serialized_start = 734
+    _globals["_PROXYSERVICE"]._serialized_end = 781
 # @@protoc_insertion_point(module_scope)
