@@ -1,6 +1,13 @@
 """The pytest side of the real clusters (:mod:`tests.support.realclusters`): the session-scoped
-``real_clusters`` fixture, the build before the first test, and the ``platform`` marker's rule that
-keeps these tests out of every run that does not ask for them (``-m platform``).
+``real_clusters`` fixture, the build before the first test, the layer's prerequisites, and the
+``platform`` marker's rule that keeps these tests out of every run that does not ask for them
+(``-m platform``; ``./scripts/task test-platform``, a lane of ``./scripts/task test``).
+
+Prerequisites: root, Go, the programs the nodes run, and the project's images (the compose layer's,
+``scripts/compose.sh images``: the install tests import them into the nodes). A missing one skips
+every test of the layer on a laptop and fails it under ``CI=true``, where the images are built
+before the first test when missing (in ``./scripts/task test`` the compose layer of the slow lane,
+which runs before, has built them already: they are the tree's).
 
 Use from a conftest: ``from tests.support.platform_layer import *  # noqa: F403``.
 """
@@ -9,19 +16,33 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.support import require
+from tests.support import kubebuild, nodeimages, require
 from tests.support.nodenet import differences, machine_state
 from tests.support.realclusters import RealClusters, build_everything
 
 FIXTURE = "real_clusters"
 MARKER = "platform"
+ROOT = Path(__file__).resolve().parents[2]
+IMAGES_LOG = "platform-images.log"  # in the tool cache: scripts/compose.sh images, when run from here
+IMAGES = pytest.StashKey[str | None]()  # None: the project's images are there; else why not
 
-__all__ = ["pytest_collection_finish", "pytest_collection_modifyitems", "real_clusters"]
+__all__ = [
+    "platform_prerequisites",
+    "pytest_collection_finish",
+    "pytest_collection_modifyitems",
+    "real_clusters",
+]
+
+
+def _under_ci() -> bool:
+    return os.environ.get("CI", "").lower() == "true"
 
 
 def _selected(config: pytest.Config) -> bool:
@@ -38,30 +59,79 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.hook.pytest_deselected(items=mine)
 
 
+def _missing_images() -> str | None:
+    """Why the project's images are not usable (None when every one the overlays name is there)."""
+    if shutil.which("docker") is None:
+        return "docker (the project's images: ./scripts/task images)"
+    refs = [nodeimages.project_image(n) for n in (*nodeimages.HUB_IMAGES, *nodeimages.AGENT_IMAGES)]
+    done = subprocess.run(
+        ["docker", "image", "inspect", "--format", "{{.Id}}", *refs], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        return f"the project's images (./scripts/task images): {done.stderr.strip()}"
+    return None
+
+
+def _build_images() -> str | None:
+    """``scripts/compose.sh images`` (it installs and starts Docker when missing); why it failed, or
+    None."""
+    log_path = kubebuild.kube_cache() / IMAGES_LOG
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        done = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "compose.sh"), "images"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+    if done.returncode == 0:
+        return None
+    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+    return f"scripts/compose.sh images failed (exit {done.returncode}, log {log_path}):\n{tail}"
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Build what the clusters need before the first test, outside any test's timeout (a cold build
-    takes about 10 minutes on 2 cores)."""
-    if not any(item.get_closest_marker(MARKER) for item in session.items) or shutil.which("go") is None:
+    takes about 12 minutes on 2 cores); under ``CI=true`` the project's images too, when missing."""
+    if not any(item.get_closest_marker(MARKER) for item in session.items):
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     started = time.monotonic()
-    build_everything()
+    missing = _missing_images()
+    if missing is not None and _under_ci():
+        missing = _build_images() or _missing_images()
+    session.config.stash[IMAGES] = missing
+    if shutil.which("go") is not None:
+        build_everything()
     if reporter is not None:
         reporter.write_line(f"platform: programs and images ready in {time.monotonic() - started:.1f}s")
 
 
-def _prerequisites() -> None:
+def _prerequisites(config: pytest.Config) -> None:
     require(os.geteuid() == 0, "root (real nodes: network namespaces, mounts, cgroups)")
     require(shutil.which("go") is not None, "the go toolchain (to build the kube node programs)")
     for program in ("ip", "iptables", "nsenter", "tinyproxy", "apt-get", "gcc"):
         require(shutil.which(program) is not None, f"{program} (scripts/bootstrap.sh installs it)")
+    missing = config.stash.get(IMAGES, "the project's images were not looked for (no test of the layer?)")
+    if missing is not None and missing.startswith("scripts/compose.sh"):
+        pytest.fail(missing)  # a build that failed is a failure wherever it runs
+    require(missing is None, missing or "")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def platform_prerequisites(request: pytest.FixtureRequest) -> None:
+    """Every test of the layer (those that start their own clusters too): skipped on a laptop, failed
+    under ``CI=true``, when a prerequisite is missing."""
+    _prerequisites(request.config)
 
 
 @pytest.fixture(scope="session")
-def real_clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClusters]:
+def real_clusters(
+    platform_prerequisites: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealClusters]:
     """The hub, cluster1 and cluster2, each with a real node, for the whole session; its teardown
     fails the session if the machine is not left as it was found."""
-    _prerequisites()
     clusters = RealClusters(tmp_path_factory.mktemp("real-clusters"))
     with clusters:
         yield clusters
