@@ -15,6 +15,7 @@ Use from a conftest: ``from tests.support.platform_layer import *  # noqa: F403`
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import kubebuild, nodeimages, require
-from tests.support.nodenet import differences, machine_state
+from tests.support.nodenet import PREFIX, differences, machine_state
 from tests.support.realclusters import RealClusters, build_everything
 
 FIXTURE = "real_clusters"
@@ -34,11 +35,81 @@ IMAGES_LOG = "platform-images.log"  # in the tool cache: scripts/compose.sh imag
 IMAGES = pytest.StashKey[str | None]()  # None: the project's images are there; else why not
 
 __all__ = [
+    "left_behind",
     "platform_prerequisites",
     "pytest_collection_finish",
     "pytest_collection_modifyitems",
     "real_clusters",
 ]
+
+
+# A set's tag in the names of what it puts on the machine: netns cpn-<tag>-hub, links cpn<tag>0,
+# chains CPN-<tag>, /var/lib/cpn-<tag>, cgroups cpn-<tag>-hub, CNI results cpn-<tag>-hub-<id>-eth0.
+SET_TAG = re.compile(rf"(?i)\b{PREFIX}-?([0-9a-f]{{4}})")
+POD_NETNS = re.compile(r"\bcni-[0-9a-f-]{36}\b")  # a pod's network namespace (containerd's CRI)
+LOOPBACK_RESULT = re.compile(r"\bcni-loopback-([0-9a-f]{64})-lo$")
+
+
+def _pod_netns_owners() -> dict[str, str]:
+    """Each pod network namespace's set (by the tag in the cgroups of its processes: every set's
+    kubelet has a cgroup root of its own)."""
+    owners: dict[str, str] = {}
+    folder = Path("/run/netns")
+    for netns in folder.glob("cni-*") if folder.exists() else []:
+        pids = subprocess.run(["ip", "netns", "pids", netns.name], capture_output=True, text=True).stdout
+        for pid in pids.split():
+            try:
+                found = SET_TAG.search(Path(f"/proc/{pid}/cgroup").read_text())
+            except OSError:
+                continue
+            if found:
+                owners[netns.name] = found.group(1).lower()
+                break
+    return owners
+
+
+def _owner(item: str, pod_netns: dict[str, str], results: list[str]) -> str | None:
+    """The tag of the set ``item`` (a line of :func:`nodenet.machine_state`) belongs to, if known."""
+    if found := SET_TAG.search(item):
+        return found.group(1).lower()
+    if (netns := POD_NETNS.search(item)) and netns.group(0) in pod_netns:
+        return pod_netns[netns.group(0)]
+    if loopback := LOOPBACK_RESULT.search(item):  # the CNI result beside the pod's eth0 one
+        for result in results:
+            if loopback.group(1) in result and (found := SET_TAG.search(result.rsplit("/", 1)[-1])):
+                return found.group(1).lower()
+    return None
+
+
+def left_behind(before: dict[str, object], after: dict[str, object], tag: str) -> dict[str, object]:
+    """:func:`nodenet.differences` of two snapshots, less what other sets of nodes own: other sessions
+    of this machine run theirs at the same time, and start or stop them while this one runs. What
+    carries no set's tag counts as this set's."""
+    pod_netns = _pod_netns_owners()
+    paths = [*before.get("paths", {}).values(), *after.get("paths", {}).values()]  # type: ignore[union-attr]
+    results = [p for listing in paths for p in listing]
+
+    def mine(item: str) -> bool:
+        return _owner(item, pod_netns, results) in (None, tag.lower())
+
+    left: dict[str, object] = {}
+    for key, change in differences(before, after).items():
+        if isinstance(before[key], list):
+            assert isinstance(change, dict)
+            kept = {side: [i for i in items if mine(i)] for side, items in change.items()}
+            if any(kept.values()):
+                left[key] = kept
+        elif key == "paths":
+            old, new = before[key], after[key]
+            assert isinstance(old, dict) and isinstance(new, dict)
+            for root in old.keys() | new.keys():
+                added = sorted(i for i in set(new.get(root, [])) - set(old.get(root, [])) if mine(i))
+                removed = sorted(i for i in set(old.get(root, [])) - set(new.get(root, [])) if mine(i))
+                if added or removed:
+                    left.setdefault(key, {})[root] = {"added": added, "removed": removed}  # type: ignore[index]
+        else:
+            left[key] = change
+    return left
 
 
 def _under_ci() -> bool:
@@ -135,5 +206,6 @@ def real_clusters(
     clusters = RealClusters(tmp_path_factory.mktemp("real-clusters"))
     with clusters:
         yield clusters
-    left = differences(clusters.before, machine_state())
+    assert clusters.network is not None
+    left = left_behind(clusters.before, machine_state(), clusters.network.tag)
     assert not left, f"the real clusters left this on the machine: {left}"
