@@ -36,6 +36,7 @@ IMAGES = pytest.StashKey[str | None]()  # None: the project's images are there; 
 
 __all__ = [
     "left_behind",
+    "set_owners",
     "platform_prerequisites",
     "pytest_collection_finish",
     "pytest_collection_modifyitems",
@@ -50,10 +51,18 @@ POD_NETNS = re.compile(r"\bcni-[0-9a-f-]{36}\b")  # a pod's network namespace (c
 LOOPBACK_RESULT = re.compile(r"\bcni-loopback-([0-9a-f]{64})-lo$")
 
 
-def _pod_netns_owners() -> dict[str, str]:
-    """Each pod network namespace's set (by the tag in the cgroups of its processes: every set's
-    kubelet has a cgroup root of its own)."""
+def set_owners() -> dict[str, str]:
+    """The set (its tag) of each pod network namespace (by the cgroups of its processes: every set's
+    kubelet has a cgroup root of its own) and of each container log link (by where it points) now on
+    the machine: their names carry no tag. Taken beside a snapshot, it tells whose they were once
+    gone."""
     owners: dict[str, str] = {}
+    for link in Path("/var/log/containers").glob("*.log"):
+        try:
+            if found := SET_TAG.search(os.readlink(link)):
+                owners[str(link)] = found.group(1).lower()
+        except OSError:
+            continue
     folder = Path("/run/netns")
     for netns in folder.glob("cni-*") if folder.exists() else []:
         pids = subprocess.run(["ip", "netns", "pids", netns.name], capture_output=True, text=True).stdout
@@ -68,12 +77,14 @@ def _pod_netns_owners() -> dict[str, str]:
     return owners
 
 
-def _owner(item: str, pod_netns: dict[str, str], results: list[str]) -> str | None:
+def _owner(item: str, owners: dict[str, str], results: list[str]) -> str | None:
     """The tag of the set ``item`` (a line of :func:`nodenet.machine_state`) belongs to, if known."""
     if found := SET_TAG.search(item):
         return found.group(1).lower()
-    if (netns := POD_NETNS.search(item)) and netns.group(0) in pod_netns:
-        return pod_netns[netns.group(0)]
+    if item in owners:
+        return owners[item]
+    if (netns := POD_NETNS.search(item)) and netns.group(0) in owners:
+        return owners[netns.group(0)]
     if loopback := LOOPBACK_RESULT.search(item):  # the CNI result beside the pod's eth0 one
         for result in results:
             if loopback.group(1) in result and (found := SET_TAG.search(result.rsplit("/", 1)[-1])):
@@ -81,16 +92,19 @@ def _owner(item: str, pod_netns: dict[str, str], results: list[str]) -> str | No
     return None
 
 
-def left_behind(before: dict[str, object], after: dict[str, object], tag: str) -> dict[str, object]:
+def left_behind(
+    before: dict[str, object], after: dict[str, object], tag: str, owners: dict[str, str]
+) -> dict[str, object]:
     """:func:`nodenet.differences` of two snapshots, less what other sets of nodes own: other sessions
-    of this machine run theirs at the same time, and start or stop them while this one runs. What
-    carries no set's tag counts as this set's."""
-    pod_netns = _pod_netns_owners()
+    of this machine run theirs at the same time, and start or stop them while this one runs.
+    ``owners``: :func:`set_owners` taken with ``before`` (for what other sets removed since). What
+    no set is known to own counts as this set's."""
+    owners = {**owners, **set_owners()}
     paths = [*before.get("paths", {}).values(), *after.get("paths", {}).values()]  # type: ignore[union-attr]
     results = [p for listing in paths for p in listing]
 
     def mine(item: str) -> bool:
-        return _owner(item, pod_netns, results) in (None, tag.lower())
+        return _owner(item, owners, results) in (None, tag.lower())
 
     left: dict[str, object] = {}
     for key, change in differences(before, after).items():
@@ -203,9 +217,10 @@ def real_clusters(
 ) -> Iterator[RealClusters]:
     """The hub, cluster1 and cluster2, each with a real node, for the whole session; its teardown
     fails the session if the machine is not left as it was found."""
+    owners = set_owners()  # with the snapshot RealClusters takes
     clusters = RealClusters(tmp_path_factory.mktemp("real-clusters"))
     with clusters:
         yield clusters
     assert clusters.network is not None
-    left = left_behind(clusters.before, machine_state(), clusters.network.tag)
+    left = left_behind(clusters.before, machine_state(), clusters.network.tag, owners)
     assert not left, f"the real clusters left this on the machine: {left}"
