@@ -17,7 +17,7 @@ import pytest
 
 from tests.support import nodeimages
 from tests.support.nodenet import machine_state
-from tests.support.platform_layer import left_behind, set_owners
+from tests.support.platform_layer import left_behind
 from tests.support.realclusters import CLUSTERS, RealClusters
 from tests.support.realnode import RealCluster
 
@@ -186,14 +186,14 @@ def _unreachable(cluster: RealCluster, namespace: str, host: str, port: int) -> 
 def test_teardown_leaves_the_machine_as_it_was(tmp_path: Path) -> None:
     """Three clusters up (a pod each), then down: nothing of theirs is left on the machine (this test
     runs before the session's clusters start, so the snapshot compares like with like)."""
-    before, owners = machine_state(), set_owners()
+    before = machine_state()
     with RealClusters(tmp_path / "clusters") as clusters:
         with ThreadPoolExecutor(len(CLUSTERS)) as pool:
             for done in [pool.submit(_run_web, c, "teardown") for c in clusters]:
                 done.result()
         up = clusters.timings["up"]
     assert clusters.network is not None
-    left = left_behind(before, machine_state(), clusters.network.tag, owners)  # not other sessions' sets
+    left = left_behind(before, machine_state(), clusters.network.tag)  # not other sessions' sets
     assert not left, left
     print(f"up {up:.1f}s, down {clusters.timings['down']:.1f}s")
 

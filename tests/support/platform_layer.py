@@ -36,7 +36,6 @@ IMAGES = pytest.StashKey[str | None]()  # None: the project's images are there; 
 
 __all__ = [
     "left_behind",
-    "set_owners",
     "platform_prerequisites",
     "pytest_collection_finish",
     "pytest_collection_modifyitems",
@@ -48,14 +47,14 @@ __all__ = [
 # chains CPN-<tag>, /var/lib/cpn-<tag>, cgroups cpn-<tag>-hub, CNI results cpn-<tag>-hub-<id>-eth0.
 SET_TAG = re.compile(rf"(?i)\b{PREFIX}-?([0-9a-f]{{4}})")
 POD_NETNS = re.compile(r"\bcni-[0-9a-f-]{36}\b")  # a pod's network namespace (containerd's CRI)
+POD_ARTEFACTS = ("/var/log/containers/", "/var/log/pods/", "/var/lib/cni/results/")
 LOOPBACK_RESULT = re.compile(r"\bcni-loopback-([0-9a-f]{64})-lo$")
 
 
-def set_owners() -> dict[str, str]:
+def _set_owners() -> dict[str, str]:
     """The set (its tag) of each pod network namespace (by the cgroups of its processes: every set's
     kubelet has a cgroup root of its own) and of each container log link (by where it points) now on
-    the machine: their names carry no tag. Taken beside a snapshot, it tells whose they were once
-    gone."""
+    the machine: their names carry no tag."""
     owners: dict[str, str] = {}
     for link in Path("/var/log/containers").glob("*.log"):
         try:
@@ -92,25 +91,27 @@ def _owner(item: str, owners: dict[str, str], results: list[str]) -> str | None:
     return None
 
 
-def left_behind(
-    before: dict[str, object], after: dict[str, object], tag: str, owners: dict[str, str]
-) -> dict[str, object]:
-    """:func:`nodenet.differences` of two snapshots, less what other sets of nodes own: other sessions
-    of this machine run theirs at the same time, and start or stop them while this one runs.
-    ``owners``: :func:`set_owners` taken with ``before`` (for what other sets removed since). What
-    no set is known to own counts as this set's."""
-    owners = {**owners, **set_owners()}
+def left_behind(before: dict[str, object], after: dict[str, object], tag: str) -> dict[str, object]:
+    """:func:`nodenet.differences` of two snapshots (``before`` taken before the set ``tag`` started),
+    less what other sets of nodes own: other sessions of this machine run theirs at the same time,
+    and start or stop them while this one runs. A pod's artefact (its network namespace, a container
+    log link, a CNI result) that was there before is never this set's (its pods came later): gone, it
+    was another set's, whose pod ended meanwhile. Otherwise what no set is known to own counts as
+    this set's."""
+    owners = _set_owners()
     paths = [*before.get("paths", {}).values(), *after.get("paths", {}).values()]  # type: ignore[union-attr]
     results = [p for listing in paths for p in listing]
 
-    def mine(item: str) -> bool:
+    def mine(item: str, gone: bool = False) -> bool:
+        if gone and (POD_NETNS.search(item) or item.startswith(POD_ARTEFACTS)):
+            return False
         return _owner(item, owners, results) in (None, tag.lower())
 
     left: dict[str, object] = {}
     for key, change in differences(before, after).items():
         if isinstance(before[key], list):
             assert isinstance(change, dict)
-            kept = {side: [i for i in items if mine(i)] for side, items in change.items()}
+            kept = {side: [i for i in items if mine(i, side == "removed")] for side, items in change.items()}
             if any(kept.values()):
                 left[key] = kept
         elif key == "paths":
@@ -118,7 +119,7 @@ def left_behind(
             assert isinstance(old, dict) and isinstance(new, dict)
             for root in old.keys() | new.keys():
                 added = sorted(i for i in set(new.get(root, [])) - set(old.get(root, [])) if mine(i))
-                removed = sorted(i for i in set(old.get(root, [])) - set(new.get(root, [])) if mine(i))
+                removed = sorted(i for i in set(old.get(root, [])) - set(new.get(root, [])) if mine(i, True))
                 if added or removed:
                     left.setdefault(key, {})[root] = {"added": added, "removed": removed}  # type: ignore[index]
         else:
@@ -217,10 +218,9 @@ def real_clusters(
 ) -> Iterator[RealClusters]:
     """The hub, cluster1 and cluster2, each with a real node, for the whole session; its teardown
     fails the session if the machine is not left as it was found."""
-    owners = set_owners()  # with the snapshot RealClusters takes
     clusters = RealClusters(tmp_path_factory.mktemp("real-clusters"))
     with clusters:
         yield clusters
     assert clusters.network is not None
-    left = left_behind(clusters.before, machine_state(), clusters.network.tag, owners)
+    left = left_behind(clusters.before, machine_state(), clusters.network.tag)
     assert not left, f"the real clusters left this on the machine: {left}"
