@@ -48,6 +48,18 @@ __all__ = [
 SET_TAG = re.compile(rf"(?i)\b{PREFIX}-?([0-9a-f]{{4}})")
 POD_NETNS = re.compile(r"\bcni-[0-9a-f-]{36}\b")  # a pod's network namespace (containerd's CRI)
 POD_ARTEFACTS = ("/var/log/containers/", "/var/log/pods/", "/var/lib/cni/results/")
+# Where a set's own untagged items can be, per kind of item: elsewhere an untagged one is another
+# session's (a mount of a benchmark's root, a namespace or link of another test). None: nowhere (all
+# of a set's links, addresses and host routes carry its tag). Other kinds count whole.
+UNTAGGED_OURS: dict[str, re.Pattern[str] | None] = {
+    "mounts": re.compile(
+        r"^(/run/netns($|/cni-)|/var/lib/(kubelet|containerd|cni)(/|$)|/run/containerd/|/sys/fs/)"
+    ),
+    "netns": POD_NETNS,
+    "links": None,
+    "addresses": None,
+    "routes": None,
+}
 LOOPBACK_RESULT = re.compile(r"\bcni-loopback-([0-9a-f]{64})-lo$")
 
 
@@ -96,22 +108,29 @@ def left_behind(before: dict[str, object], after: dict[str, object], tag: str) -
     less what other sets of nodes own: other sessions of this machine run theirs at the same time,
     and start or stop them while this one runs. A pod's artefact (its network namespace, a container
     log link, a CNI result) that was there before is never this set's (its pods came later): gone, it
-    was another set's, whose pod ended meanwhile. Otherwise what no set is known to own counts as
-    this set's."""
+    was another set's, whose pod ended meanwhile. An untagged mount, namespace, link, address or
+    route counts as this set's only where a set puts its own (:data:`UNTAGGED_OURS`); anything else
+    no set is known to own counts as this set's."""
     owners = _set_owners()
     paths = [*before.get("paths", {}).values(), *after.get("paths", {}).values()]  # type: ignore[union-attr]
     results = [p for listing in paths for p in listing]
 
-    def mine(item: str, gone: bool = False) -> bool:
+    def mine(item: str, gone: bool = False, kind: str = "") -> bool:
         if gone and (POD_NETNS.search(item) or item.startswith(POD_ARTEFACTS)):
             return False
-        return _owner(item, owners, results) in (None, tag.lower())
+        owner = _owner(item, owners, results)
+        if owner is None and kind in UNTAGGED_OURS:
+            where = UNTAGGED_OURS[kind]
+            return where is not None and bool(where.search(item))
+        return owner in (None, tag.lower())
 
     left: dict[str, object] = {}
     for key, change in differences(before, after).items():
         if isinstance(before[key], list):
             assert isinstance(change, dict)
-            kept = {side: [i for i in items if mine(i, side == "removed")] for side, items in change.items()}
+            kept = {
+                side: [i for i in items if mine(i, side == "removed", key)] for side, items in change.items()
+            }
             if any(kept.values()):
                 left[key] = kept
         elif key == "paths":
