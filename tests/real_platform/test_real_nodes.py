@@ -7,6 +7,7 @@ Run: ``.venv/bin/pytest -m platform tests/real_platform`` (as root; the first ru
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.support import nodeimages
-from tests.support.nodenet import differences, machine_state
+from tests.support.nodenet import machine_state
+from tests.support.platform_layer import left_behind
 from tests.support.realclusters import CLUSTERS, RealClusters
 from tests.support.realnode import RealCluster
 
@@ -102,13 +104,35 @@ def _http_get(
     cluster: RealCluster, namespace: str, host: str, port: int, path: str = "/greeting", *, proxy: str = ""
 ) -> subprocess.CompletedProcess[str]:
     """An HTTP GET from the pod, through ``proxy`` (``host:port``) when given, with busybox's nc (its
-    wget crashes in name and service lookups: static glibc has no NSS)."""
+    wget crashes in name and service lookups: static glibc has no NSS).
+
+    nc's input stays open until the exchange ends (it exits when the server closes), as an HTTP
+    client's does: nc shuts its sending side down at the end of its input, and tinyproxy (1.11) ends
+    its relay on reading that end from the client, sending on only what it had already read from the
+    server. A request piped into nc half-closed at once, and tinyproxy dropped every byte of the
+    response that came after the client's end: busybox httpd writes its headers and the file apart, and
+    when the file came after tinyproxy's relay had seen the end, the pod got the headers of a 200 and
+    an empty body."""
     target, (connect_host, connect_port) = path, (host, str(port))
     if proxy:
         target = f"http://{host}:{port}{path}"
         connect_host, connect_port = proxy.split(":")
-    request = f"printf 'GET {target} HTTP/1.0\\r\\n\\r\\n' | nc -w 5 {connect_host} {connect_port}"
-    return cluster.kubectl("-n", namespace, "exec", "web", "--", "sh", "-c", request)
+    # kubectl forwards its stdin to nc's: a pipe whose writing end this process holds until kubectl
+    # has exited (kubectl exits when nc does)
+    reading, writing = os.pipe()
+    try:
+        os.write(writing, f"GET {target} HTTP/1.0\r\n\r\n".encode())
+        kubectl = [str(cluster.kubectl_binary), f"--kubeconfig={cluster.kubeconfig}", "-n", namespace]
+        return subprocess.run(
+            [*kubectl, "exec", "-i", "web", "--", "nc", "-w", "5", connect_host, connect_port],
+            stdin=reading,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(reading)
+        os.close(writing)
 
 
 def _body(done: subprocess.CompletedProcess[str]) -> str:
@@ -168,7 +192,9 @@ def test_teardown_leaves_the_machine_as_it_was(tmp_path: Path) -> None:
             for done in [pool.submit(_run_web, c, "teardown") for c in clusters]:
                 done.result()
         up = clusters.timings["up"]
-    assert not differences(before, machine_state()), differences(before, machine_state())
+    assert clusters.network is not None
+    left = left_behind(before, machine_state(), clusters.network.tag)  # not other sessions' sets
+    assert not left, left
     print(f"up {up:.1f}s, down {clusters.timings['down']:.1f}s")
 
 
