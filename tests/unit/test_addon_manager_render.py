@@ -512,9 +512,13 @@ def test_every_program_container_is_probed_on_its_own_port(ca_pem: str) -> None:
     for deployment in every_deployment(ca_pem):
         for c in deployment["spec"]["template"]["spec"]["containers"]:
             ports = {p["name"] for p in c["ports"]}
-            for probe in ("readinessProbe", "livenessProbe"):
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                 assert probe in c, (c["name"], probe)
                 assert c[probe]["httpGet"]["port"] in ports, (c["name"], probe)
+            # a slow start on a busy node (minutes) is not a hang: liveness waits for the startup probe
+            startup = c["startupProbe"]
+            assert startup["httpGet"] == c["livenessProbe"]["httpGet"], c["name"]
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= 120, c["name"]
     signer = container(find(hub(ca_pem), "Deployment", "cluster-proxy-cert-signer"))
     # the signer's only port is HTTPS; the kubelet probes without verifying its certificate
     assert signer["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"

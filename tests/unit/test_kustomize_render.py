@@ -659,8 +659,11 @@ def test_every_container_has_resources_probes_and_a_locked_down_security_context
                 assert {"cpu", "memory"} <= set(c["resources"][half]), (where, c["name"], half)
         for c in pod["containers"]:
             ports = {p["name"] for p in c["ports"]}
-            for probe in ("readinessProbe", "livenessProbe"):
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                 assert c[probe]["httpGet"]["port"] in ports, (where, c["name"], probe)
+            startup = c["startupProbe"]
+            assert startup["httpGet"] == c["livenessProbe"]["httpGet"], (where, c["name"])
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= 120, (where, c["name"])
 
 
 def test_resources_of_your_own_replace_the_overlays(tmp_path: Path) -> None:

@@ -51,6 +51,7 @@ from .render_workloads import (
     IN_CLUSTER,
     credential_volumes,
     deployment,
+    health_probes,
     network_policy,
     placement,
     pod_disruption_budget,
@@ -269,12 +270,7 @@ def _server_deployment(inputs: HubInputs, meta: Any) -> dict[str, Any]:
                     {"name": "agent", "containerPort": cfg.agent_port, "protocol": "TCP"},
                     {"name": "admin", "containerPort": cfg.admin_port, "protocol": "TCP"},
                 ],
-                "readinessProbe": {"httpGet": {"path": "/readyz", "port": "admin"}, "periodSeconds": 5},
-                "livenessProbe": {
-                    "httpGet": {"path": "/healthz", "port": "admin"},
-                    "initialDelaySeconds": 10,
-                    "periodSeconds": 10,
-                },
+                **health_probes("/readyz", "/healthz", "admin"),
                 # Its CPU limit is also its number of workers: --workers defaults to the cgroup's
                 # CPU quota rounded up (clusterproxy_server.workers.default_workers).
                 "resources": cfg.server_resources.as_dict(),
@@ -310,15 +306,7 @@ def _signer_deployment(inputs: HubInputs, meta: Any) -> dict[str, Any]:
                 "command": ["cluster-proxy-cert-signer"],
                 "args": args,
                 "ports": [{"name": "https", "containerPort": cfg.signer_port, "protocol": "TCP"}],
-                "readinessProbe": {
-                    "httpGet": {"path": "/healthz", "port": "https", "scheme": "HTTPS"},
-                    "periodSeconds": 5,
-                },
-                "livenessProbe": {
-                    "httpGet": {"path": "/healthz", "port": "https", "scheme": "HTTPS"},
-                    "initialDelaySeconds": 10,
-                    "periodSeconds": 10,
-                },
+                **health_probes("/healthz", "/healthz", "https", scheme="HTTPS"),
                 "resources": {half: dict(values) for half, values in SIGNER_RESOURCES.items()},
                 "securityContext": restricted_container(),
                 "volumeMounts": [

@@ -22,6 +22,7 @@ __all__ = [
     "network_policy",
     "placement",
     "pod_disruption_budget",
+    "health_probes",
     "pod_security",
     "restricted_container",
     "seed_ca_container",
@@ -36,6 +37,36 @@ def restricted_container() -> dict[str, Any]:
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
+    }
+
+
+# A program that has not answered its health check yet is given this long (period x threshold) before
+# the kubelet restarts it. The liveness probe is what restarts a wedged program; on a busy node a
+# Python program's start (imports, its first certificate from the signer) can take longer than a
+# liveness probe's initial delay, and killing it then only starts it again, slower (seen on the real
+# nodes at load 35: the cert-signer restarted three times before it listened).
+STARTUP_PERIOD_S = 2
+STARTUP_FAILURES = 90
+
+
+def health_probes(ready_path: str, live_path: str, port: str, scheme: str = "HTTP") -> dict[str, Any]:
+    """Readiness, liveness and startup probes over HTTP(S) GETs on a named port: liveness only begins
+    once the startup probe has passed once."""
+
+    def get(path: str) -> dict[str, Any]:
+        action: dict[str, Any] = {"path": path, "port": port}
+        if scheme != "HTTP":
+            action["scheme"] = scheme
+        return {"httpGet": action}
+
+    return {
+        "readinessProbe": {**get(ready_path), "periodSeconds": 5},
+        "livenessProbe": {**get(live_path), "periodSeconds": 10, "failureThreshold": 3},
+        "startupProbe": {
+            **get(live_path),
+            "periodSeconds": STARTUP_PERIOD_S,
+            "failureThreshold": STARTUP_FAILURES,
+        },
     }
 
 
