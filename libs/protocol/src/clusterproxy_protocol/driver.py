@@ -35,8 +35,9 @@ from clusterproxy_protocol.errors import TunnelClosed, refusal
 from clusterproxy_protocol.incoming_request import IncomingRequest as IncomingRequest  # re-exported
 from clusterproxy_protocol.keepalive import keep_alive
 from clusterproxy_protocol.logs import get_logger
+from clusterproxy_protocol.relay import BULK_HINT
 from clusterproxy_protocol.settings import TunnelSettings
-from clusterproxy_protocol.transport import input_waiting, receive_batch, send_all
+from clusterproxy_protocol.transport import input_waiting, read_in_bulk, receive_batch, send_all
 from clusterproxy_protocol.tunnel_stream import RECEIVE_SIZE, TunnelStream
 from clusterproxy_protocol.windows import Budget
 from clusterproxy_protocol.wire import REASON_HEADER
@@ -404,12 +405,19 @@ class Mux:
                 self._received = b""
                 self._watch_partial_frame()
                 self.kick()
+            # The opener's peer is one of ours (an agent, a proxy-server): once its frames come in
+            # bulk, big socket reads (a quarter of the reads and wake-ups per MiB), as the agent reads
+            # its tunnel. Not the acceptor's: a client port's peer may be anyone (transport.read_in_bulk).
+            bulk_pending = self.core.role is Role.OPENER
             while not self.dead:
                 try:
                     data = await receive_batch(self.transport, RECEIVE_SIZE)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                     self._die(f"read failed: {_describe(exc)}", peer_closed=True)
                     return
+                if bulk_pending and len(data) >= BULK_HINT:
+                    bulk_pending = False
+                    read_in_bulk(self.transport)
                 self.last_heard = trio.current_time()
                 self._dispatch(self.core.receive_bytes(data))
                 self._watch_partial_frame()
