@@ -381,7 +381,53 @@ class Upstream(System):
         return [*self.env.proxy_args(self.client_port), *self._protocol_args()]
 
 
-class Ours(System):
+class HeaderRouted(System):
+    """What ours and the floor share: a server started on fresh ports, one agent of cluster1 dialing it,
+    the client's CONNECT routed by the cluster header; measured once the target is reachable through
+    it. A subclass starts its own programs (``_start_server``, ``_start_agent``)."""
+
+    client_port = 0  # the server's client port, set by _start_server
+
+    def _start_server(self, tag: str) -> Proc:
+        raise NotImplementedError
+
+    def _start_agent(self, cert: CertFiles) -> Proc:
+        """The agent of cluster1 with the certificate ``cert``."""
+        raise NotImplementedError
+
+    def wait_ready(self) -> None:
+        """Until the system carries a stream to the target."""
+        self.wait_routable()
+
+    def start(self) -> None:
+        self.server = self._start_server("main")
+        self.agent = self._start_agent(self.env.pki.agent(CLUSTER, "agent1"))
+        try:
+            self.wait_ready()
+        except Exception as exc:
+            raise RuntimeError(
+                f"{exc}\n--- server log ---\n{self.server.tail()}\n--- agent log ---\n{self.agent.tail()}"
+            ) from exc
+
+    def dial_args(self, proxy_port: int | None = None) -> list[str]:
+        return [
+            "--target",
+            self.target_authority(),
+            *self.env.proxy_args(proxy_port or self.client_port),
+            *self._protocol_args(),
+            "--header",
+            f"{CLUSTER_HEADER}: {CLUSTER}",
+        ]
+
+    def _protocol_args(self) -> list[str]:
+        """loadgen flags for the client's protocol (none: HTTP/1.1 CONNECT)."""
+        return []
+
+    def probe_line(self) -> str:
+        return f"{self.target_authority()}\t{CLUSTER_HEADER}: {CLUSTER}"
+
+
+class Ours(HeaderRouted):
     """This project's Python proxy-server and proxy-agent, HTTP/1.1 CONNECT frontend with mTLS (or,
     frontend="konnectivity", the client port's konnectivity gRPC: the loadgen then makes a
     CreateSingleUseGrpcTunnel per stream and sends the cluster header as gRPC metadata)."""
@@ -530,32 +576,16 @@ class Ours(System):
         wait_port("127.0.0.1", self.agent_facing_port(), 30, p)
         return p
 
-    def start(self) -> None:
-        e = self.env
-        self.server = self._start_server("main")
-        cert = e.pki.agent(CLUSTER, "agent1")
-        self.agent = Proc(
+    def _start_agent(self, cert: CertFiles) -> Proc:
+        return Proc(
             f"{self.name}-agent",
             self._agent_argv(CLUSTER, "agent1", cert),
-            e.log_dir / f"{self.name}-agent-main.log",
+            self.env.log_dir / f"{self.name}-agent-main.log",
         )
-        try:
-            self.wait_routable()
-            self.wait_every_worker_held()
-        except Exception as exc:
-            raise RuntimeError(
-                f"{exc}\n--- server log ---\n{self.server.tail()}\n--- agent log ---\n{self.agent.tail()}"
-            ) from exc
 
-    def dial_args(self, proxy_port: int | None = None) -> list[str]:
-        return [
-            "--target",
-            self.target_authority(),
-            *self.env.proxy_args(proxy_port or self.client_port),
-            *self._protocol_args(),
-            "--header",
-            f"{CLUSTER_HEADER}: {CLUSTER}",
-        ]
+    def wait_ready(self) -> None:
+        self.wait_routable()
+        self.wait_every_worker_held()
 
     def _protocol_args(self) -> list[str]:
         return ["--konnectivity"] if self.frontend == "konnectivity" else []
@@ -604,9 +634,6 @@ class Ours(System):
     def replicas_held(self, metrics: str) -> int | None:
         return _gauge(metrics, "cluster_proxy_agent_replicas_held")
 
-    def probe_line(self) -> str:
-        return f"{self.target_authority()}\t{CLUSTER_HEADER}: {CLUSTER}"
-
     def start_fanin(self, n: int, tag: str, processes: int = 1) -> FaninHandle:
         """The n agents run in ``processes`` processes (bench/fleet.py; upstream's in one Go process,
         which uses every core)."""
@@ -642,7 +669,7 @@ class Ours(System):
         return [*self.env.proxy_args(self.client_port), *self._protocol_args()]
 
 
-class Floor(System):
+class Floor(HeaderRouted):
     """bench/floor: the shortest correct proxy-server and agent on ours' stack (trio, ssl, h11, h2, the
     same certificates, windows and settings) with nothing of ours around it: the ceiling ours is
     measured against (issue 36). Started like ours (ports, certificates, the cluster header)."""
@@ -683,32 +710,12 @@ class Floor(System):
     def _agent_argv(self, *identity: str) -> list[str]:
         return ["--server", f"127.0.0.1:{self.agent_port}", "--ca", str(self.env.pki.ca), *identity]
 
-    def start(self) -> None:
-        self.server = self._start_server("main")
-        cert = self.env.pki.agent(CLUSTER, "agent1")
+    def _start_agent(self, cert: CertFiles) -> Proc:
         identity = ("--cluster", CLUSTER, "--cert", str(cert.cert), "--key", str(cert.key))
-        self.agent = self._proc("agent", self._agent_argv(*identity), "main")
-        try:
-            self.wait_routable()
-        except Exception as exc:
-            raise RuntimeError(
-                f"{exc}\n--- server log ---\n{self.server.tail()}\n--- agent log ---\n{self.agent.tail()}"
-            ) from exc
-
-    def dial_args(self, proxy_port: int | None = None) -> list[str]:
-        return [
-            "--target",
-            self.target_authority(),
-            *self.env.proxy_args(proxy_port or self.client_port),
-            "--header",
-            f"{CLUSTER_HEADER}: {CLUSTER}",
-        ]
+        return self._proc("agent", self._agent_argv(*identity), "main")
 
     def probe_args(self) -> list[str]:
         return self.env.proxy_args(self.client_port)
-
-    def probe_line(self) -> str:
-        return f"{self.target_authority()}\t{CLUSTER_HEADER}: {CLUSTER}"
 
     def start_fanin(self, n: int, tag: str, processes: int = 1) -> FaninHandle:
         """The n agents (each its own cluster and certificate) in ``processes`` processes, as ours'."""

@@ -210,6 +210,21 @@ def test_h2_charging_its_windows_another_way_fails_loudly(monkeypatch: pytest.Mo
     _assert_names(info.value, "h2", "H2Connection.send_data")
 
 
+def test_h2_growing_its_receive_windows_another_way_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """grant_received grows h2's inbound windows itself: an h2 that grows them differently is refused."""
+    original = h2.stream.H2Stream.increase_flow_control_window
+
+    def increase(self: h2.stream.H2Stream, increment: int) -> list[object]:
+        frames = original(self, increment)
+        self._inbound_window_manager.window_opened(1)
+        return frames
+
+    monkeypatch.setattr(h2.stream.H2Stream, "increase_flow_control_window", increase)
+    with pytest.raises(InternalChanged) as info:
+        h2_connection.check_h2_data_frames()
+    _assert_names(info.value, "h2", "H2Connection.increment_flow_control_window")
+
+
 @pytest.mark.parametrize("kind", [bytes, bytearray])
 def test_data_frames_are_h2s_frames_and_a_mutable_buffer_is_copied(kind: type) -> None:
     payload = kind(bytes(range(256)) * 300)

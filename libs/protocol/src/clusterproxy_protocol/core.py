@@ -133,6 +133,11 @@ class TunnelCore(ReceiveWindows):
         return self._conn.data_to_send()
 
     @property
+    def has_output(self) -> bool:
+        """Bytes are queued for the peer (the driver's writer has something to send)."""
+        return self._conn.queued_output > 0
+
+    @property
     def outbound_pending(self) -> int:
         """Payload bytes queued since the last :meth:`data_to_send` (frame headers not counted)."""
         return self._pending_out

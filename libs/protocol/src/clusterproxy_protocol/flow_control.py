@@ -19,11 +19,13 @@ as a header and a view of the caller's bytes. h2 must still see its windows move
 framed or parsed those bytes itself, or its WINDOW_UPDATE arithmetic and flow-control errors would be
 wrong: the two functions here charge them as h2's ``send_data`` and ``receive_data`` do, and only
 where h2 would take the frame as plain data (an open stream, an open connection, room in both
-windows). Everything else goes through h2, which then raises or answers what applies.
+windows). Everything else goes through h2, which then raises or answers what applies. The
+WINDOW_UPDATEs that reopen the receive windows are queued the same way, past h2's frame objects
+(:func:`grant_received`).
 
 The windows are h2's private counters (``H2Stream._inbound_window_manager``,
 ``H2Connection._inbound_flow_control_window_manager``); that they move here as h2 moves them is
-checked by :func:`clusterproxy_protocol.h2_connection.check_h2_data_frames`, when the first
+checked by :func:`clusterproxy_protocol.h2_connection.check_h2_internals`, when the first
 connection is made.
 
 The budget the windows are charged to is :mod:`clusterproxy_protocol.windows`. Sans-IO: no clock,
@@ -31,6 +33,8 @@ no I/O, no trio.
 """
 
 from __future__ import annotations
+
+import struct
 
 import h2.connection
 import h2.exceptions
@@ -40,8 +44,12 @@ from clusterproxy_protocol.settings import TunnelSettings
 from clusterproxy_protocol.stream_state import StreamState
 from clusterproxy_protocol.windows import next_window
 
-__all__ = ["ReceiveWindows", "charge_received", "charge_sent"]
+__all__ = ["ReceiveWindows", "charge_received", "charge_sent", "grant_received"]
 
+MAX_WINDOW_INCREMENT = 2**31 - 1
+# A whole WINDOW_UPDATE frame: its length (4) and type (8) in one word, flags, stream id, increment.
+WINDOW_UPDATE = struct.Struct(">IBII")
+WINDOW_UPDATE_HEAD = 4 << 8 | 0x8
 _SENDING_STREAM_STATES = (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_REMOTE)
 _RECEIVING_STREAM_STATES = (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL)
 _OPEN_CONNECTION_STATES = (
@@ -85,6 +93,30 @@ def charge_received(connection: h2.connection.H2Connection, stream_id: int, leng
     connection._inbound_flow_control_window_manager.window_consumed(length)
     stream._inbound_window_manager.window_consumed(length)
     return True
+
+
+def grant_received(connection: h2.connection.H2Connection, stream_id: int, increment: int) -> None:
+    """``increment`` more bytes of receive window for ``stream_id`` (0: the connection), as h2's
+    ``increment_flow_control_window`` gives them, without its state machines' inputs and frame
+    objects where they change nothing (a connection open, a stream open or half-closed by us: a
+    WINDOW_UPDATE leaves their states as they were): its window grown, the frame packed behind what
+    h2 queued (a visible share of a receiving relay's CPU, one per quarter window). Anything else
+    goes through h2, which raises what applies."""
+    if (
+        not 1 <= increment <= MAX_WINDOW_INCREMENT
+        or connection.state_machine.state not in _OPEN_CONNECTION_STATES
+    ):
+        connection.increment_flow_control_window(increment, stream_id=stream_id or None)
+        return
+    if stream_id:
+        stream = connection.streams.get(stream_id)
+        if stream is None or stream.state_machine.state not in _RECEIVING_STREAM_STATES:
+            connection.increment_flow_control_window(increment, stream_id=stream_id)
+            return
+        stream._inbound_window_manager.window_opened(increment)
+    else:
+        connection._inbound_flow_control_window_manager.window_opened(increment)
+    connection._data_to_send += WINDOW_UPDATE.pack(WINDOW_UPDATE_HEAD, 0, stream_id, increment)
 
 
 class ReceiveWindows:
@@ -141,7 +173,7 @@ class ReceiveWindows:
                 state.charged += growth
         if growth or state.unacked >= state.window // 4:
             try:
-                self._conn.increment_flow_control_window(state.unacked + growth, stream_id=state.stream_id)
+                grant_received(self._conn, state.stream_id, state.unacked + growth)
             except h2.exceptions.StreamClosedError:
                 pass
             state.unacked = 0
@@ -149,5 +181,5 @@ class ReceiveWindows:
     def _ack_connection(self, count: int) -> None:
         self._conn_unacked += count
         if self._conn_unacked >= self.settings.connection_window // 4 and self._wire_open():
-            self._conn.increment_flow_control_window(self._conn_unacked)
+            grant_received(self._conn, 0, self._conn_unacked)
             self._conn_unacked = 0

@@ -11,8 +11,9 @@ follows the frames as the bytes arrive, which buys the core three things:
   stream's buffer, piece by piece as it arrives, with h2's windows charged as h2 would charge them
   (:func:`clusterproxy_protocol.flow_control.charge_received`). Every other frame goes to h2 whole.
 
-The outgoing side's one frame of our own is DATA: :data:`DATA_HEADER` packs its header
-(:meth:`clusterproxy_protocol.h2_connection.TunnelH2Connection.send_data_frames`).
+The outgoing side's frames of our own are DATA (:data:`DATA_HEADER` packs its header:
+:meth:`clusterproxy_protocol.h2_connection.TunnelH2Connection.send_data_frames`) and WINDOW_UPDATE
+(:func:`clusterproxy_protocol.flow_control.grant_received`).
 
 Sans-IO like the core: a clock is passed in, no I/O, no trio.
 """

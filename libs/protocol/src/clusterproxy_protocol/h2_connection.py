@@ -25,7 +25,7 @@ import h2.connection
 import h2.events
 import hyperframe.frame
 
-from clusterproxy_protocol.flow_control import charge_received, charge_sent
+from clusterproxy_protocol.flow_control import charge_received, charge_sent, grant_received
 from clusterproxy_protocol.framing import DATA_HEADER, FRAME_HEADER_SIZE
 from clusterproxy_protocol.workarounds import InternalChanged, parameter_names
 
@@ -217,7 +217,8 @@ def _open_connect_stream(client: h2.connection.H2Connection) -> bytes:
 def check_h2_data_frames() -> None:
     """The DATA frames :meth:`TunnelH2Connection.send_data_frames` builds are byte for byte h2's,
     and leave h2's windows where its ``send_data`` leaves them; the same for the frames
-    :func:`~clusterproxy_protocol.flow_control.charge_received` takes past h2's receive path."""
+    :func:`~clusterproxy_protocol.flow_control.charge_received` takes past h2's receive path, and
+    for the WINDOW_UPDATEs :func:`~clusterproxy_protocol.flow_control.grant_received` queues."""
     payload = bytes(range(256)) * 160  # two frames at the default 16 KiB maximum and a short one
     sent = []
     for fast in (False, True):
@@ -241,6 +242,7 @@ def check_h2_data_frames() -> None:
             "frames DATA or charges its windows another way than send_data_frames",
         )
     _check_h2_taking_data()
+    _check_h2_granting()
 
 
 def _check_h2_taking_data() -> None:
@@ -270,6 +272,39 @@ def _check_h2_taking_data() -> None:
     if windows[0] != windows[1]:
         raise InternalChanged(
             "h2", "H2Connection.receive_data", "charges its inbound windows another way than charge_received"
+        )
+
+
+def _check_h2_granting() -> None:
+    """A WINDOW_UPDATE queued by :func:`~clusterproxy_protocol.flow_control.grant_received`, for a
+    stream and for the connection, is byte for byte h2's and leaves h2's inbound windows where its
+    ``increment_flow_control_window`` leaves them."""
+    peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    opening = _open_connect_stream(peer)
+    sent = []
+    for fast in (False, True):
+        connection = TunnelH2Connection(h2.config.H2Configuration(client_side=False), check=False)
+        connection.initiate_connection()
+        connection.receive_data(opening)
+        connection.data_to_send()
+        for stream_id, increment in ((1, 40000), (0, 70000)):
+            if fast:
+                try:
+                    grant_received(connection, stream_id, increment)
+                except AttributeError as exc:
+                    raise InternalChanged("h2", f"H2Connection.{exc.name}", "is missing") from exc
+            else:
+                connection.increment_flow_control_window(increment, stream_id=stream_id or None)
+        windows = (
+            connection.streams[1]._inbound_window_manager.current_window_size,
+            connection._inbound_flow_control_window_manager.current_window_size,
+        )
+        sent.append((connection.data_to_send(), windows))
+    if sent[0] != sent[1]:
+        raise InternalChanged(
+            "h2",
+            "H2Connection.increment_flow_control_window",
+            "frames WINDOW_UPDATE or grows its windows another way than grant_received",
         )
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import trio
 
 from clusterproxy_protocol.closing import CLOSE_GRACE, abort, close_cleanly
 from clusterproxy_protocol.transport import read_in_bulk, receive_batch, send_all
+from clusterproxy_protocol.tunnel_stream import TunnelStream
 
 __all__ = ["CHUNK", "RelayResult", "relay_streams"]
 
@@ -56,14 +58,18 @@ async def relay_streams(client: trio.abc.Stream, target: trio.abc.Stream) -> Rel
             async def pump(src: trio.abc.Stream, dst: trio.abc.Stream, to_target: bool) -> None:
                 bulk = False
                 room = getattr(dst, "send_room", None)
+                # Chosen once per direction: a tunnel stream's own batched calls (no scheduler pass
+                # per call), else transport's.
+                receive = (
+                    src.receive_batched if isinstance(src, TunnelStream) else partial(receive_batch, src)
+                )
+                send = dst.send_all_batched if isinstance(dst, TunnelStream) else partial(send_all, dst)
                 try:
-                    while data := await receive_batch(
-                        src, CHUNK if room is None else await _readable(dst, room)
-                    ):
+                    while data := await receive(CHUNK if room is None else await _readable(dst, room)):
                         if not bulk and len(data) >= BULK_HINT:
                             bulk = True
                             read_in_bulk(src)  # an end moving bulk: big socket reads from now on
-                        await send_all(dst, data)
+                        await send(data)
                         if to_target:
                             result.bytes_to_target += len(data)
                         else:

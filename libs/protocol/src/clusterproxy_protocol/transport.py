@@ -38,7 +38,15 @@ from clusterproxy_protocol.workarounds import (
     tls_parts,
 )
 
-__all__ = ["FAIR_EVERY", "TLS_RECORD", "input_waiting", "read_in_bulk", "receive_batch", "send_all"]
+__all__ = [
+    "FAIR_EVERY",
+    "TLS_RECORD",
+    "input_waiting",
+    "read_in_bulk",
+    "receive_batch",
+    "send_all",
+    "take_turn",
+]
 
 TLS_RECORD = 16 << 10  # the most plaintext one TLS record holds: what one SSLObject.read can return
 SOCKET_READ = 64 << 10  # trio's own socket read size
@@ -73,10 +81,11 @@ def _read_size(socket_stream: trio.SocketStream) -> int:
     return BULK_SOCKET_READ if socket_stream in _bulk_sockets else SOCKET_READ
 
 
-async def _turn() -> None:
+async def take_turn() -> None:
     """Where a direct operation may be cancelled, and every :data:`FAIR_EVERY` one yields: always
     before it takes any byte, so no byte is ever held by a task waiting for its turn (a frame
-    deadline looking at the socket and the TLS buffers would not see it)."""
+    deadline looking at the socket and the TLS buffers would not see it). The tunnel streams take
+    their turns from the same count (``TunnelStream.send_all``, ``receive_some``)."""
     global _direct_in_a_row
     _direct_in_a_row += 1
     if _direct_in_a_row >= FAIR_EVERY:
@@ -104,7 +113,7 @@ async def receive_batch(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes
 
 
 async def _receive_socket(stream: trio.SocketStream, max_bytes: int) -> bytes:
-    await _turn()
+    await take_turn()
     sock = stream.socket
     while True:
         fd = sock.fileno()
@@ -125,7 +134,7 @@ async def _receive_tls_direct(
 ) -> bytes | bytearray | None:
     """Decrypted data, or None when trio must take this read (not in its steady state, the socket's
     end, an error, a close_notify): nothing was taken from the stream then that trio will miss."""
-    await _turn()
+    await take_turn()
     socket_stream = stream.transport_stream
     assert isinstance(socket_stream, trio.SocketStream)
     parts = tls_parts(stream, sending=False)
@@ -200,7 +209,7 @@ async def send_all(stream: trio.abc.SendStream, data: bytes | bytearray | memory
     if isinstance(stream, trio.SSLStream):
         socket_stream = stream.transport_stream
         if data and isinstance(socket_stream, trio.SocketStream):
-            await _turn()
+            await take_turn()
             parts = tls_parts(stream, sending=True)
             if parts is not None:
                 with parts.send_guard:
@@ -208,7 +217,7 @@ async def send_all(stream: trio.abc.SendStream, data: bytes | bytearray | memory
                 return
         await stream.send_all(data)
     elif isinstance(stream, trio.SocketStream) and data and not stream.socket.did_shutdown_SHUT_WR:
-        await _turn()
+        await take_turn()
         await _write_socket(stream, data)
     else:
         await stream.send_all(data)

@@ -16,6 +16,7 @@ import trio
 from clusterproxy_protocol import events as ev
 from clusterproxy_protocol.errors import TunnelClosed, TunnelError
 from clusterproxy_protocol.stream_state import StreamState
+from clusterproxy_protocol.transport import take_turn
 
 if TYPE_CHECKING:
     from clusterproxy_protocol.driver import Mux
@@ -84,20 +85,32 @@ class TunnelStream(trio.abc.HalfCloseableStream):
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         with self._send_busy:
             await trio.lowlevel.checkpoint()
+            await self._send_all(data)
+
+    async def send_all_batched(self, data: bytes | bytearray | memoryview) -> None:
+        """:meth:`send_all` that yields to the scheduler only every few calls (a cancellation point
+        every time: ``transport.take_turn``), the relay's: it goes on reading while the Mux's writer
+        sends what it queued, in one write for several reads (up to ``outbound_high_water``), rather
+        than one scheduler pass and one write per read."""
+        with self._send_busy:
+            await take_turn()
+            await self._send_all(data)
+
+    async def _send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self._check_send()
+        view = memoryview(data).cast("B")
+        mux = self._mux
+        while view:
+            await mux.wait_outbound_room()
             self._check_send()
-            view = memoryview(data).cast("B")
-            mux = self._mux
-            while view:
-                await mux.wait_outbound_room()
+            sent = mux.core.send_data(self.stream_id, view)
+            if sent:
+                view = view[sent:]
+                self._blocked_since = None
+                mux.kick()
+            else:
+                await self._wait_for_window()
                 self._check_send()
-                sent = mux.core.send_data(self.stream_id, view)
-                if sent:
-                    view = view[sent:]
-                    self._blocked_since = None
-                    mux.kick()
-                else:
-                    await self._wait_for_window()
-                    self._check_send()
 
     def send_room(self) -> int:
         """Bytes :meth:`send_all` would send now without waiting for the peer's window."""
@@ -154,21 +167,31 @@ class TunnelStream(trio.abc.HalfCloseableStream):
                 raise ValueError("max_bytes must be >= 1")
         with self._receive_busy:
             await trio.lowlevel.checkpoint()
-            while True:
-                if self._closed:
-                    raise trio.ClosedResourceError("stream was closed")
-                state = self._state
-                if state.buffered:
-                    data = self._mux.core.read(self.stream_id, max_bytes or RECEIVE_SIZE)
-                    self._mux.kick()
-                    return data
-                if state.reset_code is not None:
-                    raise trio.BrokenResourceError(self._broken_reason())
-                if state.remote_ended:
-                    return b""  # the data was complete before anything broke
-                if self._mux.dead:
-                    raise trio.BrokenResourceError(self._broken_reason())
-                await self._receive_lot.park()
+            return await self._receive(max_bytes or RECEIVE_SIZE)
+
+    async def receive_batched(self, max_bytes: int) -> bytes:
+        """:meth:`receive_some` (``max_bytes`` >= 1) that yields only every few calls, the relay's:
+        bytes already buffered are taken at once (``transport.take_turn``)."""
+        with self._receive_busy:
+            await take_turn()
+            return await self._receive(max_bytes)
+
+    async def _receive(self, max_bytes: int) -> bytes:
+        while True:
+            if self._closed:
+                raise trio.ClosedResourceError("stream was closed")
+            state = self._state
+            if state.buffered:
+                data = self._mux.core.read(self.stream_id, max_bytes)
+                self._mux.kick()
+                return data
+            if state.reset_code is not None:
+                raise trio.BrokenResourceError(self._broken_reason())
+            if state.remote_ended:
+                return b""  # the data was complete before anything broke
+            if self._mux.dead:
+                raise trio.BrokenResourceError(self._broken_reason())
+            await self._receive_lot.park()
 
     async def aclose(self) -> None:
         self.close()

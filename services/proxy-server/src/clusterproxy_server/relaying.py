@@ -23,6 +23,7 @@ from typing import Protocol
 
 import structlog
 import trio
+from prometheus_client import Counter, Gauge
 
 from clusterproxy_protocol import (
     FAULT_HEADER,
@@ -151,6 +152,22 @@ class Relayer:
         self._idle.set()
         self.startup_grace = startup_grace
         self.grace_ends = -math.inf  # trio clock; ProxyServer.run sets it when the ports open
+        # Children of labelled families looked up once, not at every stream (labels() takes a lock and
+        # builds its key each time).
+        self._to_target = metrics.bytes.labels("to_target")
+        self._to_client = metrics.bytes.labels("to_client")
+        self._per_frontend: dict[str, tuple[Counter, Gauge]] = {}
+
+    def _frontend_metrics(self, frontend: str) -> tuple[Counter, Gauge]:
+        """(streams answered 200, streams open) of ``frontend``."""
+        children = self._per_frontend.get(frontend)
+        if children is None:
+            children = (
+                self.metrics.streams.labels(frontend, "200"),
+                self.metrics.streams_open.labels(frontend),
+            )
+            self._per_frontend[frontend] = children
+        return children
 
     def start_grace(self) -> None:
         """The replica starts serving now: its startup grace runs from here."""
@@ -193,13 +210,19 @@ class Relayer:
         quota: ConnectionQuota | None,
         held: contextlib.ExitStack,
     ) -> None:
-        log = self.log.bind(frontend=request.frontend, client=request.client.name, target=request.authority)
+        # The log fields of this stream, given with each line (a bound logger made per stream and per
+        # step cost more than the lines a stream writes at the bench's level: none).
+        fields: dict[str, object] = {
+            "frontend": request.frontend,
+            "client": request.client.name,
+            "target": request.authority,
+        }
         audited = Audited()
         deadline = trio.current_time() + self.dial_timeout
         try:
             route = await self._route(request, deadline)
             audited.cluster = route.cluster
-            log = log.bind(cluster=route.cluster)
+            fields["cluster"] = route.cluster
             self._authorize(request.client, route.cluster)
             prepaid = Prepaid(quota.budget if quota is not None else None, request.take_reserve())
             held.callback(prepaid.refund)  # what no stream toward an agent spent goes back at the end
@@ -212,7 +235,7 @@ class Relayer:
                     with self.metrics.dial_seconds.time():
                         budget = quota.budget if quota is not None else None
                         upstream, tunnel = await self._dial(
-                            route, log, deadline, marks, budget, prepaid.spend, audited.agents
+                            route, fields, deadline, marks, budget, prepaid.spend, audited.agents
                         )
                 finally:
                     self.metrics.pending_dials.dec()
@@ -220,7 +243,7 @@ class Relayer:
             if isinstance(exc, ScopedTooManyRequests):
                 self.metrics.pending_dial_refusals.labels(exc.scope).inc()
             self.metrics.streams.labels(request.frontend, str(exc.status)).inc()
-            log.info("stream_refused", status=exc.status, error=exc.reason)
+            self.log.info("stream_refused", **fields, status=exc.status, error=exc.reason)
             # Written before the answer goes out: a client that reads its refusal finds the record there.
             self._audit(request, audited, "refused", exc.status, exc.reason)
             await request.refuse(exc.status, exc.reason)
@@ -228,12 +251,13 @@ class Relayer:
         except trio.Cancelled:  # the client gave up before an agent answered (or the server stopped)
             self._audit(request, audited, "failed", None, "cancelled before the dial was answered")
             raise
-        self.metrics.streams.labels(request.frontend, "200").inc()
-        log = log.bind(agent_id=tunnel.agent_id, stream_id=upstream.stream_id)
+        answered, gauge = self._frontend_metrics(request.frontend)
+        answered.inc()
+        fields["agent_id"] = tunnel.agent_id
+        fields["stream_id"] = upstream.stream_id
         if self.open == 0:
             self._idle = trio.Event()
         self.open += 1
-        gauge = self.metrics.streams_open.labels(request.frontend)
         gauge.inc()
         result: RelayResult | None = None
         error: str | None = None
@@ -241,12 +265,13 @@ class Relayer:
             downstream = await request.accept()
             if request.early_data:
                 await upstream.send_all(request.early_data)
-            log.debug("stream_opened")
+            self.log.debug("stream_opened", **fields)
             result = await relay_streams(client=downstream, target=upstream)
-            self.metrics.bytes.labels("to_target").inc(result.bytes_to_target)
-            self.metrics.bytes.labels("to_client").inc(result.bytes_to_client)
-            log.info(
+            self._to_target.inc(result.bytes_to_target)
+            self._to_client.inc(result.bytes_to_client)
+            self.log.info(
                 "stream_closed",
+                **fields,
                 bytes_to_target=result.bytes_to_target,
                 bytes_to_client=result.bytes_to_client,
                 error=result.error,
@@ -254,12 +279,12 @@ class Relayer:
             error = result.error
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             error = str(exc) or type(exc).__name__
-            log.info("stream_failed", error=error)
+            self.log.info("stream_failed", **fields, error=error)
         except (
             trio.Cancelled
         ):  # the server is stopping (its drain timeout): relay_streams() aborted both ends
             error = "proxy-server shutting down"
-            log.warning("stream_aborted", error=error)
+            self.log.warning("stream_aborted", **fields, error=error)
             raise
         finally:
             # Bookkeeping first: under cancellation every await below would raise at once.
@@ -346,7 +371,7 @@ class Relayer:
     async def _dial(
         self,
         route: Route,
-        log: structlog.typing.FilteringBoundLogger,
+        fields: dict[str, object],
         deadline: float,
         headers: list[tuple[str, str]] | None = None,
         budget: Budget | None = None,
@@ -393,13 +418,13 @@ class Relayer:
                 )
                 if failed and wait < self.agent_answer_timeout:
                     raise failure from None  # a retry cut short by the client's budget: not the agent's fault
-                self._agent_failed(tunnel, "timeout", failure.reason, log)
+                self._agent_failed(tunnel, "timeout", failure.reason, fields)
             except ConnectRefused as exc:
                 if not agent_fault(exc):
                     self.registry.record_dial(tunnel, failed=False)
                     raise
                 failure = exc
-                self._agent_failed(tunnel, "status", f"{exc.status} {exc.reason}", log)
+                self._agent_failed(tunnel, "status", f"{exc.status} {exc.reason}", fields)
             else:
                 self.registry.record_dial(tunnel, failed=False)
                 return stream, tunnel
@@ -408,11 +433,9 @@ class Relayer:
                 raise failure
             self.metrics.dial_retries.labels(route.cluster).inc()
 
-    def _agent_failed(
-        self, tunnel: AgentTunnel, kind: str, error: str, log: structlog.typing.FilteringBoundLogger
-    ) -> None:
+    def _agent_failed(self, tunnel: AgentTunnel, kind: str, error: str, fields: dict[str, object]) -> None:
         self.metrics.agent_dial_failures.labels(tunnel.cluster, tunnel.agent_id, kind).inc()
-        log.warning("dial_failed_at_agent", agent_id=tunnel.agent_id, kind=kind, error=error)
+        self.log.warning("dial_failed_at_agent", **fields, agent_id=tunnel.agent_id, kind=kind, error=error)
         ejection = self.registry.record_dial(tunnel, failed=True)
         if ejection is None:
             return
