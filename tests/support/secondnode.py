@@ -16,12 +16,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 from tests.support import kubebuild, nodeimages
 from tests.support.nodenet import API_PORT, NODE_PORTS, NodeNetwork, NodeNetworks, run
 from tests.support.realnode import POLL, TEARDOWN_TIMEOUT, RealCluster
 
 BLOCKS_PER_SET = 4  # nodenet's: each set owns four consecutive /24 blocks
+# Every kubelet, containerd (its CNI config monitor) and kube-apiserver holds inotify instances, all
+# as root: with several sets of nodes on the machine the default 128 runs out, and a node started
+# then fails ("fsnotify watcher: too many open files", containerd without its CRI plugin). Raised
+# while the second node lives, put back after.
+INOTIFY_INSTANCES = Path("/proc/sys/fs/inotify/max_user_instances")
+INOTIFY_WANTED = 1024
 
 
 @dataclasses.dataclass
@@ -54,6 +61,7 @@ class SecondNode(RealCluster):
     api_url: str
     rules: list[tuple[str, list[str]]]  # (chain, rule) inserted into the set's chains
     routes: list[tuple[str | None, str, str]]  # (netns or None for the machine, destination, via)
+    inotify_before: str | None  # the machine's inotify instance limit, when raised
 
     @property
     def url(self) -> str:
@@ -78,6 +86,7 @@ class SecondNode(RealCluster):
         node.ids = dataclasses.replace(cluster.ids, kubelet=kubelet)
         node.rules = []
         node.routes = []
+        node.inotify_before = None
         return node
 
     # --- network ------------------------------------------------------------------------------------
@@ -145,6 +154,10 @@ class SecondNode(RealCluster):
 
     def start(self, extra_images: Iterable[str] = ()) -> None:
         binaries = kubebuild.kube_node_binaries()
+        limit = INOTIFY_INSTANCES.read_text().strip()
+        if int(limit) < INOTIFY_WANTED:
+            self.inotify_before = limit
+            INOTIFY_INSTANCES.write_text(f"{INOTIFY_WANTED}\n")
         self.state.mkdir(parents=True, exist_ok=True)
         self.start_containerd(kubebuild.container_runtime())
         self.wait_containerd_and_import()
@@ -170,6 +183,11 @@ class SecondNode(RealCluster):
                 return
             time.sleep(POLL)
 
+    def _restore_inotify(self) -> None:
+        if self.inotify_before is not None and INOTIFY_INSTANCES.read_text().strip() == str(INOTIFY_WANTED):
+            INOTIFY_INSTANCES.write_text(f"{self.inotify_before}\n")
+        self.inotify_before = None
+
     def stop(self, networks: NodeNetworks) -> None:
         """Everything of this node gone (every step runs; the first error is raised at the end)."""
         errors: list[BaseException] = []
@@ -178,6 +196,7 @@ class SecondNode(RealCluster):
             self.stop_node,
             lambda: self.kubectl("delete", "node", self.node_name, "--wait=false"),
             lambda: self.disconnect(networks),
+            self._restore_inotify,
         ):
             try:
                 step()
