@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from tests.support import nodeimages, realocm
+from tests.support.nodenet import run
 from tests.support.realclusters import DIRECT, HUB, HUB_LB_PORTS, RealClusters
 from tests.support.realinstall import (
     ADDON_NAMESPACE,
@@ -137,6 +138,7 @@ class Load:
         self.hub, self.managed, self.client = hub, managed, client
         self.out = folder / "load.jsonl"
         self.process: subprocess.Popen[str] | None = None
+        self.route = False
 
     def _argv(self, mode: str, address: str) -> list[str]:
         ca, cert, key = self.client
@@ -160,6 +162,11 @@ class Load:
         ]
 
     def start(self) -> None:
+        # The hub's node has no default route (nodenet): the Service range routed to its link, as a
+        # node's default route would take it (kube-proxy's DNAT then sends it to a pod).
+        network = self.hub.network
+        run("ip", "route", "add", network.service_subnet, "via", network.host_ip, netns=network.netns)
+        self.route = True
         service = self.hub.kubectl_ok(
             "-n", ADDON_NAMESPACE, "get", "svc", "proxy-entrypoint", "-o", "jsonpath={.spec.clusterIP}"
         ).strip()
@@ -190,6 +197,10 @@ class Load:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(5)
+        if self.route:
+            network = self.hub.network
+            run("ip", "route", "del", network.service_subnet, "via", network.host_ip, netns=network.netns)
+            self.route = False
         assert self.process is None or self.process.returncode == 0, (
             self.process.stderr.read() if self.process.stderr else ""
         )
