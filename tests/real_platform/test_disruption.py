@@ -11,7 +11,8 @@ SDK's shared tunnel through the client port's Service, inside the hub node's net
    succeeds (through the other replica, or the draining one before it says GOAWAY: the SDK re-dials
    as it does for any user), the Deployment's new pod becomes routable to cluster1 by itself.
 3. The agent's node drained (``kubectl drain``, evictions respecting PodDisruptionBudgets): the agent
-   comes back on the second node and cluster1 is routable again within seconds.
+   comes back on the second node and cluster1 is routable again within seconds; meanwhile the
+   proxy-server holds the requests for the drained agent's successor: none fails.
 
 Available is True again after each disruption. Needs the project's images (``bash scripts/compose.sh
 images``).
@@ -20,6 +21,7 @@ images``).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -59,7 +61,12 @@ CLIENT_PORT = 8090
 SERVER_NAME = f"proxy-entrypoint.{ADDON_NAMESPACE}.svc"
 OUR_MANAGER = "cluster-proxy-addon-manager"
 AVAILABLE_HELD = 120.0  # seconds of quiet Available (issue 33: "stays so for 2 minutes")
-ROUTABLE_AFTER_DRAIN = 10.0  # "routable again, in seconds": after the old agent is gone
+ROUTABLE_AFTER_DRAIN = 10.0
+# Image archives (``docker save``) imported into the hub's node after the project's images, under the
+# same names: a change of a hub image tried here without rebuilding them all (colon-separated paths).
+HUB_ARCHIVES = (
+    "CLUSTER_PROXY_PLATFORM_HUB_ARCHIVES"  # "routable again, in seconds": after the old agent is gone
+)
 
 
 class AddonWatch:
@@ -260,6 +267,8 @@ def test_a_server_pod_deleted_and_the_agents_node_drained_under_traffic(
     started = time.monotonic()
     realocm.join_all(real_clusters, tmp_path)
     import_images(real_clusters)
+    for archive in filter(None, os.environ.get(HUB_ARCHIVES, "").split(":")):
+        hub.import_images([Path(archive)])  # after the project's: the same names point at these
     install_hub(hub)
     two_server_replicas(hub)
     enable(hub, DIRECT)
@@ -319,6 +328,16 @@ def test_a_server_pod_deleted_and_the_agents_node_drained_under_traffic(
 
         wait_for("the replacement proxy-server pod Ready", replaced, 120, hub)
         times["replacement Ready after the delete"] = time.monotonic() - deleted_at
+        name = replacement["metadata"]["name"]
+        print(f"replacement {name}: created {replacement['metadata']['creationTimestamp']}, conditions:")
+        for condition in replacement["status"]["conditions"]:
+            print(f"  {condition['type']} {condition['status']} {condition['lastTransitionTime']}")
+        print(
+            hub.kubectl(
+                "-n", ADDON_NAMESPACE, "get", "events", f"--field-selector=involvedObject.name={name}"
+            ).stdout
+        )
+        print(hub.kubectl("-n", ADDON_NAMESPACE, "logs", victim, "--tail=15").stdout)
         wait_for(
             "cluster1 routable through the replacement pod",
             lambda: load.routable_through(replacement["status"]["podIP"]),
@@ -377,6 +396,9 @@ def test_a_server_pod_deleted_and_the_agents_node_drained_under_traffic(
             f"{len(during)} failed: {sorted({r['error'][:60] for r in during})}"
         )
         assert first_ok - drained_at <= ROUTABLE_AFTER_DRAIN, times
+        # The drain lets the old agent finish its streams while its successor starts on the other
+        # node; the proxy-server holds the requests meanwhile: none started since the drain fails.
+        assert not failures(load.records(), drain_at), failures(load.records(), drain_at)[:10]
         wait_available(hub, DIRECT)
         times["available after the drain began"] = time.monotonic() - drain_at
     finally:
