@@ -337,7 +337,8 @@ def test_a_server_pod_deleted_and_the_agents_node_drained_under_traffic(
                 "-n", ADDON_NAMESPACE, "get", "events", f"--field-selector=involvedObject.name={name}"
             ).stdout
         )
-        print(hub.kubectl("-n", ADDON_NAMESPACE, "logs", victim, "--tail=15").stdout)
+        started_log = hub.kubectl("-n", ADDON_NAMESPACE, "logs", name, "--timestamps").stdout
+        print("\n".join(started_log.splitlines()[:6]))
         wait_for(
             "cluster1 routable through the replacement pod",
             lambda: load.routable_through(replacement["status"]["podIP"]),
@@ -381,6 +382,10 @@ def test_a_server_pod_deleted_and_the_agents_node_drained_under_traffic(
             if p["metadata"]["name"] != agent["metadata"]["name"]
         ]
         assert moved["spec"]["nodeName"] == second.node_name, moved["spec"]["nodeName"]
+
+        print(f"successor {moved['metadata']['name']}: created {moved['metadata']['creationTimestamp']}")
+        for condition in (moved.get("status") or {}).get("conditions") or []:
+            print(f"  {condition['type']} {condition['status']} {condition['lastTransitionTime']}")
 
         def routable_again() -> bool:
             return any(not r["error"] and r["start"] >= drained_at for r in load.records())

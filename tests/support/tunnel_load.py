@@ -28,7 +28,7 @@ import trio
 
 from clusterproxy_sdk import TLSFiles, open_shared_tunnel, open_tunnel
 
-REQUEST_TIMEOUT = 10.0
+REQUEST_TIMEOUT = 30.0  # the proxy-server's default --dial-timeout: its answer comes first
 PAUSE = 0.05  # between one worker's requests: many short requests, without spinning two shared cores
 
 
