@@ -246,13 +246,23 @@ def two_server_replicas(hub: RealCluster) -> None:
             "-p",
             json.dumps({"spec": {"proxyServer": {"replicas": 2}}}),
         )
+
+    def rendered() -> bool:
+        # the manager's new template (replicas and --server-count together), not the old one scaled
+        found = json.loads(
+            hub.kubectl_ok("-n", ADDON_NAMESPACE, "get", "deployment", SERVER_DEPLOYMENT, "-o", "json")
+        )
+        args = found["spec"]["template"]["spec"]["containers"][0].get("args", [])
+        return found["spec"]["replicas"] == 2 and "--server-count=2" in args
+
+    wait_for("the proxy-server Deployment rendered with 2 replicas", rendered, 60, hub)
+    rollout(hub, ADDON_NAMESPACE, SERVER_DEPLOYMENT)
     wait_for(
-        "the proxy-server Deployment at 2 replicas",
-        lambda: len([p for p in server_pods(hub) if ready(p)]) == 2,
+        "exactly the 2 new proxy-server pods (the old ones gone)",
+        lambda: [ready(p) for p in server_pods(hub)] == [True, True],
         120,
         hub,
     )
-    rollout(hub, ADDON_NAMESPACE, SERVER_DEPLOYMENT)
 
 
 def failures(
