@@ -4,6 +4,7 @@ replica's startup grace, the agent's 409 for a replica it already holds, and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 
@@ -96,6 +97,71 @@ async def test_an_agent_holding_this_replica_declines_a_second_tunnel(
     assert [(r["cluster"], r["server_id"]) for r in rows] == [("cluster1", "hub-0")]
     servers = service.agent.describe_servers()
     assert servers["held_replicas"] == ["hub-0"] and servers["expected_replicas"] == 2
+
+
+def agent_b(pki: PkiFiles, servers: list[tuple[str, int]]) -> Service:
+    pair = pki.agent("cluster1", "agent-b")
+    settings = dataclasses.replace(
+        agent_settings(pki, servers), agent_id="agent-b", cert=pair.cert, key=pair.key
+    )
+    return Service(settings)
+
+
+async def test_a_request_waits_for_the_successor_of_a_drained_agent(
+    pki: PkiFiles, nursery: trio.Nursery
+) -> None:
+    """A drained node: the cluster's only agent drains and leaves while its successor starts
+    elsewhere. A request meanwhile waits for the successor (the replacement grace) rather than 503."""
+    echo = await serve_echo(nursery)
+    server, bound = await start_server(nursery, pki)  # one replica: no startup grace
+    old = Service(agent_settings(pki, [bound.agent]))
+    await nursery.start(old.run)
+    await wait_until(lambda: server.registry.tunnels("cluster1"), what="the agent")
+    await old.shutdown()
+    await wait_until(lambda: not server.registry.tunnels("cluster1"), what="the drained agent gone")
+    answers: list[bytes] = []
+
+    async def ask() -> None:
+        answers.append(await echo_through(bound.client[1], pki, ("127.0.0.1", echo.port), "cluster1"))
+
+    nursery.start_soon(ask)
+    await wait_until(lambda: server.metrics.pending_dials._value.get() == 1, what="the request waiting")
+    await nursery.start(agent_b(pki, [bound.agent]).run)
+    await wait_until(lambda: answers, what="the answer through the successor")
+    assert answers == [b"hello"]
+
+
+async def test_a_replacement_that_never_comes_is_answered_after_the_grace(
+    pki: PkiFiles, nursery: trio.Nursery
+) -> None:
+    server, bound = await start_server(nursery, pki)
+    server.relayer.replacement_grace = 0.5
+    old = Service(agent_settings(pki, [bound.agent]))
+    await nursery.start(old.run)
+    await wait_until(lambda: server.registry.tunnels("cluster1"), what="the agent")
+    await old.shutdown()
+    await wait_until(lambda: not server.registry.tunnels("cluster1"), what="the drained agent gone")
+    with trio.fail_after(5), pytest.raises(ConnectRefused) as refused:
+        await echo_through(bound.client[1], pki, ("127.0.0.1", 1), "cluster1")
+    assert refused.value.status == 503
+
+
+async def test_an_agent_lost_without_a_drain_is_answered_at_once(
+    pki: PkiFiles, nursery: trio.Nursery
+) -> None:
+    """No drain, no successor announced (the agent's process killed): the request is not held."""
+    server, bound = await start_server(nursery, pki)
+    async with trio.open_nursery() as agent_side:
+        await agent_side.start(Service(agent_settings(pki, [bound.agent])).run)
+        await wait_until(lambda: server.registry.tunnels("cluster1"), what="the agent")
+        agent_side.cancel_scope.cancel()  # gone at once: no SETTINGS that say it drains
+    await wait_until(lambda: not server.registry.tunnels("cluster1"), what="the agent gone")
+    assert server.registry.replacement_since("cluster1") is None
+    began = trio.current_time()
+    with pytest.raises(ConnectRefused) as refused:
+        await echo_through(bound.client[1], pki, ("127.0.0.1", 1), "cluster1")
+    assert refused.value.status == 503
+    assert trio.current_time() - began < 2
 
 
 async def get(url: str) -> tuple[int, bytes]:

@@ -50,8 +50,12 @@ class Registry:
         self._added = trio.Event()
         self._empty = trio.Event()
         self._empty.set()
+        # When the last usable tunnel of a cluster was a draining agent's: its successor is on its way
+        # (a drained node, an evicted or deleted pod: the agent drains as its replacement starts).
+        self._drained_at: dict[str, float] = {}
 
     def add(self, tunnel: AgentTunnel) -> None:
+        self._drained_at.pop(tunnel.cluster, None)
         self.known_clusters.add(tunnel.cluster)
         self._tunnels.setdefault(tunnel.cluster, []).append(tunnel)
         self._added.set()
@@ -67,10 +71,23 @@ class Registry:
         tunnels = self._tunnels.get(tunnel.cluster, [])
         if tunnel in tunnels:
             tunnels.remove(tunnel)
+        if tunnel.mux.peer_draining and not any(t.usable for t in tunnels):
+            self._drained_at.setdefault(tunnel.cluster, trio.current_time())
         if not tunnels:
             self._tunnels.pop(tunnel.cluster, None)
         if not self._tunnels:
             self._empty.set()
+
+    def replacement_since(self, cluster: str) -> float | None:
+        """Since when (trio clock) every agent of ``cluster`` has been draining or gone after a drain,
+        with none usable: its successor is starting. None when it has a usable tunnel, or when its
+        agents went without draining (a crash, a network cut: nothing says one is coming)."""
+        tunnels = self._tunnels.get(cluster, [])
+        if any(t.usable for t in tunnels):
+            return None
+        if tunnels and all(t.mux.peer_draining for t in tunnels):
+            return self._drained_at.setdefault(cluster, trio.current_time())
+        return self._drained_at.get(cluster)
 
     async def wait_empty(self) -> None:
         """Until no tunnel is registered."""

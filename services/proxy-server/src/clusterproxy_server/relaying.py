@@ -9,6 +9,11 @@ A replica that has just started (one of several behind a load balancer, say the 
 upgrade) has not heard from every agent yet: for its first ``startup_grace`` seconds, a request for a
 cluster it has no usable tunnel of (unknown to it, or no agent connected) waits for the next agent to
 register rather than being refused at once, within the client's dial timeout.
+
+Likewise when a cluster's agents are being replaced: every agent of the cluster draining (or gone
+after draining: a drained node, an evicted pod, whose successor is starting elsewhere), a request
+for it waits up to ``replacement_grace`` from then for the next agent, rather than 503 at once.
+An agent lost without a drain (a crash, a cut network) announces no successor: answered at once.
 """
 
 from __future__ import annotations
@@ -52,6 +57,10 @@ from clusterproxy_server.registry import AgentTunnel, Registry
 from clusterproxy_server.routing import Route, may_name_unknown_cluster, resolve
 
 RETRIES_ON_AGENT_FAILURE = 1  # another tunnel of the cluster, once: a second failure is the answer
+# How long a drained agent's successor has to connect: a new pod scheduled on another node, started,
+# its certificate fetched, its tunnel dialed (8-15 s on the loaded real nodes of test_disruption).
+# The default --dial-timeout: each request's own deadline bounds its wait anyway.
+REPLACEMENT_GRACE = 30.0
 
 
 def agent_fault(refused: ConnectRefused) -> bool:
@@ -131,6 +140,7 @@ class Relayer:
         agent_answer_timeout: float | None = None,
         pending: PendingDials | None = None,
         startup_grace: float = 0.0,
+        replacement_grace: float = REPLACEMENT_GRACE,
         control: ControlAccess | None = None,
         quotas: ClientQuotas | None = None,
         audit: AuditSink | None = None,
@@ -151,6 +161,7 @@ class Relayer:
         self._idle = trio.Event()
         self._idle.set()
         self.startup_grace = startup_grace
+        self.replacement_grace = replacement_grace
         self.grace_ends = -math.inf  # trio clock; ProxyServer.run sets it when the ports open
         # Children of labelled families looked up once, not at every stream (labels() takes a lock and
         # builds its key each time).
@@ -173,10 +184,13 @@ class Relayer:
         """The replica starts serving now: its startup grace runs from here."""
         self.grace_ends = trio.current_time() + self.startup_grace
 
-    async def _wait_for_an_agent(self, deadline: float) -> bool:
-        """Within the startup grace (and before ``deadline``): wait for the next agent to register and
-        say True (ask again); else False at once (answer now)."""
+    async def _wait_for_an_agent(self, deadline: float, cluster: str | None = None) -> bool:
+        """Within the startup grace, or ``cluster``'s replacement grace (and before ``deadline``): wait
+        for the next agent to register and say True (ask again); else False at once (answer now)."""
         until = min(self.grace_ends, deadline)
+        since = self.registry.replacement_since(cluster) if cluster is not None else None
+        if since is not None:
+            until = max(until, min(since + self.replacement_grace, deadline))
         if trio.current_time() >= until:
             return False
         with trio.move_on_at(until):
@@ -391,7 +405,7 @@ class Relayer:
                     route.cluster, exclude=lost | failed, fall_back_to_ejected=not failed
                 )
             except (NoAgentConnected, UnknownCluster):
-                if not (failure or lost) and await self._wait_for_an_agent(deadline):
+                if not (failure or lost) and await self._wait_for_an_agent(deadline, route.cluster):
                     continue
                 if failure is not None:
                     raise failure from None
