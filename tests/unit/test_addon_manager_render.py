@@ -515,6 +515,7 @@ def test_every_program_container_is_probed_on_its_own_port(ca_pem: str) -> None:
             for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                 assert probe in c, (c["name"], probe)
                 assert c[probe]["httpGet"]["port"] in ports, (c["name"], probe)
+                assert c[probe]["timeoutSeconds"] >= 5, (c["name"], probe)  # the kubelet's 1 s: too tight
             # a slow start on a busy node (minutes) is not a hang: liveness waits for the startup probe
             startup = c["startupProbe"]
             assert startup["httpGet"] == c["livenessProbe"]["httpGet"], c["name"]

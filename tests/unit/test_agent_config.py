@@ -53,6 +53,27 @@ def test_defaults(certs: dict[str, Path]) -> None:
     assert policy.deny == BUILTIN_DENY
 
 
+def test_in_a_pod_the_kube_apiserver_is_the_kubelets_address_not_a_name(certs: dict[str, Path]) -> None:
+    # a node drain evicts the cluster's DNS with the agent: the kubelet's address needs no lookup
+    pod = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    s = parse_settings(base_args(certs), environ=pod)
+    assert s.kube_apiserver == ("10.96.0.1", 443)
+    assert s.policy().allow[0].text == "10.96.0.1:443"
+    ipv6 = {"KUBERNETES_SERVICE_HOST": "fd00:10:96::1", "KUBERNETES_SERVICE_PORT": "6443"}
+    assert parse_settings(base_args(certs), environ=ipv6).kube_apiserver == ("fd00:10:96::1", 6443)
+    # the flag wins over the environment
+    given = parse_settings([*base_args(certs), "--kube-apiserver=api.internal:6443"], environ=pod)
+    assert given.kube_apiserver == ("api.internal", 6443)
+
+
+def test_a_bad_kubelet_address_is_named(certs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    bad = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "https"}
+    with pytest.raises(SystemExit) as exited:
+        parse_settings(base_args(certs), environ=bad)
+    assert exited.value.code == 2
+    assert "KUBERNETES_SERVICE_PORT='https'" in capsys.readouterr().err
+
+
 def test_every_flag(certs: dict[str, Path]) -> None:
     s = parse_settings(
         [

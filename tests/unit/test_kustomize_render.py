@@ -661,6 +661,7 @@ def test_every_container_has_resources_probes_and_a_locked_down_security_context
             ports = {p["name"] for p in c["ports"]}
             for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                 assert c[probe]["httpGet"]["port"] in ports, (where, c["name"], probe)
+                assert c[probe]["timeoutSeconds"] >= 5, (where, c["name"], probe)
             startup = c["startupProbe"]
             assert startup["httpGet"] == c["livenessProbe"]["httpGet"], (where, c["name"])
             assert startup["periodSeconds"] * startup["failureThreshold"] >= 120, (where, c["name"])

@@ -62,6 +62,7 @@ __all__ = ["AgentSettings", "build_parser", "main", "parse_settings", "serve"]
 
 ENV_PREFIX = "CLUSTER_PROXY_AGENT_"
 PROG = "cluster-proxy-agent"
+IN_CLUSTER_KUBE_APISERVER = ("kubernetes.default.svc", 443)
 SERVICEACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")  # the pod's own token and CA
 
 
@@ -140,9 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     flag(
         "--kube-apiserver",
         type=parse_dialable_hostport,
-        default="kubernetes.default.svc:443",
         metavar="HOST:PORT",
-        help="where the bare cluster name as dial host leads",
+        help="where the bare cluster name as dial host leads (default, in a pod: the address the kubelet "
+        "gives in KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT, as client-go's in-cluster "
+        "config; elsewhere kubernetes.default.svc:443)",
     )
     flag(
         "--serviceaccount-namespace",
@@ -293,6 +295,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def in_cluster_kube_apiserver(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> tuple[str, int]:
+    """The kube-apiserver's address as the kubelet gives every pod (the ``kubernetes`` Service's
+    cluster IP and port): no DNS lookup, so the tunnel reaches the API server while the cluster's DNS
+    is down or being moved (a node drain evicts CoreDNS with the agent). Outside a pod, the name."""
+    host, port = environ.get("KUBERNETES_SERVICE_HOST", ""), environ.get("KUBERNETES_SERVICE_PORT", "")
+    if not host:
+        return IN_CLUSTER_KUBE_APISERVER
+    try:
+        return parse_dialable_hostport(format_authority(host, int(port or 443)))
+    except ValueError as exc:
+        parser.error(f"KUBERNETES_SERVICE_HOST={host!r} KUBERNETES_SERVICE_PORT={port!r}: {exc}")
+        raise  # not reached: parser.error exits
+
+
 def parse_settings(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> AgentSettings:
@@ -336,7 +352,7 @@ def parse_settings(
         ca=args.ca,
         cert=args.cert,
         key=args.key,
-        kube_apiserver=args.kube_apiserver,
+        kube_apiserver=args.kube_apiserver or in_cluster_kube_apiserver(parser, environ),
         serviceaccounts=(
             ServiceAccountSettings(args.serviceaccount_namespace, args.kube_token_file, args.kube_ca_file)
             if args.serviceaccount_namespace
