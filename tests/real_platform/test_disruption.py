@@ -37,15 +37,15 @@ from tests.support.realclusters import DIRECT, HUB, HUB_LB_PORTS, RealClusters
 from tests.support.realinstall import (
     ADDON_NAMESPACE,
     AGENT_NAMESPACE,
-    OVERLAYS,
     REPO,
     agent_running,
+    disable,
     enable,
     enroll,
     import_images,
     install_hub,
-    ours,
     rollout,
+    uninstall,
     wait_available,
     wait_for,
 )
@@ -436,23 +436,5 @@ def test_a_server_pod_deleted_and_the_agents_node_drained_under_traffic(
     assert not errors, errors
 
     # --- leave the hub as found: disable, uninstall ----------------------------------------------
-    hub.kubectl_ok(
-        "-n", DIRECT, "delete", "managedclusteraddon", "cluster-proxy", "--timeout=120s", timeout=130
-    )
-    hub.kubectl_ok("delete", "-k", str(OVERLAYS / "hub-configuration"), "--timeout=120s", timeout=130)
-    hub.kubectl_ok("delete", "-k", str(OVERLAYS / "hub"), "--timeout=180s", timeout=190)
-    wait_for(
-        "nothing of ours on the hub",
-        lambda: (
-            hub.kubectl("get", "namespace", ADDON_NAMESPACE).returncode != 0
-            and not ours(hub, "clusterroles", "clusterrolebindings", "crds")
-        ),
-        120,
-        hub,
-    )
-    wait_for(
-        "nothing of ours on cluster1",
-        lambda: managed.kubectl("get", "namespace", AGENT_NAMESPACE).returncode != 0,
-        120,
-        managed,
-    )
+    disable(hub, managed)
+    uninstall(hub)

@@ -29,11 +29,12 @@ from tests.support.realinstall import (
     OVERLAYS,
     REPO,
     agent_running,
+    disable,
     enable,
     import_images,
     install_hub,
-    ours,
     rollout,
+    uninstall,
     wait_available,
     wait_for,
 )
@@ -195,18 +196,7 @@ def test_kubectl_get_and_exec_on_cluster1_through_the_hub_gateway(
     managed.kubectl_ok("delete", "clusterrolebinding,clusterrole", GRANT)
 
     # disable, then uninstall in docs/kubernetes.md's order
-    hub.kubectl_ok(
-        "-n", DIRECT, "delete", "managedclusteraddon", "cluster-proxy", "--timeout=120s", timeout=130
-    )
-    wait_for(
-        "nothing of ours on cluster1",
-        lambda: (
-            managed.kubectl("get", "namespace", AGENT_NAMESPACE).returncode != 0
-            and not ours(managed, "deployments", "serviceaccounts", "clusterroles", "clusterrolebindings")
-        ),
-        120,
-        managed,
-    )
+    disable(hub, managed)
     # the manager deleted the gateway's ManagedServiceAccounts with the addon; the gateway's finalizer
     # lets them go (their ServiceAccounts deleted through the tunnel, or released once the agent is gone)
     wait_for(
@@ -225,19 +215,9 @@ def test_kubectl_get_and_exec_on_cluster1_through_the_hub_gateway(
     ]
     print(f"the gateway's finalizer: {finalized}")
     times["disabled"] = time.monotonic() - started
-    for overlay in ("hub-gateway", "hub-configuration", "hub"):
-        hub.kubectl_ok("delete", "-k", str(OVERLAYS / overlay), "--timeout=120s", timeout=130)
-    wait_for(
-        "nothing of ours on the hub",
-        lambda: (
-            hub.kubectl("get", "namespace", ADDON_NAMESPACE).returncode != 0
-            and not ours(hub, "clusterroles", "clusterrolebindings", "crds", "apiservices")
-            and hub.kubectl("get", "crd", MSA_CRD).returncode != 0
-            and hub.kubectl("get", "apiservice", APISERVICE).returncode != 0
-        ),
-        120,
-        hub,
-    )
+    uninstall(hub, ("hub-gateway", "hub-configuration", "hub"))
+    assert hub.kubectl("get", "crd", MSA_CRD).returncode != 0
+    assert hub.kubectl("get", "apiservice", APISERVICE).returncode != 0
     times["uninstalled"] = time.monotonic() - started
     assert real_clusters.network is not None
     print(

@@ -21,17 +21,15 @@ import pytest
 from tests.support import realocm
 from tests.support.realclusters import DIRECT, HUB, PROXIED, RealClusters
 from tests.support.realinstall import (
-    ADDON_NAMESPACE,
-    AGENT_NAMESPACE,
-    OVERLAYS,
     agent_running,
+    disable,
     enable,
     enroll,
     import_images,
     install_hub,
     kube_apiserver_version,
-    ours,
     probed_healthy,
+    uninstall,
     wait_available,
     wait_for,
 )
@@ -86,31 +84,10 @@ def test_the_addon_installed_enabled_and_removed_as_a_user_does(
     times["cluster2 probed"] = time.monotonic() - started
 
     # disable: nothing of ours left on cluster1
-    hub.kubectl_ok(
-        "-n", DIRECT, "delete", "managedclusteraddon", "cluster-proxy", "--timeout=120s", timeout=130
-    )
-    wait_for(
-        "nothing of ours on cluster1",
-        lambda: (
-            managed.kubectl("get", "namespace", AGENT_NAMESPACE).returncode != 0
-            and not ours(managed, "deployments", "serviceaccounts", "clusterroles", "clusterrolebindings")
-        ),
-        120,
-        managed,
-    )
+    disable(hub, managed)
     times["disabled"] = time.monotonic() - started
 
     # uninstall: docs/kubernetes.md's order (configuration, then the hub overlay)
-    hub.kubectl_ok("delete", "-k", str(OVERLAYS / "hub-configuration"), "--timeout=120s", timeout=130)
-    hub.kubectl_ok("delete", "-k", str(OVERLAYS / "hub"), "--timeout=180s", timeout=190)
-    wait_for(
-        "nothing of ours on the hub",
-        lambda: (
-            hub.kubectl("get", "namespace", ADDON_NAMESPACE).returncode != 0
-            and not ours(hub, "clusterroles", "clusterrolebindings", "crds")
-        ),
-        120,
-        hub,
-    )
+    uninstall(hub)
     times["uninstalled"] = time.monotonic() - started
     print("times (s from the test's start): " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()))

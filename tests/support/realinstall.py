@@ -29,6 +29,7 @@ from clusterproxy_sdk import TLSFiles, open_tunnel
 from tests.support import nodeimages
 from tests.support.realclusters import DIRECT, HUB, PROXIED, RealClusters
 from tests.support.realnode import RealCluster
+from tests.support.tunnel_load import version_over_tls
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAYS = REPO / "deploy" / "kustomize" / "overlays"
@@ -191,17 +192,7 @@ def kube_apiserver_version(
             f"127.0.0.1:{port}", tls, server_hostname=f"proxy-entrypoint.{ADDON_NAMESPACE}.svc"
         ) as tunnel:
             stream = await tunnel.connect_kube_apiserver(managed.name)
-            kube = managed.admin_ssl_context()
-            wrapped = trio.SSLStream(stream, kube, server_hostname="kubernetes.default.svc")
-            await wrapped.send_all(b"GET /version HTTP/1.1\r\nHost: kubernetes\r\nConnection: close\r\n\r\n")
-            answer = b""
-            try:
-                while data := await wrapped.receive_some(65536):
-                    answer += data
-            except trio.BrokenResourceError:
-                pass  # a close without TLS close_notify after Connection: close
-            head, _, body = answer.partition(b"\r\n\r\n")
-            return int(head.split()[1]), body.decode(errors="replace")
+            return await version_over_tls(stream, managed.admin_ssl_context())
 
     with port_forward(hub, "proxy-entrypoint", 8090) as port:
         return trio.run(request, port)
@@ -328,3 +319,36 @@ def install_hub(hub: RealCluster) -> None:
     play_load_balancer(hub)
     for deployment in ("cluster-proxy-cert-signer", "cluster-proxy", "cluster-proxy-health-collector"):
         rollout(hub, ADDON_NAMESPACE, deployment)
+
+
+def disable(hub: RealCluster, managed: RealCluster) -> None:
+    """The addon disabled for ``managed`` (its ManagedClusterAddOn deleted); returns once nothing of
+    ours is left there."""
+    hub.kubectl_ok(
+        "-n", managed.name, "delete", "managedclusteraddon", "cluster-proxy", "--timeout=120s", timeout=130
+    )
+    wait_for(
+        f"nothing of ours on {managed.name}",
+        lambda: (
+            managed.kubectl("get", "namespace", AGENT_NAMESPACE).returncode != 0
+            and not ours(managed, "deployments", "serviceaccounts", "clusterroles", "clusterrolebindings")
+        ),
+        120,
+        managed,
+    )
+
+
+def uninstall(hub: RealCluster, overlays: tuple[str, ...] = ("hub-configuration", "hub")) -> None:
+    """docs/kubernetes.md's uninstall: the overlays deleted in that order; returns once nothing of
+    ours (namespace, cluster-scoped objects with our label) is left on the hub."""
+    for overlay in overlays:
+        hub.kubectl_ok("delete", "-k", str(OVERLAYS / overlay), "--timeout=180s", timeout=190)
+    wait_for(
+        "nothing of ours on the hub",
+        lambda: (
+            hub.kubectl("get", "namespace", ADDON_NAMESPACE).returncode != 0
+            and not ours(hub, "clusterroles", "clusterrolebindings", "crds", "apiservices")
+        ),
+        120,
+        hub,
+    )

@@ -38,8 +38,9 @@ def _kube_context(args: argparse.Namespace) -> ssl.SSLContext:
     return context
 
 
-async def _version(stream: trio.abc.Stream, kube: ssl.SSLContext) -> str:
-    """GET /version on ``stream`` (a tunnel stream to the kube-apiserver); '' when it answered 200."""
+async def version_over_tls(stream: trio.abc.Stream, kube: ssl.SSLContext) -> tuple[int, str]:
+    """``GET /version`` of a kube-apiserver over TLS inside ``stream`` (a tunnel stream to it):
+    the status and the body."""
     wrapped = trio.SSLStream(stream, kube, server_hostname="kubernetes.default.svc")
     await wrapped.send_all(b"GET /version HTTP/1.1\r\nHost: kubernetes\r\nConnection: close\r\n\r\n")
     answer = b""
@@ -51,8 +52,15 @@ async def _version(stream: trio.abc.Stream, kube: ssl.SSLContext) -> str:
     finally:
         await trio.aclose_forcefully(wrapped)
     head, _, body = answer.partition(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/1.1 200") or b'"gitVersion"' not in body:
-        return f"answer {head[:80]!r}"
+    status = head.split()[1] if len(head.split()) > 1 else b"0"
+    return int(status) if status.isdigit() else 0, body.decode(errors="replace")
+
+
+async def _version(stream: trio.abc.Stream, kube: ssl.SSLContext) -> str:
+    """'' when ``GET /version`` answered 200 with a version, else what it answered."""
+    status, body = await version_over_tls(stream, kube)
+    if status != 200 or '"gitVersion"' not in body:
+        return f"answer {status} {body[:80]!r}"
     return ""
 
 
