@@ -17,15 +17,14 @@ Fixtures:
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.compose.stack import ROOT, ComposeStack, docker_answers, images_ready, start_stack
-from tests.support import require
+from tests.compose.stack import ComposeStack, docker_answers, images_ready, start_stack
+from tests.support import nodeimages, require
 
 # beside the script's own logs (dockerd's, each image's build)
 TOOL_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cluster-proxy" / "docker"
@@ -63,22 +62,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     log_path = TOOL_CACHE / PREPARE_LOG
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with log_path.open("w") as log:
-        done = subprocess.run(
-            ["bash", str(ROOT / "scripts" / "compose.sh"), "images"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            check=False,
-        )
+    session.config.stash[PREPARED] = nodeimages.build_project_images(log_path)
     took = time.monotonic() - started
-    if done.returncode != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-        session.config.stash[PREPARED] = f"scripts/compose.sh images failed (exit {done.returncode}):\n{tail}"
-    else:
-        session.config.stash[PREPARED] = None
     if reporter is not None:
         reporter.write_line(f"compose: engine, base image and images ready in {took:.0f}s (log {log_path})")
 

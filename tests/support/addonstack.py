@@ -242,34 +242,8 @@ class AddonStack:
         """ManagedCluster ``name`` (its namespace on the hub) and its ManagedClusterAddOn
         ``cluster-proxy`` (installNamespace unique to this stack); the work agent applies the
         ManifestWork to ``api``; the agent runs from its Deployment and holds a tunnel."""
-        from kubernetes import client
-
-        custom = client.CustomObjectsApi(self.api)
-        client.CoreV1Api(self.api).create_namespace({"metadata": {"name": name}})
-        custom.create_cluster_custom_object(
-            "cluster.open-cluster-management.io",
-            "v1",
-            "managedclusters",
-            {
-                "apiVersion": "cluster.open-cluster-management.io/v1",
-                "kind": "ManagedCluster",
-                "metadata": {"name": name},
-                "spec": {"hubAcceptsClient": True},
-            },
-        )
         install_namespace = f"cp-agent-{self.tag}"
-        custom.create_namespaced_custom_object(
-            ADDON_GROUP,
-            ADDON_VERSION,
-            name,
-            "managedclusteraddons",
-            {
-                "apiVersion": f"{ADDON_GROUP}/{ADDON_VERSION}",
-                "kind": "ManagedClusterAddOn",
-                "metadata": {"name": ADDON_NAME, "namespace": name},
-                "spec": {"installNamespace": install_namespace},
-            },
-        )
+        enable_addon(self.api, name, install_namespace)
         member = Member(
             name,
             api,
@@ -382,3 +356,35 @@ class AddonStack:
             except Exception as exc:
                 if getattr(exc, "status", None) != 404:
                     raise
+
+
+def enable_addon(api: Any, name: str, install_namespace: str) -> None:
+    """On the hub behind ``api`` (a kubernetes ApiClient): ManagedCluster ``name`` (accepted, its
+    namespace made) and its ManagedClusterAddOn ``cluster-proxy`` installing into ``install_namespace``."""
+    from kubernetes import client
+
+    custom = client.CustomObjectsApi(api)
+    client.CoreV1Api(api).create_namespace({"metadata": {"name": name}})
+    custom.create_cluster_custom_object(
+        "cluster.open-cluster-management.io",
+        "v1",
+        "managedclusters",
+        {
+            "apiVersion": "cluster.open-cluster-management.io/v1",
+            "kind": "ManagedCluster",
+            "metadata": {"name": name},
+            "spec": {"hubAcceptsClient": True},
+        },
+    )
+    custom.create_namespaced_custom_object(
+        ADDON_GROUP,
+        ADDON_VERSION,
+        name,
+        "managedclusteraddons",
+        {
+            "apiVersion": f"{ADDON_GROUP}/{ADDON_VERSION}",
+            "kind": "ManagedClusterAddOn",
+            "metadata": {"name": ADDON_NAME, "namespace": name},
+            "spec": {"installNamespace": install_namespace},
+        },
+    )

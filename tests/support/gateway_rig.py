@@ -27,7 +27,14 @@ from kubernetes import client
 from kubernetes.stream import stream
 
 from tests.support import require
-from tests.support.addonstack import MANIFEST_WORK, WORK_GROUP, WORK_PLURAL, WORK_VERSION, AddonStack
+from tests.support.addonstack import (
+    MANIFEST_WORK,
+    WORK_GROUP,
+    WORK_PLURAL,
+    WORK_VERSION,
+    AddonStack,
+    enable_addon,
+)
 from tests.support.fake_kubelet import FakeKubelet
 from tests.support.kubeapi import KubeCluster, KubeClusters, free_port
 from tests.support.procs import BIN, Process
@@ -399,31 +406,7 @@ def _names(output: str) -> set[str]:
 def _managed_cluster(gateway: Gateway, name: str) -> None:
     """A ManagedCluster with the addon and no agent anywhere."""
     with gateway.hub.api_client() as admin:
-        client.CoreV1Api(admin).create_namespace({"metadata": {"name": name}})
-        custom = client.CustomObjectsApi(admin)
-        custom.create_cluster_custom_object(
-            "cluster.open-cluster-management.io",
-            "v1",
-            "managedclusters",
-            {
-                "apiVersion": "cluster.open-cluster-management.io/v1",
-                "kind": "ManagedCluster",
-                "metadata": {"name": name},
-                "spec": {"hubAcceptsClient": True},
-            },
-        )
-        custom.create_namespaced_custom_object(
-            "addon.open-cluster-management.io",
-            "v1alpha1",
-            name,
-            "managedclusteraddons",
-            {
-                "apiVersion": "addon.open-cluster-management.io/v1alpha1",
-                "kind": "ManagedClusterAddOn",
-                "metadata": {"name": "cluster-proxy", "namespace": name},
-                "spec": {"installNamespace": f"cp-agent-{gateway.stack.tag}"},
-            },
-        )
+        enable_addon(admin, name, f"cp-agent-{gateway.stack.tag}")
 
 
 def _delete_managed_cluster(gateway: Gateway, name: str) -> None:

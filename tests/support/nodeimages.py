@@ -29,6 +29,7 @@ PAUSE_IMAGE = "localhost/cluster-proxy-test/pause:1"
 BUSYBOX_IMAGE = "localhost/cluster-proxy-test/busybox:1"
 COREDNS_IMAGE = "localhost/cluster-proxy-test/coredns:" + kubebuild.COREDNS_VERSION
 NONROOT = 65532
+REPO = Path(__file__).resolve().parents[2]
 BUSYBOX_APPLETS = ("sh", "cat", "echo", "id", "stat", "ls", "sleep", "httpd", "wget", "nslookup", "nc", "env")
 
 
@@ -197,3 +198,21 @@ def project_images_archive(names: tuple[str, ...]) -> Path:
             assert saved.returncode == 0, f"docker save {' '.join(refs)}:\n{saved.stderr}"
             partial.replace(archive)
     return archive
+
+
+def build_project_images(log_path: Path) -> str | None:
+    """``scripts/compose.sh images`` (it installs and starts Docker when missing, makes the base and
+    builds every image), its output in ``log_path``; why it failed (the log's tail), or None."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        done = subprocess.run(
+            ["bash", str(REPO / "scripts" / "compose.sh"), "images"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+    if done.returncode == 0:
+        return None
+    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+    return f"scripts/compose.sh images failed (exit {done.returncode}, log {log_path}):\n{tail}"

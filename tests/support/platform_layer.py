@@ -30,7 +30,6 @@ from tests.support.realclusters import RealClusters, build_everything
 
 FIXTURE = "real_clusters"
 MARKER = "platform"
-ROOT = Path(__file__).resolve().parents[2]
 IMAGES_LOG = "platform-images.log"  # in the tool cache: scripts/compose.sh images, when run from here
 IMAGES = pytest.StashKey[str | None]()  # None: the project's images are there; else why not
 
@@ -177,25 +176,6 @@ def _missing_images() -> str | None:
     return None
 
 
-def _build_images() -> str | None:
-    """``scripts/compose.sh images`` (it installs and starts Docker when missing); why it failed, or
-    None."""
-    log_path = kubebuild.kube_cache() / IMAGES_LOG
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("w") as log:
-        done = subprocess.run(
-            ["bash", str(ROOT / "scripts" / "compose.sh"), "images"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            check=False,
-        )
-    if done.returncode == 0:
-        return None
-    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-    return f"scripts/compose.sh images failed (exit {done.returncode}, log {log_path}):\n{tail}"
-
-
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Build what the clusters need before the first test, outside any test's timeout (a cold build
     takes about 12 minutes on 2 cores); under ``CI=true`` the project's images too, when missing."""
@@ -205,7 +185,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     started = time.monotonic()
     missing = _missing_images()
     if missing is not None and _under_ci():
-        missing = _build_images() or _missing_images()
+        missing = nodeimages.build_project_images(kubebuild.kube_cache() / IMAGES_LOG) or _missing_images()
     session.config.stash[IMAGES] = missing
     if shutil.which("go") is not None:
         build_everything()
