@@ -77,6 +77,13 @@ __all__ = ["BoundAddresses", "ProxyServer", "ServerConfig"]
 # accept(2) errors that mean "overloaded, try again shortly" (as trio.serve_listeners treats them)
 ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 ACCEPT_RETRY = 0.1
+# Connections the accept loop takes from the kernel's queue at each wake, beside the one trio's accept()
+# returns: accept() yields to the scheduler after each connection, and a pass is as long as every other
+# task's work in it, so one a pass let a burst wait in the kernel's queue on a busy server, where no
+# handshake timeout or gate of ours sees it while the client's own connect deadline runs (200 Go
+# konnectivity clients at load 36-40: gRPC's 20 s expired there for up to half of them). Bounded, so
+# that a queue that never empties still lets the loop yield.
+ACCEPT_BATCH = 256
 CUT_GRACE = 1.0  # seconds HTTP/2 client connections get to send their GOAWAY at the drain's end
 
 
@@ -252,22 +259,31 @@ class ProxyServer:
         clients believe they are connected) and close the listening socket, so that later attempts are
         refused and a load balancer sends them elsewhere."""
         async with listener:
-            with trio.CancelScope() as accepting:
-                self._accepting.append(accepting)
-                if self.drain.started.is_set():
-                    accepting.cancel()
-                while True:
-                    try:
-                        stream = await listener.accept()
-                    except OSError as exc:
-                        if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
-                            raise
-                        self.log.error("accept_failed", error=os.strerror(exc.errno or 0), retry=ACCEPT_RETRY)
-                        await trio.sleep(ACCEPT_RETRY)
-                        continue
+            queue = _queue_of(listener)
+            try:
+                with trio.CancelScope() as accepting:
+                    self._accepting.append(accepting)
+                    if self.drain.started.is_set():
+                        accepting.cancel()
+                    while True:
+                        try:
+                            stream = await listener.accept()
+                        except OSError as exc:
+                            if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+                                raise
+                            self.log.error(
+                                "accept_failed", error=os.strerror(exc.errno or 0), retry=ACCEPT_RETRY
+                            )
+                            await trio.sleep(ACCEPT_RETRY)
+                            continue
+                        handlers.start_soon(_handle, handler, stream)
+                        for stream in _take_queued(queue, ACCEPT_BATCH):
+                            handlers.start_soon(_handle, handler, stream)
+                for stream in _take_queued(queue):
                     handlers.start_soon(_handle, handler, stream)
-            for stream in _completed_connections(listener):
-                handlers.start_soon(_handle, handler, stream)
+            finally:
+                if queue is not None:
+                    queue.close()
 
     def _certificate(self) -> x509.Certificate:
         return x509.load_pem_x509_certificate(self.config.cert.read_bytes())
@@ -446,14 +462,27 @@ async def _handle(handler: Callable[[trio.SocketStream], Awaitable[None]], strea
         await trio.aclose_forcefully(stream)
 
 
-def _completed_connections(listener: trio.SocketListener) -> list[trio.SocketStream]:
-    """Connections in ``listener``'s accept queue, taken without waiting (through a duplicate of its
-    descriptor, which shares the queue)."""
-    found: list[trio.SocketStream] = []
+def _queue_of(listener: trio.SocketListener) -> socket.socket | None:
+    """A non-blocking duplicate of ``listener``'s descriptor (it shares the accept queue), to take the
+    connections waiting there without a pass through the scheduler for each; None if none can be made."""
     try:
         queue = socket.socket(fileno=os.dup(listener.socket.fileno()))
     except OSError:
-        return found
+        return None
+    queue.setblocking(False)
+    return queue
+
+
+def _take_queued(queue: socket.socket | None, limit: int | None = None) -> list[trio.SocketStream]:
+    """Connections waiting in ``queue`` (see :func:`_queue_of`), up to ``limit``, taken without waiting."""
+    found: list[trio.SocketStream] = []
+    while queue is not None and (limit is None or len(found) < limit):
+        try:
+            sock, _ = queue.accept()
+        except OSError:  # BlockingIOError: the queue is empty (another error: the next accept() has it)
+            break
+        found.append(trio.SocketStream(trio.socket.from_stdlib_socket(sock)))
+    return found
     with queue:
         queue.setblocking(False)
         while True:
