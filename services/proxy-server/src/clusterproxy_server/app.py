@@ -483,12 +483,3 @@ def _take_queued(queue: socket.socket | None, limit: int | None = None) -> list[
             break
         found.append(trio.SocketStream(trio.socket.from_stdlib_socket(sock)))
     return found
-    with queue:
-        queue.setblocking(False)
-        while True:
-            try:
-                sock, _ = queue.accept()
-            except OSError:  # BlockingIOError: the queue is empty
-                break
-            found.append(trio.SocketStream(trio.socket.from_stdlib_socket(sock)))
-    return found
